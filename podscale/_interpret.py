@@ -1,0 +1,147 @@
+"""A small jaxpr interpreter that re-binds every equation, with rules for chosen primitives.
+
+podscale rewrites a user's traced step rather than asking for changes to its code. This module is
+the one place that walks a jaxpr: ``evaluate(closed_jaxpr, args, rules)`` runs the program
+equation by equation under whatever trace is active (here: the body of a ``shard_map``), calling
+``rules[name](eqn, invals)`` instead of binding a primitive whose name is in ``rules``.
+
+Higher-order equations (nested ``jit``, ``remat``, ``custom_jvp_call``/``custom_vjp_call``,
+``scan``, ``while``, ``cond``) are bound unchanged when no rule applies anywhere inside them;
+otherwise they are inlined (call-like ones) or rebuilt with the same ``lax`` control flow around
+an interpreted body, so a rule reaches a primitive at any depth. An equation that holds a rule's
+primitive inside a form this module does not know is an error, never a silent skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core
+
+Rule = Callable[[Any, list[Any]], Sequence[Any]]
+
+_CALL_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+def _sub_jaxprs(eqn) -> list[Any]:
+    subs = []
+    for value in eqn.params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, core.ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, core.Jaxpr):
+                subs.append(item)
+    return subs
+
+
+def contains(jaxpr, names: frozenset[str] | set[str]) -> bool:
+    """Whether any equation of ``jaxpr``, at any depth, is a primitive named in ``names``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        if any(contains(sub, names) for sub in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _as_closed(jaxpr_like) -> tuple[Any, Sequence[Any]]:
+    if isinstance(jaxpr_like, core.ClosedJaxpr):
+        return jaxpr_like.jaxpr, jaxpr_like.consts
+    return jaxpr_like, ()
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[str, Rule]) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` under the current trace, applying ``rules``."""
+    env: dict[Any, Any] = {}
+
+    def read(var):
+        return var.val if isinstance(var, core.Literal) else env[var]
+
+    for var, val in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args, strict=True):
+        env[var] = val
+    names = frozenset(rules)
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in rules:
+            outs = list(rules[name](eqn, invals))
+        elif _sub_jaxprs(eqn) and any(contains(s, names) for s in _sub_jaxprs(eqn)):
+            outs = _higher_order(eqn, invals, rules)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _higher_order(eqn, invals, rules) -> list[Any]:
+    name, p = eqn.primitive.name, eqn.params
+    if name in _CALL_PARAM:
+        # Inlining a call is the same function; only its derivative rule or remat policy is
+        # dropped, and the step is not differentiated again after this rewrite.
+        inner, consts = _as_closed(p[_CALL_PARAM[name]])
+        n_extra = len(invals) - len(inner.invars)
+        return evaluate(inner, consts, invals[n_extra:], rules) if n_extra >= 0 else _unknown(eqn)
+    if name == "scan":
+        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+
+        def scan_body(carry, x):
+            outs = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], rules)
+            return outs[:ncarry], outs[ncarry:]
+
+        carry, ys = lax.scan(
+            scan_body, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        )
+        return [*carry, *ys]
+    if name == "while":
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+        out = lax.while_loop(
+            lambda c: evaluate(cj.jaxpr, cj.consts, [*cconsts, *c], rules)[0],
+            lambda c: evaluate(bj.jaxpr, bj.consts, [*bconsts, *c], rules),
+            list(init),
+        )
+        return list(out)
+    if name == "cond":
+        index, ops = invals[0], invals[1:]
+        branches = [
+            (lambda br: lambda *a: evaluate(br.jaxpr, br.consts, a, rules))(br) for br in p["branches"]
+        ]
+        return list(lax.switch(index, branches, *ops))
+    return _unknown(eqn)
+
+
+def _unknown(eqn):
+    raise NotImplementedError(
+        f"podscale cannot rewrite inside a '{eqn.primitive.name}' equation of the traced step "
+        "(it holds a cross-replica reduction podscale must change). Please report this with "
+        "the step that produced it; as a workaround move that part out of the "
+        f"'{eqn.primitive.name}'."
+    )
+
+
+def trace(fn: Callable, *args) -> tuple[Any, Any]:
+    """Traces ``fn(*args)`` to a closed jaxpr and the pytree structure of its output."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    return closed, jax.tree.structure(out_shape)
