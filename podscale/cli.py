@@ -1,0 +1,103 @@
+"""The ``podscale`` command: ``train`` and ``launch``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from podscale import distributed
+from podscale.checkpoint import CheckpointError
+from podscale.mesh import parse_shape
+
+
+def _train_parser(sub) -> None:
+    from podscale.trainer import TrainConfig
+
+    p = sub.add_parser("train", help="train a model data-parallel on all devices")
+    defaults = TrainConfig()
+    p.add_argument("--model", default=defaults.model, help="mlp, cnn, resnet or transformer")
+    p.add_argument("--data", default=defaults.data, help="digits or synthetic")
+    p.add_argument("--optimizer", default=defaults.optimizer, help="sgd, momentum, adam, adamw, lamb or lars")
+    p.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch size over all replicas")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
+    p.add_argument("--eval-batch-size", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    p.add_argument("--workdir", default=None, help="checkpoints and metrics.jsonl go here")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--target", type=float, default=None, help="held-out accuracy to stop at; reports time to target")
+    p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)")
+    p.add_argument("--metrics-file", default=None, help="JSON-lines metrics (default: WORKDIR/metrics.jsonl)")
+    p.add_argument("--export", default=None, help="write the final parameters to this .npz file")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
+    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    g = p.add_argument_group("devices and processes")
+    g.add_argument("--replicas", type=int, default=None,
+                   help=f"total replicas; on CPU this many devices are simulated (default {distributed.DEFAULT_CPU_REPLICAS} on CPU, all devices elsewhere)")
+    g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--distributed-auto", action="store_true", help="let jax.distributed.initialize() detect the cluster (SLURM, TPU pods)")
+    g.add_argument("--heartbeat-timeout", type=int, default=30, help="seconds before a silent peer is declared dead")
+
+
+def _run_train(args) -> int:
+    spec = distributed.ClusterSpec.from_env(
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+        process_id=args.process_id, auto=args.distributed_auto or None,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )  # fmt: skip
+    distributed.setup(args.replicas, spec)
+
+    import jax
+
+    from podscale.trainer import TrainConfig, train
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["progress"] = not args.no_progress
+    summary = train(TrainConfig(**values))
+    if jax.process_index() == 0:
+        if summary["time_to_target_s"] is not None:
+            print(
+                f"time to target: {summary['time_to_target_s']:.1f} s "
+                f"(held-out accuracy {summary['eval_value']:.4f} >= {summary['target']} at step {summary['target_step']})",
+                file=sys.stderr if args.json else sys.stdout,
+            )
+        elif summary["target"] is not None:
+            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out accuracy {summary['eval_value']:.4f})", file=sys.stderr)
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            ev = summary["eval_value"]
+            eps = summary["examples_per_s"]
+            print(f"steps {summary['steps']}  final train loss {summary['final_train_loss']}  held-out accuracy "
+                  f"{ev if ev is None else round(ev, 4)}  {eps and round(eps)} examples/s on {summary['replicas']} replicas")
+    return 0 if summary["target"] is None or summary["time_to_target_s"] is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
+    parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
+    lp.add_argument("--processes", type=int, required=True)
+    lp.add_argument("--grace", type=float, default=60.0, help="seconds the others get to stop after one fails")
+    lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. podscale train ...")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "launch":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return distributed.launch(args.processes, cmd, grace_s=args.grace)
+        return _run_train(args)
+    except (ValueError, CheckpointError) as e:
+        print(f"podscale: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

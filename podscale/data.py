@@ -1,0 +1,198 @@
+"""Data sources and the per-process input pipeline.
+
+A *source* is a finite, indexable set of examples: ``len(source)`` and ``source.get(indices)``,
+which prepares only the requested rows and returns a dict of numpy arrays. Which examples form the
+global batch of step ``s`` is a pure function of ``(seed, s)`` (:func:`batch_indices`), so a run
+resumed at step ``s`` sees exactly the batches an uninterrupted run sees.
+
+Each process asks only for its own rows of every global batch (``DataParallelStep.local_rows``),
+builds the global array with ``jax.make_array_from_process_local_data``, and a background thread
+prepares the next batches while the current step runs (:class:`Loader`).
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+_DIGITS_HELD_OUT = 360  # of 1797 images; fixed split, permutation seed 0
+
+
+def _hash_uniform(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
+    """Uniform [0, 1) floats, a pure function of (seed, index, stream) (splitmix64)."""
+    with np.errstate(over="ignore"):
+        z = (index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(seed * 1_000_003 + stream)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+@functools.cache
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits  # ships inside scikit-learn: nothing is downloaded
+
+    d = load_digits()
+    return d.images, d.target
+
+
+class Digits:
+    """scikit-learn's 8x8 handwritten digits: 1437 train / 360 held-out images, fixed split.
+
+    Examples: ``image`` float32 [8, 8] scaled to [0, 1], ``label`` int32.
+    """
+
+    num_classes = 10
+
+    def __init__(self, split: str = "train"):
+        if split not in ("train", "test"):
+            raise ValueError(f"Digits split {split!r}: use 'train' or 'test'")
+        images, labels = _digits()
+        order = np.random.default_rng(0).permutation(len(labels))
+        rows = order[_DIGITS_HELD_OUT:] if split == "train" else order[:_DIGITS_HELD_OUT]
+        self._images, self._labels = images, labels
+        self._rows = rows
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        rows = self._rows[indices]
+        return {"image": (self._images[rows] / 16.0).astype(np.float32), "label": self._labels[rows].astype(np.int32)}
+
+
+class SyntheticImages:
+    """Images of Gaussian-like noise labelled by a fixed random linear teacher (learnable).
+
+    Every example is a pure function of (seed, index); nothing is held in memory.
+    """
+
+    def __init__(self, size: int = 4096, shape: tuple[int, ...] = (8, 8), num_classes: int = 10, seed: int = 0):
+        self.size, self.shape, self.num_classes, self.seed = size, tuple(shape), num_classes, seed
+        dim = int(np.prod(shape))
+        self._teacher = np.random.default_rng([seed, 7]).normal(size=(dim, num_classes)).astype(np.float32)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        dim = int(np.prod(self.shape))
+        flat = (indices[:, None].astype(np.uint64) * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :])
+        x = (_hash_uniform(self.seed, flat, stream=1) * 2.0 - 1.0).astype(np.float32)
+        label = np.argmax(x @ self._teacher, axis=-1).astype(np.int32)
+        return {"image": x.reshape(len(indices), *self.shape), "label": label}
+
+
+class SyntheticTokens:
+    """Token sequences ``(a + b * t) mod vocab``, with (a, b) a pure function of (seed, index).
+
+    A language model learns to read the stride from the first tokens and continue it.
+    """
+
+    def __init__(self, size: int = 4096, seq_len: int = 32, vocab_size: int = 32, seed: int = 0):
+        self.size, self.seq_len, self.vocab_size, self.seed = size, seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        start = (_hash_uniform(self.seed, indices, stream=2) * self.vocab_size).astype(np.int64)
+        stride = 1 + (_hash_uniform(self.seed, indices, stream=3) * (self.vocab_size // 4)).astype(np.int64)
+        t = np.arange(self.seq_len + 1)
+        seq = (start[:, None] + stride[:, None] * t[None, :]) % self.vocab_size
+        return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32)}
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batch_indices(seed: int, step: int, global_batch: int, n: int, rows: slice | None = None) -> np.ndarray:
+    """Example indices of rows ``rows`` of the global batch of ``step``: a pure function.
+
+    The stream is epoch after epoch of a fresh permutation of ``range(n)`` seeded by
+    ``(seed, epoch)``; step ``s`` takes positions ``s * global_batch ...`` of it.
+    """
+    rows = rows if rows is not None else slice(0, global_batch)
+    positions = step * global_batch + np.arange(rows.start, rows.stop, dtype=np.int64)
+    epochs, offsets = np.divmod(positions, n)
+    out = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        out[sel] = _permutation(seed, int(epoch), n)[offsets[sel]]
+    return out
+
+
+class Loader:
+    """Yields ``(step, global_batch)`` for ``start_step, start_step + 1, ...``, prefetching.
+
+    Args:
+      source: a data source (``len`` and ``get``).
+      dp: the ``DataParallelStep`` that says which rows this process feeds and how to place them.
+      global_batch: examples per step over all replicas.
+      seed: the data-order seed.
+      start_step: the first step to load (a resumed run passes its restored step).
+      prefetch: how many batches a background thread prepares ahead.
+    """
+
+    def __init__(self, source, dp, global_batch: int, seed: int, start_step: int = 0, prefetch: int = 2):
+        if global_batch > len(source):
+            raise ValueError(f"--batch-size {global_batch} is larger than the data set ({len(source)} examples)")
+        self.source, self.dp, self.global_batch, self.seed = source, dp, global_batch, seed
+        self.rows = dp.local_rows(global_batch)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(start_step,), daemon=True)
+        self._thread.start()
+
+    def load(self, step: int):
+        idx = batch_indices(self.seed, step, self.global_batch, len(self.source), self.rows)
+        return self.dp.place_batch(self.source.get(idx), self.global_batch)
+
+    def _work(self, step: int) -> None:
+        try:
+            while not self._stop.is_set():
+                item = (step, self.load(step))
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                step += 1
+        except BaseException as e:  # surfaced to the consumer, never swallowed
+            self._queue.put(e)
+
+    def __iter__(self) -> Iterator:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def padded_eval_batches(source, dp, batch_size: int):
+    """The whole of ``source`` in global batches of ``batch_size``, the last one padded.
+
+    Yields global batches with an extra ``mask`` leaf (1 for real examples, 0 for padding), so
+    that no example is dropped or counted twice. ``batch_size`` must be a multiple of the
+    replica count.
+    """
+    n = len(source)
+    rows = dp.local_rows(batch_size)
+    for start in range(0, n, batch_size):
+        positions = start + np.arange(rows.start, rows.stop)
+        real = positions < n
+        local = source.get(np.where(real, positions, 0))
+        local["mask"] = real.astype(np.float32)
+        yield dp.place_batch(local, batch_size)

@@ -1,0 +1,115 @@
+"""Small flax models to start with: an MLP, a ResNet for 8x8 images, a decoder-only Transformer.
+
+Each is a plain ``flax.linen`` module called as ``model.apply(variables, x, train=...)``. Models
+with batch norm keep their running statistics in the ``batch_stats`` collection. The MLPerf
+reference models have their own issue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class MLP(nn.Module):
+    """Flattens its input and applies ReLU hidden layers, then a linear classifier."""
+
+    hidden: Sequence[int] = (128, 128)
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        del train
+        x = x.reshape(x.shape[0], -1)
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+class ResidualBlock(nn.Module):
+    features: int
+    strides: int = 1
+    batch_norm: bool = True
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = (lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)) if self.batch_norm else None
+        y = nn.Conv(self.features, (3, 3), self.strides, use_bias=not self.batch_norm)(x)
+        y = nn.relu(norm()(y) if norm else y)
+        y = nn.Conv(self.features, (3, 3), use_bias=not self.batch_norm)(y)
+        y = norm()(y) if norm else y
+        if x.shape != y.shape:
+            x = nn.Conv(self.features, (1, 1), self.strides, use_bias=not self.batch_norm)(x)
+            x = norm()(x) if norm else x
+        return nn.relu(x + y)
+
+
+class SmallResNet(nn.Module):
+    """A ResNet for small images (8x8 digits): a 3x3 stem, residual stages, global average pool.
+
+    ``batch_norm=False`` gives the same network without batch norm (a plain residual CNN), whose
+    data-parallel step equals the single-device step exactly.
+    """
+
+    stage_features: Sequence[int] = (32, 64)
+    blocks_per_stage: int = 1
+    num_classes: int = 10
+    batch_norm: bool = True
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        if x.ndim == 3:
+            x = x[..., None]
+        x = nn.Conv(self.stage_features[0], (3, 3), use_bias=not self.batch_norm)(x)
+        if self.batch_norm:
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        for stage, features in enumerate(self.stage_features):
+            for block in range(self.blocks_per_stage):
+                strides = 2 if stage > 0 and block == 0 else 1
+                x = ResidualBlock(features, strides, self.batch_norm)(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes)(x)
+
+
+class DecoderBlock(nn.Module):
+    num_heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+        y = nn.LayerNorm()(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, y, mask=mask)
+        x = x + y
+        y = nn.LayerNorm()(x)
+        y = nn.Dense(self.mlp_dim)(y)
+        y = nn.Dense(x.shape[-1])(nn.gelu(y))
+        return x + y
+
+
+class Transformer(nn.Module):
+    """A pre-LayerNorm decoder-only Transformer language model with learned positions."""
+
+    vocab_size: int = 32
+    width: int = 64
+    depth: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 256
+    max_len: int = 64
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        del train
+        length = tokens.shape[-1]
+        if length > self.max_len:
+            raise ValueError(f"tokens have length {length} but the Transformer's max_len is {self.max_len}")
+        embed = nn.Embed(self.vocab_size, self.width)
+        positions = self.param("positions", nn.initializers.normal(0.02), (self.max_len, self.width))
+        x = embed(tokens) + positions[:length]
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.depth):
+            x = DecoderBlock(self.num_heads, self.mlp_dim)(x, mask)
+        x = nn.LayerNorm()(x)
+        return embed.attend(x)
