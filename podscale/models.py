@@ -81,7 +81,9 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x, mask):
         y = nn.LayerNorm()(x)
-        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, y, mask=mask)
+        # No biases in the attention projections: a key bias cannot change the softmax (its gradient
+        # is exactly zero), so it would only carry roundoff.
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, use_bias=False)(y, y, mask=mask)
         x = x + y
         y = nn.LayerNorm()(x)
         y = nn.Dense(self.mlp_dim)(y)

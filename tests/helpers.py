@@ -1,0 +1,28 @@
+"""Shared helpers for the tests: plain single-device reference runs."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def max_abs_diff(a, b) -> float:
+    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))), a, b)
+    return max(jax.tree.leaves(diffs), default=0.0)
+
+
+def run_single(step, state, batches):
+    """The plain step on one device, jitted, over ``batches``."""
+    jstep = jax.jit(step)
+    metrics = None
+    for batch in batches:
+        state, metrics = jstep(state, batch)
+    return jax.device_get(state), jax.device_get(metrics)
+
+
+def run_parallel(dp, state, batches):
+    state = dp.place_state(jax.device_get(state))
+    metrics = None
+    for batch in batches:
+        state, metrics = dp(state, batch)
+    return dp.gather_state(state), jax.device_get(metrics)
