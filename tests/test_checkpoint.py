@@ -1,0 +1,70 @@
+"""Checkpoints through the trainer, in-process (the kill-and-resume test is in test_cli.py)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from podscale.checkpoint import CheckpointError
+from podscale.trainer import TrainConfig, train
+
+
+def _config(workdir, **kw):
+    base = dict(model="mlp", steps=6, checkpoint_every=3, workdir=str(workdir), progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _params(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_resume_continues_to_the_same_parameters(tmp_path):
+    whole = train(_config(tmp_path / "a", export=str(tmp_path / "a.npz")))
+    train(_config(tmp_path / "b", steps=3))
+    resumed = train(_config(tmp_path / "b", resume=True, export=str(tmp_path / "b.npz")))
+    assert resumed["resumed_from"] == 3 and resumed["steps"] == whole["steps"] == 6
+    a, b = _params(tmp_path / "a.npz"), _params(tmp_path / "b.npz")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        train(_config(tmp_path, resume=True))
+
+
+def test_existing_checkpoints_are_not_overwritten_without_resume(tmp_path):
+    train(_config(tmp_path, steps=3))
+    with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
+        train(_config(tmp_path))
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    train(_config(tmp_path, steps=3))
+    step_dir = tmp_path / "checkpoints" / "3"
+    for root, _, files in os.walk(step_dir / "default"):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"step 3 .* is corrupt.*Delete"):
+        train(_config(tmp_path, resume=True))
+
+
+def test_partial_checkpoint_is_a_clear_error(tmp_path):
+    train(_config(tmp_path, steps=3))
+    data = tmp_path / "checkpoints" / "3" / "default" / "ocdbt.process_0"
+    for root, _, files in os.walk(data):
+        for name in files:
+            os.remove(os.path.join(root, name))
+    with pytest.raises(CheckpointError, match="step 3"):
+        train(_config(tmp_path, resume=True))
+
+
+def test_an_unfinished_save_is_ignored_and_the_last_good_step_resumes(tmp_path):
+    train(_config(tmp_path, steps=3))
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save killed midway
+    summary = train(_config(tmp_path, resume=True))
+    assert summary["resumed_from"] == 3 and summary["steps"] == 6

@@ -1,0 +1,23 @@
+import jax
+import numpy as np
+import optax
+
+from podscale import distributed_eval, make_mesh
+from podscale.data import padded_eval_batches
+from podscale.data_parallel import data_parallel
+from podscale.tasks import make_eval_fn, make_task, make_train_step
+
+
+def test_distributed_eval_equals_single_device_eval_on_an_indivisible_set():
+    task = make_task("resnet", "digits")  # 360 held-out images: batches of 64 leave 40, padded
+    tx = optax.sgd(0.1)
+    state = task.init_state(jax.random.key(0), tx)
+    state, _ = jax.jit(make_train_step(task, tx))(state, task.train_data.get(np.arange(64)))
+    mesh = make_mesh()
+    dp = data_parallel(make_train_step(task, tx), mesh)
+    got = distributed_eval(make_eval_fn(task), mesh)(dp.place_state(state), padded_eval_batches(task.eval_data, dp, 64))
+
+    per = jax.jit(make_eval_fn(task))(state, task.eval_data.get(np.arange(len(task.eval_data))))
+    correct = float(np.sum(np.asarray(per["accuracy"])))
+    assert got["accuracy"] == correct / 360  # counts of 0/1 in float32 are exact
+    np.testing.assert_allclose(got["loss"], float(np.mean(np.asarray(per["loss"], np.float64))), rtol=1e-6)
