@@ -1,6 +1,5 @@
 """The data-parallel step against the plain single-device step."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,11 +92,6 @@ def test_indivisible_batch_is_a_clear_error():
 
 
 def test_integer_state_that_differs_per_replica_is_an_error():
-    class Counter(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return x
-
     def step(state, batch):
         return {"seen": state["seen"] + jnp.sum(batch["x"] > 0).astype(jnp.int32)}, {}
 
