@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from podscale import distributed
@@ -46,6 +47,13 @@ def _train_parser(sub) -> None:
 
 
 def _run_train(args) -> int:
+    out = sys.stdout
+    if args.json:
+        # Keep stdout for the one JSON object: native libraries (gloo prints "[Gloo] Rank ..."
+        # from C++) write to file descriptor 1, so point it at stderr for the rest of the run.
+        sys.stdout.flush()
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     spec = distributed.ClusterSpec.from_env(
         coordinator_address=args.coordinator_address, num_processes=args.num_processes,
         process_id=args.process_id, auto=args.distributed_auto or None,
@@ -71,7 +79,7 @@ def _run_train(args) -> int:
         elif summary["target"] is not None:
             print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out accuracy {summary['eval_value']:.4f})", file=sys.stderr)
         if args.json:
-            print(json.dumps(summary))
+            print(json.dumps(summary), file=out, flush=True)
         else:
             ev = summary["eval_value"]
             eps = summary["examples_per_s"]
