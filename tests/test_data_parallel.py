@@ -116,3 +116,58 @@ def test_non_callable_step_and_bad_mesh():
         data_parallel(3, make_mesh())
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
         data_parallel(lambda s, b: (s, {}), "data")
+
+
+def _mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _accumulating_step(params, batch):
+    """Gradient accumulation over 2 microbatches with lax.scan: the gradient sums sit in a scan."""
+    micro = jax.tree.map(lambda v: v.reshape(2, v.shape[0] // 2, *v.shape[1:]), batch)
+
+    def body(acc, mb):
+        return jax.tree.map(jnp.add, acc, jax.grad(_mlp_loss)(params, mb["x"], mb["y"])), None
+
+    grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+    return jax.tree.map(lambda p, g: p - 0.1 * g / 2, params, grads), {}
+
+
+def _remat_step(params, batch):
+    grads = jax.grad(jax.checkpoint(_mlp_loss))(params, batch["x"], batch["y"])
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), {}
+
+
+def _cond_step(params, batch):
+    """The update inside lax.cond, the gradient inside a nested jit."""
+    grads = jax.jit(jax.grad(_mlp_loss))(params, batch["x"], batch["y"])
+    return jax.lax.cond(jnp.all(jnp.isfinite(grads["w1"])), lambda: jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), lambda: params), {}
+
+
+@pytest.mark.parametrize("step", [_accumulating_step, _remat_step, _cond_step], ids=lambda f: f.__name__)
+def test_gradient_sums_inside_scan_remat_jit_and_cond(step):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k1, (6, 16)), "w2": jax.random.normal(k2, (16, 3))}
+    batches = [{"x": jax.random.normal(jax.random.fold_in(k3, i), (32, 6)), "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3))} for i in range(5)]
+    ref, _ = run_single(step, params, batches)
+    par, _ = run_parallel(data_parallel(step, make_mesh()), params, batches)
+    assert max_abs_diff(ref, par) <= 1e-6
+    assert max_abs_diff(params, par) > 1e-3
+
+
+def test_optax_multisteps_accumulates_like_one_device():
+    tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+
+    def step(state, batch):
+        params, opt_state = state
+        grads = jax.grad(_mlp_loss)(params, batch["x"], batch["y"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {}
+
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    params = {"w1": jax.random.normal(k1, (6, 16)), "w2": jax.random.normal(k2, (16, 3))}
+    batches = [{"x": jax.random.normal(jax.random.fold_in(k3, i), (32, 6)), "y": jnp.ones((32, 3))} for i in range(6)]
+    ref, _ = run_single(step, (params, tx.init(params)), batches)
+    par, _ = run_parallel(data_parallel(step, make_mesh()), (params, tx.init(params)), batches)
+    assert max_abs_diff(ref, par) <= 1e-6
