@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax import lax
 from jax.extend import core
+from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr; no public name
 
 Rule = Callable[[Any, list[Any]], Sequence[Any]]
 
@@ -28,8 +29,6 @@ _CALL_PARAM = {
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
@@ -95,9 +94,16 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[s
 
 def _higher_order(eqn, invals, rules) -> list[Any]:
     name, p = eqn.primitive.name, eqn.params
+    if name in ("remat2", "checkpoint"):
+        # Rebuilt, not inlined: inlining would drop the optimization barrier that keeps XLA from
+        # merging the recomputation into the forward pass, and with it the memory saving.
+        closed = jax.make_jaxpr(lambda *a: evaluate(p["jaxpr"], (), a, rules))(*invals)
+        jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+        with eqn.ctx.manager:
+            return list(eqn.primitive.bind(*closed.consts, *invals, **dict(p, jaxpr=jaxpr)))
     if name in _CALL_PARAM:
-        # Inlining a call is the same function; only its derivative rule or remat policy is
-        # dropped, and the step is not differentiated again after this rewrite.
+        # Inlining a call is the same function; only its derivative rule is dropped, and the step
+        # is not differentiated again after this rewrite.
         inner, consts = _as_closed(p[_CALL_PARAM[name]])
         n_extra = len(invals) - len(inner.invars)
         return evaluate(inner, consts, invals[n_extra:], rules) if n_extra >= 0 else _unknown(eqn)

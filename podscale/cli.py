@@ -1,4 +1,4 @@
-"""The ``podscale`` command: ``train`` and ``launch``."""
+"""podscale: run an unmodified single-device JAX training step data-parallel on all devices."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _run_train(args) -> int:
                 file=sys.stderr if args.json else sys.stdout,
             )
         elif summary["target"] is not None:
-            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out accuracy {summary['eval_value']:.4f})", file=sys.stderr)
+            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out accuracy {summary['eval_value']})", file=sys.stderr)
         if args.json:
             print(json.dumps(summary), file=out, flush=True)
         else:

@@ -158,16 +158,18 @@ class Loader:
     def _work(self, step: int) -> None:
         try:
             while not self._stop.is_set():
-                item = (step, self.load(step))
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._put((step, self.load(step)))
                 step += 1
         except BaseException as e:  # surfaced to the consumer, never swallowed
-            self._queue.put(e)
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def __iter__(self) -> Iterator:
         while True:

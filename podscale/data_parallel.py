@@ -58,6 +58,10 @@ def _mean_rule(mesh: Mesh):
     return rule
 
 
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
@@ -173,17 +177,21 @@ class DataParallelStep:
         def put(x):
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
+            if _is_key(x):  # typed PRNG keys travel as their raw key data
+                return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
         return jax.tree.map(put, state)
 
     def gather_state(self, state):
-        """Returns the state as a pytree of host numpy arrays, on every process."""
+        """Returns the state as a pytree of host numpy arrays (typed PRNG keys stay keys), on every process."""
 
         def get(x):
             if not isinstance(x, jax.Array):
                 return np.asarray(x)
+            if _is_key(x):
+                return jax.random.wrap_key_data(get(jax.random.key_data(x)), impl=jax.random.key_impl(x))
             if x.is_fully_replicated:
                 return np.asarray(x.addressable_data(0))
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -66,13 +66,16 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     processes = spec.num_processes if spec.explicit else 1
     if spec.explicit and not 0 <= spec.process_id < processes:
         raise ValueError(f"--process-id {spec.process_id} must be in [0, {processes})")
-    total = replicas if replicas is not None else DEFAULT_CPU_REPLICAS
-    if total < 1:
-        raise ValueError(f"--replicas must be at least 1, got {total}")
-    if total % processes:
-        raise ValueError(f"--replicas {total} is not divisible by the {processes} processes")
-    # These settings only concern the CPU backend; a GPU or TPU backend ignores them.
-    jax.config.update("jax_num_cpu_devices", total // processes)
+    if replicas is None:  # CPU only; a GPU or TPU backend uses all of its devices
+        local = DEFAULT_CPU_REPLICAS // processes if DEFAULT_CPU_REPLICAS % processes == 0 else 1
+    else:
+        if replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {replicas}")
+        if replicas % processes:
+            raise ValueError(f"--replicas {replicas} is not divisible by the {processes} processes")
+        local = replicas // processes
+    # This setting only concerns the CPU backend; a GPU or TPU backend ignores it.
+    jax.config.update("jax_num_cpu_devices", local)
     if spec.explicit or spec.auto:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s}

@@ -69,6 +69,10 @@ class TrainConfig:
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
         if self.resume and not self.workdir:
@@ -115,6 +119,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
             "to continue that run, or choose a new --workdir"
         )
     start = int(np.asarray(state.step.addressable_data(0)))
+    if start >= config.steps:
+        raise ValueError(
+            f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
+            f"pass a larger --steps to train further"
+        )
     evaluate = distributed_eval(make_eval_fn(task), mesh)
     metrics_path = _metrics_path(config)
     log = open(metrics_path, "a") if (lead and metrics_path) else None  # noqa: SIM115
@@ -128,6 +137,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"time_to_target_s": None, "eval": {}}
     last_loss = None
     timed_from, timed_steps, step = None, 0, start
+    excluded = 0.0  # seconds of eval and checkpointing inside the timed span
     progress = Progress(
         TextColumn("step"), MofNCompleteColumn(), BarColumn(),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eps]} ex/s"), TimeElapsedColumn(),
@@ -152,20 +162,25 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 done = step + 1
                 eps = timed_steps * config.batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
                 progress.update(bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}")
+                aside = time.perf_counter()
                 if ckpt:
                     ckpt.maybe_save(done, state)
+                reached = False
                 if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
                     summary["eval"] = results
                     record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
                     reached = config.target is not None and results["accuracy"] >= config.target
-                    if reached and summary["time_to_target_s"] is None:
+                    if reached:
                         summary["time_to_target_s"] = time.perf_counter() - run_start
                         summary["target_step"] = done
-                    if reached:
-                        break
+                excluded += time.perf_counter() - aside
+                if reached:
+                    break
             if pending is not None:
                 last_loss = _log_step(pending, record)
+            jax.block_until_ready(state)
+            timed_until = time.perf_counter()
     finally:
         loader.close()
         if log:
@@ -174,7 +189,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if ckpt:
         ckpt.maybe_save(final_step, state, force=True)
         ckpt.close()
-    elapsed = time.perf_counter() - timed_from if timed_from else 0.0
+    elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
         np.savez(config.export, **_flat_params(dp.gather_state(state).params))
     summary.update(

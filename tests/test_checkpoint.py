@@ -68,3 +68,16 @@ def test_an_unfinished_save_is_ignored_and_the_last_good_step_resumes(tmp_path):
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save killed midway
     summary = train(_config(tmp_path, resume=True))
     assert summary["resumed_from"] == 3 and summary["steps"] == 6
+
+
+def test_resuming_a_finished_run_says_to_raise_steps(tmp_path):
+    train(_config(tmp_path, steps=3))
+    with pytest.raises(ValueError, match="already at step 3.*larger --steps"):
+        train(_config(tmp_path, steps=3, resume=True))
+
+
+def test_bad_checkpoint_and_eval_settings_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--checkpoint-every must be at least 1"):
+        _config(tmp_path, checkpoint_every=0)
+    with pytest.raises(ValueError, match="--eval-batch-size must be at least 1"):
+        _config(tmp_path, eval_batch_size=0)

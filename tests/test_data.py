@@ -84,3 +84,16 @@ def test_local_rows_rejects_indivisible_batch():
     with pytest.raises(ValueError, match="multiple of 8"):
         dp.local_rows(20)
     assert jax.process_count() == 1
+
+
+def test_loader_surfaces_a_source_error_and_closes_promptly():
+    class Broken(SyntheticImages):
+        def get(self, indices):
+            raise OSError("disk gone")
+
+    dp = data_parallel(_identity_step, make_mesh())
+    loader = Loader(Broken(64), dp, global_batch=16, seed=0)
+    with pytest.raises(OSError, match="disk gone"):
+        next(iter(loader))
+    loader.close()
+    assert not loader._thread.is_alive()

@@ -171,3 +171,19 @@ def test_optax_multisteps_accumulates_like_one_device():
     ref, _ = run_single(step, (params, tx.init(params)), batches)
     par, _ = run_parallel(data_parallel(step, make_mesh()), (params, tx.init(params)), batches)
     assert max_abs_diff(ref, par) <= 1e-6
+
+
+def test_remat_keeps_its_optimization_barrier():
+    """Rebuilding jax.checkpoint (rather than inlining it) keeps the recomputation a recomputation."""
+    params = {"w1": jnp.ones((6, 16)), "w2": jnp.ones((16, 3))}
+    batch = {"x": jnp.ones((32, 6)), "y": jnp.ones((32, 3))}
+    dp = data_parallel(_remat_step, make_mesh(), donate_state=False)
+    assert "optimization_barrier" in dp.lower(dp.place_state(params), batch).as_text()
+
+
+def test_typed_prng_keys_in_the_state_round_trip():
+    dp = data_parallel(lambda s, b: (s, {}), make_mesh())
+    state = {"rng": jax.random.key(3), "w": jnp.ones(2)}
+    placed = dp.place_state(state)
+    back = dp.gather_state(placed)
+    np.testing.assert_array_equal(jax.random.key_data(back["rng"]), jax.random.key_data(state["rng"]))
