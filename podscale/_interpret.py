@@ -57,6 +57,11 @@ def contains(jaxpr, names: frozenset[str] | set[str]) -> bool:
     return False
 
 
+def contains_any(eqn, names) -> bool:
+    """Whether a sub-jaxpr of ``eqn``, at any depth, holds a primitive named in ``names``."""
+    return any(contains(sub, names) for sub in _sub_jaxprs(eqn))
+
+
 def _as_closed(jaxpr_like) -> tuple[Any, Sequence[Any]]:
     if isinstance(jaxpr_like, core.ClosedJaxpr):
         return jaxpr_like.jaxpr, jaxpr_like.consts

@@ -37,11 +37,13 @@ class Checkpointer:
         self._manager.reload()
         return self._manager.latest_step()
 
-    def maybe_save(self, step: int, state, force: bool = False) -> bool:
+    def maybe_save(self, step: int, state, transform=None, force: bool = False) -> bool:
+        """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``)."""
         if not force and step % self.every:
             return False
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
+        state = transform(state) if transform else state
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
         return True
 
@@ -53,7 +55,9 @@ class Checkpointer:
                 f"--resume: no complete checkpoint in {self.directory}. Start without --resume, or "
                 "point --workdir at the directory of the run to continue."
             )
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        abstract = jax.tree.map(
+            lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x), like
+        )
         try:
             return step, self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read

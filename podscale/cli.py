@@ -31,6 +31,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--target", type=float, default=None, help="held-out accuracy to stop at; reports time to target")
+    p.add_argument("--weight-update", default="replicated", choices=["replicated", "sharded"],
+                   help="sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state")
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)")
     p.add_argument("--metrics-file", default=None, help="JSON-lines metrics (default: WORKDIR/metrics.jsonl)")
     p.add_argument("--export", default=None, help="write the final parameters to this .npz file")

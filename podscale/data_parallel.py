@@ -19,12 +19,17 @@ Two kinds of values come out of a replica different from its peers, and both are
     training does in practice), and the running averages are then averaged over replicas;
   * metrics, which are means over the local batch; their replica average is the global mean.
 An integer that differs across replicas cannot be averaged and is an error naming its path.
+
+``weight_update="sharded"`` replays the same trace with :mod:`podscale.weight_update`: the
+gradient sums become a fused reduce-scatter, the update runs on 1/N shards, the optimizer state
+stays sharded between steps (:mod:`podscale.state_layout`), and the new weights are all-gathered.
+``weight_update="replicated"`` (the default) runs the same machinery with nothing sharded: the
+gradient sums become one fused all-reduce.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,16 +37,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale import _interpret
+from podscale import _interpret, state_layout
 from podscale.mesh import replica_count
+from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
 GRAD_SUM = "psum_invariant"  # the primitive a replicated value's gradient is summed with
+WEIGHT_UPDATES = ("replicated", "sharded")
 
 
 def _path(path) -> str:
@@ -58,50 +64,49 @@ def _mean_rule(mesh: Mesh):
     return rule
 
 
-def _is_key(x) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _replica_mean(kind: str, axes: tuple[str, ...]):
-    def fix(path, x):
-        varying = tuple(a for a in axes if a in _varying_axes(x))
-        if not varying:
-            return x
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            raise ValueError(
-                f"{kind}{_path(path)} ({x.dtype}{list(x.shape)}) differs across replicas and is not a "
-                "float, so podscale cannot average it. Compute it without the batch, or return it "
-                "as a float mean."
-            )
-        return jax.lax.pmean(x, varying)
-
-    return fix
+def _replica_mean(kind: str, axes: tuple[str, ...], path, x):
+    varying = tuple(a for a in axes if a in _varying_axes(x))
+    if not varying:
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ValueError(
+            f"{kind}{_path(path)} ({x.dtype}{list(x.shape)}) differs across replicas and is not a "
+            "float, so podscale cannot average it. Compute it without the batch, or return it "
+            "as a float mean."
+        )
+    return jax.lax.pmean(x, varying)
 
 
-@dataclasses.dataclass(frozen=True)
 class DataParallelStep:
-    """A compiled data-parallel step and the shardings of its inputs.
+    """A compiled data-parallel step and the layouts of its inputs.
 
     Call it as ``new_state, metrics = dp(state, batch)`` with ``state`` from :meth:`place_state`
-    and a *global* ``batch`` whose leading dimension the replica count divides. The state argument
-    is donated.
-
-    Attributes:
-      step: the user's single-device step, unchanged.
-      mesh: the device mesh; every device is one replica and the batch is split over all axes.
-      state_sharding: replicated over the mesh.
-      batch_sharding: leading dimension split over all mesh axes.
+    (the *stored* layout: with the sharded weight update, optimizer-state leaves are flat 1/N
+    chunks) and a *global* ``batch`` whose leading dimension the replica count divides. The state
+    argument is donated. :meth:`gather_state` returns the plain pytree.
     """
 
-    step: Step
-    mesh: Mesh
-    donate_state: bool = True
+    def __init__(self, step: Step, mesh: Mesh, *, weight_update: str = "replicated",
+                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False, donate_state: bool = True):  # fmt: skip
+        if weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_update={weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
+        if min_shard_size < 1:
+            raise ValueError(f"min_shard_size must be at least 1, got {min_shard_size}")
+        self.step, self.mesh, self.weight_update = step, mesh, weight_update
+        self.min_shard_size, self.strict, self.donate_state = min_shard_size, strict, donate_state
+        self.layout: state_layout.StateLayout | None = None
+        self.trace: Trace | None = None
+        self._jitted = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.weight_update == "sharded"
 
     @property
     def replicas(self) -> int:
@@ -112,36 +117,123 @@ class DataParallelStep:
         return tuple(self.mesh.axis_names)
 
     @property
-    def state_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())
-
-    @property
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.axes))
 
-    @functools.cached_property
-    def _compiled(self):
-        axes = self.axes
+    @property
+    def state_sharding(self):
+        """The stored state's shardings (a pytree once prepared; replicated before)."""
+        return self.layout.shardings() if self.layout is not None else NamedSharding(self.mesh, P())
 
-        def body(state, batch):
-            closed, out_tree = _interpret.trace(self.step, state, batch)
-            leaves = jax.tree.leaves((state, batch))
-            outs = _interpret.evaluate(closed.jaxpr, closed.consts, leaves, {GRAD_SUM: _mean_rule(self.mesh)})
+    # -- preparing the layout ---------------------------------------------------------------
+    def prepare(self, state, batch=None) -> state_layout.StateLayout:
+        """Decides each state leaf's layout from the traced step. Needs a (global) batch example
+        (arrays or ``jax.ShapeDtypeStruct``) for the sharded update; idempotent."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+        if self.layout is not None:
+            self.layout.check(abstract)
+            return self.layout
+        forward = None
+        if self.sharded:
+            if batch is None:
+                raise ValueError(
+                    "weight_update='sharded' needs an example global batch to decide which state "
+                    "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
+                )
+            self.check_batch(batch)
+            forward = self._forward_inputs(abstract, batch)
+        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size)
+        return self.layout
+
+    def _forward_inputs(self, abstract_state, batch) -> set[int]:
+        found: list[set[int]] = []
+        n_state = len(jax.tree.leaves(abstract_state))
+
+        def probe(state, batch):
+            closed, _ = _interpret.trace(self.step, state, batch)
+            used = forward_used(closed.jaxpr)
+            found.append({i for i, v in enumerate(closed.jaxpr.invars[:n_state]) if v in used})
+            return jnp.zeros(())
+
+        batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        mapped = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(), P(self.axes)), out_specs=P())
+        jax.eval_shape(mapped, abstract_state, batch_shapes)
+        return found[0]
+
+    # -- the step ---------------------------------------------------------------------------
+    def _build(self):
+        layout = self.layout
+        axes, n = self.axes, self.replicas
+        chunks = Layout(axes, n, self.min_shard_size if self.sharded else math.inf)
+        abstract_state = jax.tree.unflatten(
+            layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+        )
+
+        def body(stored, batch):
+            trace = Trace()
+            rewriter = Rewriter(chunks, trace, _mean_rule(self.mesh))
+            closed, out_tree = _interpret.trace(self.step, abstract_state, batch)
+            args = [Sharded(x, leaf.shape) if leaf.sharded else x for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)]
+            outs = rewriter.evaluate(closed.jaxpr, closed.consts, [*args, *jax.tree.leaves(batch)])
+            outs = [rewriter.resolve(o) for o in outs]
             try:
                 new_state, metrics = jax.tree.unflatten(out_tree, outs)
             except (TypeError, ValueError):
                 raise TypeError("the step must return a pair (new_state, metrics)") from None
-            new_state = jax.tree_util.tree_map_with_path(_replica_mean("new_state", axes), new_state)
-            metrics = jax.tree_util.tree_map_with_path(_replica_mean("metrics", axes), metrics)
+            layout.check(new_state, "the step's new_state")
+            new_state = self._finish_state(chunks, trace, new_state)
+            pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))
+            metrics = jax.tree.unflatten(
+                jax.tree.structure(metrics, is_leaf=lambda x: isinstance(x, Sharded)),
+                self._finish_full(chunks, trace, pairs, "metrics", "metrics"),
+            )
+            self.trace = trace
             return new_state, metrics
 
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(axes)), out_specs=(P(), P()))
+        specs = layout.specs()
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()))
         return jax.jit(
             mapped,
-            in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, self.state_sharding),
+            in_shardings=(layout.shardings(), self.batch_sharding),
+            out_shardings=(layout.shardings(), NamedSharding(self.mesh, P())),
             donate_argnums=(0,) if self.donate_state else (),
         )
+
+    def _finish_full(self, chunks, trace, pairs, kind, why) -> list:
+        """Values that must come out whole, as ``(path, value)`` pairs: sharded ones are
+        all-gathered (fused), per-replica ones averaged."""
+        leaves = [v for _, v in pairs]
+        shards = [i for i, v in enumerate(leaves) if isinstance(v, Sharded)]
+        for i, g in zip(shards, gather(chunks, [leaves[i] for i in shards], trace, why) if shards else [], strict=True):
+            leaves[i] = g
+        return [_replica_mean(kind, self.axes, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
+
+    def _finish_state(self, chunks, trace, new_state):
+        layout = self.layout
+        paths_leaves = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
+        whole = [(p, v) for (p, v), leaf in zip(paths_leaves, layout.leaves, strict=True) if not leaf.sharded]
+        whole_done = iter(self._finish_full(chunks, trace, whole, "new_state", "updated weights"))
+        out = []
+        for (path, v), leaf in zip(paths_leaves, layout.leaves, strict=True):
+            if not leaf.sharded:
+                out.append(next(whole_done))
+                continue
+            if isinstance(v, Sharded) and v.shape == leaf.shape:
+                out.append(v.shard.astype(leaf.dtype))
+                continue
+            if isinstance(v, Sharded):
+                v = gather(chunks, [v], trace, f"new_state{_path(path)} changed shape")[0]
+            v = _replica_mean("new_state", self.axes, path, v)
+            trace.gathered_ops.append(f"new_state{_path(path)} computed whole, then sliced")
+            out.append(chunks.slice(jnp.asarray(v, leaf.dtype)).shard)
+        return jax.tree.unflatten(layout.treedef, out)
+
+    def _compiled(self, state, batch):
+        if self.layout is None:
+            self.prepare(state, batch)
+        if self._jitted is None:
+            self._jitted = self._build()
+        return self._jitted
 
     def check_batch(self, batch) -> None:
         """Raises a ``ValueError`` naming the leaf when the replicas cannot split ``batch``."""
@@ -159,44 +251,33 @@ class DataParallelStep:
 
     def __call__(self, state, batch):
         self.check_batch(batch)
-        return self._compiled(state, batch)
+        if self.layout is None:
+            raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
+        new_state, metrics = self._compiled(state, batch)(state, batch)
+        if self.strict and self.trace and self.trace.gathered_ops:
+            raise ValueError(f"strict=True: these ops could not run on shards: {self.trace.gathered_ops}")
+        return new_state, metrics
 
     def lower(self, state, batch):
-        """Lowers the step for ``state`` and ``batch`` (arrays or ``jax.ShapeDtypeStruct``)."""
+        """Lowers the step for a stored ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``)."""
         self.check_batch(batch)
-        return self._compiled.lower(state, batch)
+        return self._compiled(state, batch).lower(state, batch)
 
-    def place_state(self, state):
-        """Puts a host or single-device state pytree on the mesh, replicated.
+    # -- moving state in and out --------------------------------------------------------------
+    def place_state(self, state, batch=None):
+        """Puts a host or single-device state pytree on the mesh in the stored layout.
 
         In a multi-process run every process must pass the same values (as after the same
-        seeded init). Arrays already carrying ``state_sharding`` are kept as they are.
+        seeded init). The sharded weight update needs an example global ``batch`` (see
+        :meth:`prepare`).
         """
-        sharding = self.state_sharding
-
-        def put(x):
-            if isinstance(x, jax.Array) and x.sharding == sharding:
-                return x
-            if _is_key(x):  # typed PRNG keys travel as their raw key data
-                return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-            x = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
-        return jax.tree.map(put, state)
+        return self.prepare(state, batch).place(state)
 
     def gather_state(self, state):
-        """Returns the state as a pytree of host numpy arrays (typed PRNG keys stay keys), on every process."""
-
-        def get(x):
-            if not isinstance(x, jax.Array):
-                return np.asarray(x)
-            if _is_key(x):
-                return jax.random.wrap_key_data(get(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-            if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-        return jax.tree.map(get, state)
+        """Returns the state in the user layout as host numpy arrays, on every process."""
+        if self.layout is None:
+            return state_layout.decide(state, self.mesh, None, 1).fetch(state)
+        return self.layout.fetch(state)
 
     def local_rows(self, global_batch: int) -> slice:
         """The rows of a global batch that this process feeds (contiguous by mesh construction)."""
@@ -228,16 +309,25 @@ class DataParallelStep:
         return jax.tree.map(put, local_batch)
 
 
-def data_parallel(step: Step, mesh: Mesh, *, donate_state: bool = True) -> DataParallelStep:
+def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
+                  min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False,
+                  donate_state: bool = True) -> DataParallelStep:  # fmt: skip
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
     One call on a global batch gives the new state that ``step`` gives on that whole batch on one
     device, provided the step's loss is a mean over its batch (the usual convention), up to float
     summation order. Batch-norm-like layers use each replica's own batch statistics; see the
     module docstring.
+
+    Args:
+      weight_update: ``"replicated"`` (every replica runs the whole update) or ``"sharded"``
+        (each replica updates 1/N of the weights and keeps 1/N of the optimizer state).
+      min_shard_size: tensors with fewer elements stay replicated (sharded update only).
+      strict: make it an error when an op of the update cannot run on shards.
     """
     if not callable(step):
         raise TypeError(f"data_parallel(step, mesh): step must be callable, got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}")
-    return DataParallelStep(step=step, mesh=mesh, donate_state=donate_state)
+    return DataParallelStep(step, mesh, weight_update=weight_update, min_shard_size=min_shard_size,
+                            strict=strict, donate_state=donate_state)  # fmt: skip

@@ -20,6 +20,9 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from podscale.checkpoint import Checkpointer
 from podscale.data import Loader, padded_eval_batches
 from podscale.data_parallel import data_parallel
@@ -60,6 +63,8 @@ class TrainConfig:
     """Held-out accuracy at which to stop and report the time to target."""
     mesh: tuple[int, ...] | None = None
     """Mesh shape; default a 1-D mesh over all devices."""
+    weight_update: str = "replicated"
+    """``replicated`` or ``sharded`` (cross-replica weight-update sharding)."""
     metrics_file: str | None = None
     export: str | None = None
     """Write the final parameters to this ``.npz`` file (process 0)."""
@@ -96,7 +101,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     mesh = make_mesh(config.mesh)
     task = make_task(config.model, config.data, config.seed)
     optimizer = make_optimizer(config.optimizer, config.learning_rate)
-    dp = data_parallel(make_train_step(task, optimizer), mesh)
+    dp = data_parallel(make_train_step(task, optimizer), mesh, weight_update=config.weight_update)
     if config.batch_size % dp.replicas:
         raise ValueError(
             f"--batch-size {config.batch_size} is not divisible by the {dp.replicas} replicas; "
@@ -106,13 +111,21 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if eval_batch % dp.replicas:
         raise ValueError(f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas")
 
-    # Init, then shard: the state is created directly with its replicated sharding.
-    state = jax.jit(lambda: task.init_state(jax.random.key(config.seed), optimizer), out_shardings=dp.state_sharding)()
+    # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
+    def init():
+        return task.init_state(jax.random.key(config.seed), optimizer)
+
+    example = task.train_data.get(np.arange(1))
+    batch_shapes = {k: jax.ShapeDtypeStruct((config.batch_size, *v.shape[1:]), v.dtype) for k, v in example.items()}
+    layout = dp.prepare(jax.eval_shape(init), batch_shapes)
+    state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
+    checkpointed = _CheckpointForm(layout)
 
     ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every) if config.workdir else None
     resumed_from = None
     if ckpt and config.resume:
-        resumed_from, state = ckpt.restore(state)
+        resumed_from, restored = ckpt.restore(checkpointed.like())
+        state = checkpointed.load(restored)
     elif ckpt and (existing := ckpt.latest_step()) is not None:
         raise ValueError(
             f"--workdir {config.workdir} already holds checkpoints (latest step {existing}); pass --resume "
@@ -164,7 +177,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 progress.update(bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}")
                 aside = time.perf_counter()
                 if ckpt:
-                    ckpt.maybe_save(done, state)
+                    ckpt.maybe_save(done, state, checkpointed.save_form)
                 reached = False
                 if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
@@ -187,7 +200,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             log.close()
     final_step = step + 1 if step < config.steps else config.steps
     if ckpt:
-        ckpt.maybe_save(final_step, state, force=True)
+        ckpt.maybe_save(final_step, state, checkpointed.save_form, force=True)
         ckpt.close()
     elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
@@ -208,6 +221,30 @@ def train(config: TrainConfig) -> dict[str, Any]:
         resumed_from=resumed_from,
     )
     return summary
+
+
+class _CheckpointForm:
+    """Checkpoints hold the user layout (whole tensors), so they restore onto any replica count:
+    the stored state is unstored (all-gathered) on save and stored (sliced) on restore."""
+
+    def __init__(self, layout):
+        replicated = NamedSharding(layout.mesh, P())
+        self.layout = layout
+        self._save = jax.jit(layout.unstore, out_shardings=replicated)
+        self._load = jax.jit(layout.store, out_shardings=layout.shardings())
+        self._replicated = replicated
+
+    def save_form(self, state):
+        return self._save(state) if self.layout.any_sharded else state
+
+    def like(self):
+        return jax.tree.unflatten(
+            self.layout.treedef,
+            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated) for leaf in self.layout.leaves],
+        )
+
+    def load(self, restored):
+        return self._load(restored) if self.layout.any_sharded else restored
 
 
 def _log_step(pending, record) -> float:

@@ -1,0 +1,170 @@
+"""Where each state leaf lives between steps: replicated, or sharded 1/N over the replicas.
+
+Two layouts, stated once (as levanter keeps a parameter and a compute mapping): the *user* layout
+is the state pytree the step was written for; the *stored* layout is what lives on the mesh. A
+sharded leaf is stored as a flat array of ``N * ceil(size / N)`` elements (zero padding at the
+end) split over every mesh axis, so each replica holds one chunk. ``store``/``unstore`` convert
+between the two; checkpoints hold the user layout, so they restore onto any replica count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    sharded: bool
+    reason: str
+    shard_len: int = 0
+    padding: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def bytes_per_device(self) -> int:
+        return self.shard_len * np.dtype(self.dtype).itemsize if self.sharded else self.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    treedef: Any
+    leaves: tuple[LeafLayout, ...]
+    mesh: Mesh
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.mesh.shape.values())
+
+    @property
+    def any_sharded(self) -> bool:
+        return any(leaf.sharded for leaf in self.leaves)
+
+    def specs(self):
+        return jax.tree.unflatten(self.treedef, [P(self.axes) if leaf.sharded else P() for leaf in self.leaves])
+
+    def shardings(self):
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs())
+
+    def stored_shapes(self):
+        def one(leaf):
+            shape = (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
+            return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+        return jax.tree.unflatten(self.treedef, [one(leaf) for leaf in self.leaves])
+
+    def check(self, state, what: str = "state") -> None:
+        treedef = jax.tree.structure(state)
+        if treedef != self.treedef:
+            raise ValueError(f"{what} has structure {treedef}, but this step was prepared for {self.treedef}")
+
+    # -- conversions; pure functions usable under jit --------------------------------------
+    def store(self, state):
+        """User layout -> stored layout (flatten and pad the sharded leaves)."""
+        self.check(state)
+        leaves = []
+        for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
+            if leaf.sharded:
+                flat = jnp.ravel(x)
+                x = jnp.pad(flat, (0, leaf.padding)) if leaf.padding else flat
+            leaves.append(x)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def unstore(self, stored):
+        """Stored layout -> user layout (drop the padding, restore the shape)."""
+        leaves = []
+        for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
+            if leaf.sharded:
+                x = x[: math.prod(leaf.shape)].reshape(leaf.shape)
+            leaves.append(x)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    # -- host-side placement ----------------------------------------------------------------
+    def place(self, state):
+        """Host or single-device state (user layout) -> stored state on the mesh."""
+        self.check(state)
+        out = []
+        for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
+            sharding = NamedSharding(self.mesh, P(self.axes) if leaf.sharded else P())
+            out.append(_put(x, sharding, leaf))
+        return jax.tree.unflatten(self.treedef, out)
+
+    def fetch(self, stored):
+        """Stored state on the mesh -> user-layout host numpy arrays, on every process."""
+        out = []
+        for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
+            x = _get(x)
+            if leaf.sharded and not _is_key(x):
+                x = np.asarray(x)[: math.prod(leaf.shape)].reshape(leaf.shape)
+            out.append(x)
+        return jax.tree.unflatten(self.treedef, out)
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _put(x, sharding, leaf: LeafLayout | None = None):
+    if _is_key(x):  # typed PRNG keys travel as their raw key data
+        return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    if isinstance(x, jax.Array) and x.sharding == sharding and not (leaf and leaf.sharded):
+        return x
+    x = np.asarray(x)
+    if leaf is not None and leaf.sharded:
+        x = np.pad(x.reshape(-1), (0, leaf.padding))
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _get(x):
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if _is_key(x):
+        return jax.random.wrap_key_data(_get(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int) -> StateLayout:
+    """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
+
+    ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights);
+    ``None`` means the replicated update: every leaf replicated.
+    """
+    n = math.prod(mesh.shape.values())
+    leaves = []
+    for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
+        shape, dtype = tuple(np.shape(x)), x.dtype
+        size = math.prod(shape)
+        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype)
+        if forward_inputs is None:
+            leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
+        elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            leaves.append(LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype})"))
+        elif size < min_shard_size:
+            leaves.append(LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}"))
+        elif i in forward_inputs:
+            leaves.append(LeafLayout(**kw, sharded=False, reason="weight: the forward pass reads it whole; updated on shards, then all-gathered"))
+        else:
+            length = -(-size // n)
+            leaves.append(LeafLayout(**kw, sharded=True, reason="sharded", shard_len=length, padding=length * n - size))
+    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh)

@@ -1,0 +1,328 @@
+"""Cross-replica weight-update sharding of an unmodified traced step (Xu et al., arXiv 2004.13336).
+
+The replicated data-parallel step sums each gradient over the replicas (``psum_invariant``), then
+every replica runs the same optimizer update on the full weights. Here the traced step is replayed
+with values in one of two layouts:
+
+* *full*: an ordinary value, the same on every replica (weights, scalars, small tensors);
+* :class:`Sharded`: this replica's 1/N chunk of a tensor flattened in row-major order and padded
+  with zeros to a multiple of N. Every tensor of a given shape uses the same chunking, so two
+  sharded operands of one shape line up element for element.
+
+The gradient sums become one fused reduce-scatter (gradients of at least ``min_shard_size``
+elements) and one fused all-reduce (the rest). Ops downstream then run on shards where that is
+exact: elementwise ops (a full operand of the same shape is sliced, a scalar broadcasts), reshapes,
+and reductions over a whole tensor (a local partial reduction, padding masked, plus a small
+all-reduce: the per-layer norms of LARS and LAMB, global-norm clipping). Any other op that meets a
+shard gets its operands all-gathered first and is recorded in the plan as computed on gathered
+values, so nothing is silently wrong. Optimizer-state leaves (large float leaves the forward pass
+never reads) stay sharded between steps; updated weights are all-gathered in one fused collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
+from jax.extend import core
+
+from podscale import _interpret
+
+DEFAULT_MIN_SHARD_SIZE = 2048
+"""Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
+on its own costs more than updating it redundantly saves (it is fused with the others anyway)."""
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
+    reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
+)
+REDUCTIONS = {"reduce_sum": (lax.psum, 0), "reduce_max": (lax.pmax, -np.inf), "reduce_min": (lax.pmin, np.inf)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements."""
+
+    shard: Any
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str  # reduce-scatter | all-reduce | all-gather
+    axes: tuple[str, ...]
+    bytes_per_device: int
+    tensors: int
+    why: str
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one rewrite did: collectives, ops computed on gathered values. Filled while tracing."""
+
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    gathered_ops: list[str] = dataclasses.field(default_factory=list)
+
+
+class Layout:
+    """The chunking of tensors over ``n`` replicas along mesh ``axes``."""
+
+    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int):
+        self.axes, self.n, self.min_shard_size = axes, n, min_shard_size
+
+    def shard_len(self, size: int) -> int:
+        return -(-size // self.n)
+
+    def padding(self, size: int) -> int:
+        return self.shard_len(size) * self.n - size
+
+    def shards(self, shape, dtype) -> bool:
+        return math.prod(shape) >= self.min_shard_size and jnp.issubdtype(dtype, jnp.inexact)
+
+    def _padded_rows(self, x) -> jax.Array:
+        flat = jnp.ravel(x)
+        pad = self.padding(flat.size)
+        return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(self.n, -1)
+
+    def slice(self, x) -> Sharded:
+        """A full value's chunk on this replica (no communication)."""
+        rows = self._padded_rows(x)
+        index = lax.axis_index(self.axes)
+        return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), tuple(np.shape(x)))
+
+    def valid(self, s: Sharded) -> jax.Array:
+        """Mask of the shard's real (not padding) elements."""
+        length = s.shard.shape[0]
+        start = lax.axis_index(self.axes) * length
+        return start + lax.iota(jnp.int32, length) < s.size
+
+
+def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list[Sharded]:
+    rows = [layout._padded_rows(v) for v in values]
+    buffer = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    local = lax.psum_scatter(buffer, layout.axes, scatter_dimension=0, tiled=True)[0]
+    local = local / jnp.asarray(layout.n, local.dtype)
+    trace.collectives.append(
+        Collective("reduce-scatter", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), "gradient sum")
+    )
+    out, offset = [], 0
+    for v, r in zip(values, rows, strict=True):
+        out.append(Sharded(local[offset : offset + r.shape[1]], tuple(v.shape)))
+        offset += r.shape[1]
+    return out
+
+
+def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str) -> list:
+    flat = [jnp.ravel(v) for v in values]
+    buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+    total = lax.psum(buffer, layout.axes) / jnp.asarray(layout.n, buffer.dtype)
+    trace.collectives.append(Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), why))
+    out, offset = [], 0
+    for v in values:
+        out.append(total[offset : offset + v.size].reshape(v.shape))
+        offset += v.size
+    return out
+
+
+def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> list:
+    """All-gathers sharded values to full ones, fused per dtype."""
+    out: list = [None] * len(shards)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, s in enumerate(shards):
+        by_dtype.setdefault(s.shard.dtype, []).append(i)
+    for members in by_dtype.values():
+        parts = [shards[i].shard for i in members]
+        buffer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        full = all_gather_invariant(buffer, layout.axes, axis=0, tiled=False)  # [n, local]
+        trace.collectives.append(
+            Collective("all-gather", layout.axes, buffer.size * buffer.dtype.itemsize, len(members), why)
+        )
+        offset = 0
+        for i in members:
+            s = shards[i]
+            length = s.shard.shape[0]
+            out[i] = full[:, offset : offset + length].reshape(-1)[: s.size].reshape(s.shape)
+            offset += length
+    return out
+
+
+class _Pending:
+    """A gradient sum whose collective is deferred, so that all of them can be fused."""
+
+    def __init__(self, fuser: _Fuser, value, shard: bool):
+        self.fuser, self.value, self.shard, self.result = fuser, value, shard, None
+
+    def get(self):
+        if self.result is None:
+            self.fuser.flush()
+        return self.result
+
+
+class _Fuser:
+    def __init__(self, layout: Layout, trace: Trace):
+        self.layout, self.trace, self.pending = layout, trace, []
+
+    def add(self, value) -> _Pending:
+        p = _Pending(self, value, self.layout.shards(value.shape, value.dtype))
+        self.pending.append(p)
+        return p
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        scatter = [p for p in pending if p.shard]
+        reduce = [p for p in pending if not p.shard]
+        for group in (scatter, reduce):
+            by_dtype: dict[Any, list[_Pending]] = {}
+            for p in group:
+                by_dtype.setdefault(p.value.dtype, []).append(p)
+            for members in by_dtype.values():
+                values = [p.value for p in members]
+                if members[0].shard:
+                    results = _fuse_reduce_scatter(self.layout, values, self.trace)
+                else:
+                    results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)")
+                for p, r in zip(members, results, strict=True):
+                    p.result = r
+
+
+class Rewriter:
+    """Replays a traced step with sharded layouts; see the module docstring."""
+
+    def __init__(self, layout: Layout, trace: Trace, grad_mean_rule):
+        self.layout, self.trace, self.grad_mean_rule = layout, trace, grad_mean_rule
+        self.fuser = _Fuser(layout, trace)
+
+    # -- reading values -------------------------------------------------------------------
+    def resolve(self, v):
+        return v.get() if isinstance(v, _Pending) else v
+
+    def full(self, v, why: str):
+        v = self.resolve(v)
+        if isinstance(v, Sharded):
+            return gather(self.layout, [v], self.trace, why)[0]
+        return v
+
+    # -- the interpreter ------------------------------------------------------------------
+    def evaluate(self, jaxpr, consts, args) -> list:
+        env: dict[Any, Any] = {}
+
+        def read(var):
+            return var.val if isinstance(var, core.Literal) else env[var]
+
+        for var, val in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args, strict=True):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            outs = self.equation(eqn, [read(v) for v in eqn.invars])
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, invals) -> list:
+        name = eqn.primitive.name
+        if name == _interpret_grad_sum():
+            return [self.fuser.add(v) for v in invals]
+        vals = [self.resolve(v) for v in invals]
+        has_shard = any(isinstance(v, Sharded) for v in vals)
+        if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
+            has_shard or any(_interpret.contains(s, {_interpret_grad_sum()}) for s in _interpret._sub_jaxprs(eqn))
+        ):
+            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
+            extra = len(vals) - len(inner_jaxpr.invars)
+            return self.evaluate(inner_jaxpr, consts, vals[extra:])
+        if has_shard:
+            sharded = self.on_shards(eqn, vals)
+            if sharded is not None:
+                return sharded
+            self.trace.gathered_ops.append(f"{name}{[list(getattr(v, 'shape', ())) for v in vals]}")
+            vals = [self.full(v, f"operand of {name}") for v in vals]
+        return self.bind(eqn, vals)
+
+    def bind(self, eqn, vals) -> list:
+        if _interpret.contains_any(eqn, {_interpret_grad_sum()}):
+            # Control flow holding a gradient sum (a scan over microbatches, nn.scan): the sums
+            # inside stay all-reduces (as in the replicated step), the results are full values.
+            outs = _interpret._higher_order(eqn, vals, {_interpret_grad_sum(): self.grad_mean_rule})
+            self.trace.collectives.append(
+                Collective("all-reduce", self.layout.axes, 0, 0, f"gradient sum inside {eqn.primitive.name}")
+            )
+            return outs
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    def on_shards(self, eqn, vals) -> list | None:
+        """The equation computed on shards, or ``None`` when it cannot be."""
+        name, p = eqn.primitive.name, eqn.params
+        shards = [v for v in vals if isinstance(v, Sharded)]
+        shape = shards[0].shape
+        if name in ELEMENTWISE:
+            if any(s.shape != shape for s in shards):
+                return None
+            args = []
+            for v in vals:
+                if isinstance(v, Sharded):
+                    args.append(v.shard)
+                elif np.shape(v) == ():
+                    args.append(v)
+                elif tuple(np.shape(v)) == shape:
+                    args.append(self.layout.slice(v).shard)
+                else:
+                    return None
+            out = eqn.primitive.bind(*args, **p)
+            outs = out if eqn.primitive.multiple_results else [out]
+            return [Sharded(o, shape) for o in outs]
+        if name == "reshape" and len(vals) == 1:
+            return [Sharded(vals[0].shard, tuple(p["new_sizes"]))]
+        if name == "broadcast_in_dim" and len(vals) == 1 and math.prod(p["shape"]) == vals[0].size:
+            return [Sharded(vals[0].shard, tuple(p["shape"]))]  # only inserts unit dimensions
+        if name == "squeeze" and len(vals) == 1:
+            return [Sharded(vals[0].shard, tuple(d for i, d in enumerate(shape) if i not in p["dimensions"]))]
+        if name in REDUCTIONS and len(vals) == 1 and tuple(sorted(p["axes"])) == tuple(range(len(shape))):
+            collective, identity = REDUCTIONS[name]
+            s = vals[0]
+            local = jnp.where(self.layout.valid(s), s.shard, jnp.asarray(identity, s.shard.dtype))
+            partial = eqn.primitive.bind(local, axes=(0,), **{k: v for k, v in p.items() if k != "axes"})
+            self.trace.collectives.append(
+                Collective("all-reduce", self.layout.axes, partial.dtype.itemsize, 1, f"{name} of a whole sharded tensor")
+            )
+            return [collective(partial, self.layout.axes)]
+        return None
+
+
+def _interpret_grad_sum() -> str:
+    from podscale.data_parallel import GRAD_SUM
+
+    return GRAD_SUM
+
+
+def forward_used(jaxpr) -> set:
+    """Input variables read by an equation whose result differs per replica (the forward pass)."""
+    used = set()
+    for eqn in jaxpr.eqns:
+        if any(_varying(v.aval) for v in eqn.outvars):
+            used.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    return used
+
+
+def _varying(aval) -> bool:
+    mat = getattr(aval, "manual_axis_type", None)
+    return bool(mat.varying) if mat is not None else bool(getattr(aval, "vma", ()))
+
+
+RewriteFn = Callable[..., Any]
