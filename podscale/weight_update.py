@@ -266,6 +266,11 @@ class Rewriter:
             outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
+    def varying(self, x):
+        """``x`` typed as differing per replica (primitives bound directly get no implicit cast)."""
+        missing = tuple(a for a in self.layout.axes if not _varying(jax.typeof(x), a))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
     def on_shards(self, eqn, vals) -> list | None:
         """The equation computed on shards, or ``None`` when it cannot be."""
         name, p = eqn.primitive.name, eqn.params
@@ -284,7 +289,7 @@ class Rewriter:
                     args.append(self.layout.slice(v).shard)
                 else:
                     return None
-            out = eqn.primitive.bind(*args, **p)
+            out = eqn.primitive.bind(*[self.varying(a) for a in args], **p)
             outs = out if eqn.primitive.multiple_results else [out]
             return [Sharded(o, shape) for o in outs]
         if name == "reshape" and len(vals) == 1:
@@ -297,7 +302,7 @@ class Rewriter:
             collective, identity = REDUCTIONS[name]
             s = vals[0]
             local = jnp.where(self.layout.valid(s), s.shard, jnp.asarray(identity, s.shard.dtype))
-            partial = eqn.primitive.bind(local, axes=(0,), **{k: v for k, v in p.items() if k != "axes"})
+            partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
             self.trace.collectives.append(
                 Collective("all-reduce", self.layout.axes, partial.dtype.itemsize, 1, f"{name} of a whole sharded tensor")
             )
@@ -320,9 +325,10 @@ def forward_used(jaxpr) -> set:
     return used
 
 
-def _varying(aval) -> bool:
+def _varying(aval, axis=None) -> bool:
     mat = getattr(aval, "manual_axis_type", None)
-    return bool(mat.varying) if mat is not None else bool(getattr(aval, "vma", ()))
+    names = frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+    return bool(names) if axis is None else axis in names
 
 
 RewriteFn = Callable[..., Any]
