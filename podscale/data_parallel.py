@@ -134,16 +134,33 @@ class DataParallelStep:
             self.layout.check(abstract)
             return self.layout
         forward = None
-        if self.sharded:
-            if batch is None:
-                raise ValueError(
-                    "weight_update='sharded' needs an example global batch to decide which state "
-                    "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
-                )
+        if batch is not None:
             self.check_batch(batch)
             forward = self._forward_inputs(abstract, batch)
-        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size)
+        elif self.sharded:
+            raise ValueError(
+                "weight_update='sharded' needs an example global batch to decide which state "
+                "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
+            )
+        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded)
         return self.layout
+
+    def plan(self, state=None, batch=None):
+        """What the step does, before running it: see :class:`podscale.plan.Plan`.
+
+        ``state`` (user layout) and ``batch`` may be arrays or ``ShapeDtypeStruct``; they can be
+        left out once the step has been prepared and traced.
+        """
+        from podscale.plan import make_plan
+
+        if state is not None:
+            self.prepare(state, batch)
+        if self.trace is None:
+            if batch is None:
+                raise ValueError("plan() needs an example global batch the first time")
+            batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+            self.lower(self.layout.stored_shapes(), batch_shapes)
+        return make_plan(self)
 
     def _forward_inputs(self, abstract_state, batch) -> set[int]:
         found: list[set[int]] = []
@@ -164,7 +181,7 @@ class DataParallelStep:
     def _build(self):
         layout = self.layout
         axes, n = self.axes, self.replicas
-        chunks = Layout(axes, n, self.min_shard_size if self.sharded else math.inf)
+        chunks = Layout(axes, n, self.min_shard_size, scatter=self.sharded)
         abstract_state = jax.tree.unflatten(
             layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
         )

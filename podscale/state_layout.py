@@ -30,6 +30,8 @@ class LeafLayout:
     reason: str
     shard_len: int = 0
     padding: int = 0
+    weight: bool = False
+    """Read by the forward pass (kept whole for it); otherwise optimizer or other state."""
 
     @property
     def bytes(self) -> int:
@@ -144,25 +146,25 @@ def _get(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int) -> StateLayout:
+def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int, shard: bool = True) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
-    ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights);
-    ``None`` means the replicated update: every leaf replicated.
+    ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
+    ``shard=False`` (the replicated update) keeps every leaf replicated.
     """
     n = math.prod(mesh.shape.values())
     leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype
         size = math.prod(shape)
-        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype)
-        if forward_inputs is None:
+        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype, weight=i in (forward_inputs or ()))
+        if not shard:
             leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
         elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
             leaves.append(LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype})"))
         elif size < min_shard_size:
             leaves.append(LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}"))
-        elif i in forward_inputs:
+        elif kw["weight"]:
             leaves.append(LeafLayout(**kw, sharded=False, reason="weight: the forward pass reads it whole; updated on shards, then all-gathered"))
         else:
             length = -(-size // n)

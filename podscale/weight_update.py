@@ -80,8 +80,8 @@ class Trace:
 class Layout:
     """The chunking of tensors over ``n`` replicas along mesh ``axes``."""
 
-    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int):
-        self.axes, self.n, self.min_shard_size = axes, n, min_shard_size
+    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int, scatter: bool = True):
+        self.axes, self.n, self.min_shard_size, self.scatter = axes, n, min_shard_size, scatter
 
     def shard_len(self, size: int) -> int:
         return -(-size // self.n)
@@ -110,9 +110,19 @@ class Layout:
         return start + lax.iota(jnp.int32, length) < s.size
 
 
-def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list[Sharded]:
+def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     rows = [layout._padded_rows(v) for v in values]
     buffer = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    if not layout.scatter:
+        # The replicated update all-reduces the very same buffer, so that every element is summed
+        # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
+        total = lax.psum(buffer, layout.axes) / jnp.asarray(layout.n, buffer.dtype)
+        trace.collectives.append(Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), "gradient sum"))
+        out, offset = [], 0
+        for v, r in zip(values, rows, strict=True):
+            out.append(total[:, offset : offset + r.shape[1]].reshape(-1)[: v.size].reshape(v.shape))
+            offset += r.shape[1]
+        return out
     local = lax.psum_scatter(buffer, layout.axes, scatter_dimension=0, tiled=True)[0]
     local = local / jnp.asarray(layout.n, local.dtype)
     trace.collectives.append(
@@ -167,6 +177,8 @@ class _Pending:
 
     def get(self):
         if self.result is None:
+            if self not in self.fuser.pending:  # superseded by a moved op, yet read after all
+                self.fuser.pending.append(self)
             self.fuser.flush()
         return self.result
 
@@ -179,6 +191,13 @@ class _Fuser:
         p = _Pending(self, value, self.layout.shards(value.shape, value.dtype))
         self.pending.append(p)
         return p
+
+    def move(self, old: _Pending, value) -> _Pending:
+        """``old``'s sum is deferred past a shape-only op: sum ``value`` (the op applied to the
+        local gradient) instead. Exact, since the op moves no value across elements."""
+        if old in self.pending:
+            self.pending.remove(old)
+        return self.add(value)
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
@@ -236,6 +255,9 @@ class Rewriter:
         name = eqn.primitive.name
         if name == _interpret_grad_sum():
             return [self.fuser.add(v) for v in invals]
+        if self._movable(eqn, invals):
+            moved = self.bind(eqn, [invals[0].value])
+            return [self.fuser.move(invals[0], moved[0])]
         vals = [self.resolve(v) for v in invals]
         has_shard = any(isinstance(v, Sharded) for v in vals)
         if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
@@ -252,6 +274,21 @@ class Rewriter:
             self.trace.gathered_ops.append(f"{name}{[list(getattr(v, 'shape', ())) for v in vals]}")
             vals = [self.full(v, f"operand of {name}") for v in vals]
         return self.bind(eqn, vals)
+
+    @staticmethod
+    def _movable(eqn, invals) -> bool:
+        """A shape-only op on a deferred gradient sum (the bias gradient's reshape and unit-axis
+        reduce_sum in the backward pass): moving it before the sum keeps all sums fusable."""
+        if len(invals) != 1 or not isinstance(invals[0], _Pending) or invals[0].result is not None:
+            return False
+        name, p = eqn.primitive.name, eqn.params
+        if name in ("reshape", "squeeze", "expand_dims", "transpose"):
+            return True
+        if name == "broadcast_in_dim":
+            return math.prod(p["shape"]) == invals[0].value.size
+        if name == "reduce_sum":
+            return all(invals[0].value.shape[a] == 1 for a in p["axes"])
+        return False
 
     def bind(self, eqn, vals) -> list:
         if _interpret.contains_any(eqn, {_interpret_grad_sum()}):
