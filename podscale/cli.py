@@ -90,10 +90,51 @@ def _run_train(args) -> int:
     return 0 if summary["target"] is None or summary["time_to_target_s"] is not None else 1
 
 
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="show the weight-update plan of a model's step without running it")
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--data", default="synthetic")
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--weight-update", default="sharded", choices=["replicated", "sharded"])
+    p.add_argument("--min-shard-size", type=int, default=None, help="tensors smaller than this stay replicated")
+    p.add_argument("--strict", action="store_true", help="fail when an op of the update cannot run on shards")
+    p.add_argument("--json", action="store_true")
+
+
+def _run_plan(args) -> int:
+    distributed.setup(args.replicas, distributed.ClusterSpec())
+
+    import jax
+    import numpy as np
+
+    from podscale import data_parallel, make_mesh
+    from podscale.tasks import make_optimizer, make_task, make_train_step
+    from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE
+
+    task = make_task(args.model, args.data)
+    tx = make_optimizer(args.optimizer, args.learning_rate)
+    dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update=args.weight_update,
+                       min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict)  # fmt: skip
+    example = task.train_data.get(np.arange(1))
+    batch = {k: jax.ShapeDtypeStruct((args.batch_size, *v.shape[1:]), v.dtype) for k, v in example.items()}
+    plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), batch)
+    if args.strict and plan.gathered_ops:
+        raise ValueError(f"--strict: these ops of the update cannot run on shards: {', '.join(plan.gathered_ops)}")
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        plan.render()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
     parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _plan_parser(sub)
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
     lp.add_argument("--grace", type=float, default=60.0, help="seconds the others get to stop after one fails")
@@ -103,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         if args.command == "launch":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return distributed.launch(args.processes, cmd, grace_s=args.grace)
+        if args.command == "plan":
+            return _run_plan(args)
         return _run_train(args)
     except (ValueError, CheckpointError) as e:
         print(f"podscale: error: {e}", file=sys.stderr)

@@ -133,6 +133,10 @@ OPTIMIZERS: dict[str, Callable[[float], optax.GradientTransformation]] = {
     "adamw": optax.adamw,
     "lamb": optax.lamb,
     "lars": optax.lars,
+    "rmsprop": optax.rmsprop,
+    "adagrad": optax.adagrad,
+    "lion": optax.lion,
+    "adafactor": optax.adafactor,
 }
 
 

@@ -256,7 +256,7 @@ class Rewriter:
         if name == _interpret_grad_sum():
             return [self.fuser.add(v) for v in invals]
         if self._movable(eqn, invals):
-            moved = self.bind(eqn, [invals[0].value])
+            moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])
             return [self.fuser.move(invals[0], moved[0])]
         vals = [self.resolve(v) for v in invals]
         has_shard = any(isinstance(v, Sharded) for v in vals)
@@ -279,10 +279,14 @@ class Rewriter:
     def _movable(eqn, invals) -> bool:
         """A shape-only op on a deferred gradient sum (the bias gradient's reshape and unit-axis
         reduce_sum in the backward pass): moving it before the sum keeps all sums fusable."""
-        if len(invals) != 1 or not isinstance(invals[0], _Pending) or invals[0].result is not None:
+        if not invals or not isinstance(invals[0], _Pending) or invals[0].result is not None:
             return False
         name, p = eqn.primitive.name, eqn.params
-        if name in ("reshape", "squeeze", "expand_dims", "transpose"):
+        if name == "pad":  # the transpose of a slice: zeros sum to zeros
+            return isinstance(eqn.invars[1], core.Literal) and eqn.invars[1].val == 0
+        if len(invals) != 1:
+            return False
+        if name in ("reshape", "squeeze", "expand_dims", "transpose", "reshard"):
             return True
         if name == "broadcast_in_dim":
             return math.prod(p["shape"]) == invals[0].value.size
@@ -329,6 +333,8 @@ class Rewriter:
             out = eqn.primitive.bind(*[self.varying(a) for a in args], **p)
             outs = out if eqn.primitive.multiple_results else [out]
             return [Sharded(o, shape) for o in outs]
+        if name == "reshard" and len(vals) == 1:  # a sharding annotation; shards are manual already
+            return [vals[0]]
         if name == "reshape" and len(vals) == 1:
             return [Sharded(vals[0].shard, tuple(p["new_sizes"]))]
         if name == "broadcast_in_dim" and len(vals) == 1 and math.prod(p["shape"]) == vals[0].size:
@@ -354,12 +360,12 @@ def _interpret_grad_sum() -> str:
 
 
 def forward_used(jaxpr) -> set:
-    """Input variables read by an equation whose result differs per replica (the forward pass)."""
-    used = set()
-    for eqn in jaxpr.eqns:
-        if any(_varying(v.aval) for v in eqn.outvars):
-            used.update(v for v in eqn.invars if not isinstance(v, core.Literal))
-    return used
+    """Variables that a value differing per replica (the forward pass) is computed from."""
+    needed = set()
+    for eqn in reversed(jaxpr.eqns):
+        if any(_varying(v.aval) or v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    return needed
 
 
 def _varying(aval, axis=None) -> bool:
