@@ -141,3 +141,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_plan_reports_layouts_collectives_and_memory():
+    plan = json.loads(_run("plan", "--model", "transformer", "--optimizer", "lamb", "--replicas", "8", "--json").stdout)
+    kinds = {c["kind"] for c in plan["collectives"]}
+    assert {"reduce-scatter", "all-gather", "all-reduce"} <= kinds
+    assert plan["memory"]["optimizer_state"] < plan["memory"]["optimizer_state_replicated"] / 5
+    assert not plan["gathered_ops"]
+    sharded = [leaf for leaf in plan["leaves"] if leaf["sharded"]]
+    assert sharded and all(leaf["role"] == "state" for leaf in sharded)
+    assert all(leaf["reason"] for leaf in plan["leaves"])
+
+
+def test_plan_strict_fails_on_ops_that_cannot_run_on_shards():
+    proc = _run("plan", "--model", "mlp", "--optimizer", "adafactor", "--strict", check=False)
+    assert proc.returncode == 2 and "cannot run on shards: reduce_sum" in proc.stderr
+
+
+def test_sharded_checkpoints_move_between_replica_counts(tmp_path):
+    """8 -> 4 -> 2 -> 8 replicas through checkpoints ends where an unmoved 8-replica run ends."""
+    common = ["train", "--model", "mlp", "--optimizer", "momentum", "--learning-rate", "0.05", "--batch-size", "32",
+              "--weight-update", "sharded", "--checkpoint-every", "2", "--no-progress", "--json"]  # fmt: skip
+    whole = _summary(_run(*common, "--replicas", "8", "--steps", "8", "--workdir", str(tmp_path / "w"),
+                          "--export", str(tmp_path / "whole.npz")))  # fmt: skip
+    moved = tmp_path / "m"
+    _run(*common, "--replicas", "8", "--steps", "2", "--workdir", str(moved))
+    _run(*common, "--replicas", "4", "--steps", "4", "--workdir", str(moved), "--resume")
+    _run(*common, "--replicas", "2", "--steps", "6", "--workdir", str(moved), "--resume")
+    last = _summary(_run(*common, "--replicas", "8", "--steps", "8", "--workdir", str(moved), "--resume",
+                         "--export", str(tmp_path / "moved.npz")))  # fmt: skip
+    assert last["resumed_from"] == 6 and last["steps"] == whole["steps"] == 8
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "moved.npz")
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
