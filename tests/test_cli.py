@@ -65,6 +65,11 @@ def test_two_processes_print_the_same_final_loss_as_one(tmp_path):
     """The transformer for 20 steps: 2 processes x 4 devices (gloo) versus 1 process x 8 devices."""
     one, two, _ = _one_and_two_processes(tmp_path, "--model", "transformer", "--steps", "20")
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
+    # The sharded weight update across two processes (reduce-scatter and all-gather over gloo).
+    sharded = _summary(_run("launch", "--processes", "2", "--", *PODSCALE, "train", "--model", "transformer",
+                            "--steps", "20", "--replicas", "8", "--weight-update", "sharded", "--json", "--no-progress"))  # fmt: skip
+    assert sharded["processes"] == 2
+    assert sharded["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
 
 
 def test_two_processes_reach_the_same_parameters_as_one(tmp_path):
