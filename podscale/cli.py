@@ -130,11 +130,46 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update)")
+    p.add_argument("which", choices=["wus"])
+    p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+
+
+def _run_bench(args) -> int:
+    distributed.setup(args.replicas, distributed.ClusterSpec())
+    from rich.console import Console
+    from rich.table import Table
+
+    from podscale.bench import bench_wus
+
+    result = bench_wus(steps=args.steps, width=args.width, depth=args.depth, vocab=args.vocab)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    cfg = result.pop("config")
+    table = Table("optimizer", "variant", "step s", "update s", "peak MiB/device", "collectives (KiB/device)", "max |dparam|",
+                  title=f"weight update, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas")  # fmt: skip
+    for opt, per in result.items():
+        for variant, r in per.items():
+            coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
+            peak = r["peak_bytes_per_device"]
+            table.add_row(opt, variant, f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{peak / 2**20:.1f}" if peak else "-", coll, f"{r['max_abs_param_diff']:.2e}")
+    Console().print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
     parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _plan_parser(sub)
+    _bench_parser(sub)
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
     lp.add_argument("--grace", type=float, default=60.0, help="seconds the others get to stop after one fails")
@@ -144,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         if args.command == "launch":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return distributed.launch(args.processes, cmd, grace_s=args.grace)
+        if args.command == "bench":
+            return _run_bench(args)
         if args.command == "plan":
             return _run_plan(args)
         return _run_train(args)

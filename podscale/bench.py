@@ -1,0 +1,142 @@
+"""``podscale bench wus``: replicated vs sharded vs GSPMD weight update, side by side in one run.
+
+A decoder-only Transformer (about 29M parameters at the default size) at a per-replica batch of
+one 128-token sequence, with each optimizer, three ways:
+
+* ``replicated``: ``data_parallel(step, mesh)``: one fused all-reduce, every replica updates all;
+* ``sharded``: ``data_parallel(step, mesh, weight_update="sharded")``;
+* ``gspmd``: ``jax.jit`` of the plain step with the optimizer state given a data-axis
+  ``NamedSharding`` (first dimension divisible by the replica count) and XLA inserting the
+  collectives.
+
+Figures per variant: ``step_s`` (median over timed steps), ``update_s`` (``step_s`` minus the
+median step of the same variant with plain SGD, whose update is one multiply-add: the cost of
+the optimizer beyond SGD), ``peak_bytes_per_device`` (``compiled.memory_analysis()``: arguments
++ outputs + temporaries - aliased), ``collectives`` (kind -> bytes of the results per device, read
+from the compiled HLO), ``max_abs_param_diff`` against ``replicated`` after the same steps.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from podscale import data, models
+from podscale.data_parallel import data_parallel
+from podscale.mesh import make_mesh
+from podscale.tasks import Task, make_train_step
+
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
+
+
+def hlo_collectives(hlo: str) -> dict[str, int]:
+    """Bytes of each kind of collective's results in a compiled (per-device) HLO module."""
+    out: dict[str, int] = {}
+    for shapes, kind in _COLLECTIVE.findall(hlo):
+        size = 0
+        for dtype, dims in _SHAPE.findall(shapes):
+            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            size += n * _BYTES.get(dtype, 4)
+        out[kind] = out.get(kind, 0) + size
+    return out
+
+
+def _peak(compiled) -> int | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _task(width: int, depth: int, vocab: int, seq: int) -> Task:
+    model = models.Transformer(vocab_size=vocab, width=width, depth=depth, num_heads=8, mlp_dim=4 * width, max_len=seq)
+    tokens = data.SyntheticTokens(1024, seq_len=seq, vocab_size=vocab)
+    return Task(model=model, kind="lm", train_data=tokens, eval_data=tokens)
+
+
+def _gspmd(step, mesh, state, batch_example):
+    n = mesh.devices.size
+    replicated = NamedSharding(mesh, P())
+
+    def spec(path, x):
+        is_opt = "opt_state" in jax.tree_util.keystr(path)
+        if is_opt and np.ndim(x) and np.shape(x)[0] % n == 0:
+            return NamedSharding(mesh, P(mesh.axis_names))
+        return replicated
+
+    shardings = jax.tree_util.tree_map_with_path(spec, state)
+    batch_sharding = NamedSharding(mesh, P(mesh.axis_names))
+    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
+    place = lambda s: jax.device_put(s, shardings)  # noqa: E731
+    gather = lambda s: jax.tree.map(np.asarray, jax.device_get(s))  # noqa: E731
+    return jitted, place, gather, lambda s, b: jitted.lower(s, b).compile()
+
+
+def _variant(name, step, mesh, state, batches):
+    if name == "gspmd":
+        run, place, gather, compile_ = _gspmd(step, mesh, state, batches[0])
+    else:
+        dp = data_parallel(step, mesh, weight_update=name)
+        dp.prepare(state, batches[0])
+        run, place, gather = dp, dp.place_state, dp.gather_state
+        compile_ = lambda s, b: dp.lower(s, b).compile()  # noqa: E731
+    placed = place(state)
+    compiled = compile_(placed, batches[0])
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        placed, _ = run(placed, batch)
+        jax.block_until_ready(placed)
+        if i:  # the first call includes dispatch warm-up
+            times.append(time.perf_counter() - start)
+    return {
+        "step_s": statistics.median(times),
+        "peak_bytes_per_device": _peak(compiled),
+        "collectives": hlo_collectives(compiled.as_text()),
+        "params": gather(placed).params if name != "gspmd" else gather(placed).params,
+    }
+
+
+def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, width: int = 512, depth: int = 8, vocab: int = 8192,
+              seq: int = 128, per_replica_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+    mesh = make_mesh()
+    n = mesh.devices.size
+    task = _task(width, depth, vocab, seq)
+    global_batch = n * per_replica_batch
+    dp_for_batches = data_parallel(lambda s, b: (s, {}), mesh)
+    batches = [dp_for_batches.place_batch(task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)), global_batch) for i in range(steps + 1)]
+    txs = {"sgd": optax.sgd(1e-3), "adam": optax.adam(1e-4), "lamb": optax.lamb(1e-4)}
+    results: dict[str, Any] = {}
+    baseline: dict[str, float] = {}
+    for opt in ("sgd", *optimizers):
+        tx = txs[opt] if opt in txs else getattr(optax, opt)(1e-4)
+        step = make_train_step(task, tx)
+        state = jax.device_get(task.init_state(jax.random.key(0), tx))
+        per = {}
+        for variant in ("replicated", "sharded", "gspmd"):
+            per[variant] = _variant(variant, step, mesh, state, batches)
+        ref = per["replicated"].pop("params")
+        for variant in ("sharded", "gspmd"):
+            got = per[variant].pop("params")
+            per[variant]["max_abs_param_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True))
+        per["replicated"]["max_abs_param_diff"] = 0.0
+        if opt == "sgd":
+            baseline = {v: per[v]["step_s"] for v in per}
+            continue
+        for v in per:
+            per[v]["update_s"] = per[v]["step_s"] - baseline[v]
+        results[opt] = per
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params))
+    results["config"] = {"parameters": params, "replicas": n, "per_replica_batch": per_replica_batch, "seq_len": seq,
+                         "timed_steps": steps, "width": width, "depth": depth, "vocab": vocab}  # fmt: skip
+    return results
