@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale import _interpret, state_layout
 from podscale.mesh import replica_count
-from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
+from podscale.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -93,13 +93,17 @@ class DataParallelStep:
     """
 
     def __init__(self, step: Step, mesh: Mesh, *, weight_update: str = "replicated",
-                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False, donate_state: bool = True):  # fmt: skip
+                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False, donate_state: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):  # fmt: skip
         if weight_update not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update={weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
         if min_shard_size < 1:
             raise ValueError(f"min_shard_size must be at least 1, got {min_shard_size}")
         self.step, self.mesh, self.weight_update = step, mesh, weight_update
         self.min_shard_size, self.strict, self.donate_state = min_shard_size, strict, donate_state
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
         self.layout: state_layout.StateLayout | None = None
         self.trace: Trace | None = None
         self._jitted = None
@@ -181,7 +185,7 @@ class DataParallelStep:
     def _build(self):
         layout = self.layout
         axes, n = self.axes, self.replicas
-        chunks = Layout(axes, n, self.min_shard_size, scatter=self.sharded)
+        chunks = Layout(axes, n, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
         abstract_state = jax.tree.unflatten(
             layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
         )
@@ -328,7 +332,7 @@ class DataParallelStep:
 
 def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
                   min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False,
-                  donate_state: bool = True) -> DataParallelStep:  # fmt: skip
+                  donate_state: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelStep:  # fmt: skip
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
     One call on a global batch gives the new state that ``step`` gives on that whole batch on one
@@ -341,10 +345,12 @@ def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
         (each replica updates 1/N of the weights and keeps 1/N of the optimizer state).
       min_shard_size: tensors with fewer elements stay replicated (sharded update only).
       strict: make it an error when an op of the update cannot run on shards.
+      bucket_bytes: size of the fused gradient buffers (and, divided by the replica count, of
+        the fused weight all-gathers); results do not depend on it.
     """
     if not callable(step):
         raise TypeError(f"data_parallel(step, mesh): step must be callable, got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}")
     return DataParallelStep(step, mesh, weight_update=weight_update, min_shard_size=min_shard_size,
-                            strict=strict, donate_state=donate_state)  # fmt: skip
+                            strict=strict, donate_state=donate_state, bucket_bytes=bucket_bytes)  # fmt: skip

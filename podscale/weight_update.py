@@ -39,6 +39,23 @@ DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
 on its own costs more than updating it redundantly saves (it is fused with the others anyway)."""
 
+DEFAULT_BUCKET_BYTES = 16 * 2**20
+"""Gradients are summed in fused buffers of about this size (Horovod's tensor fusion): a buffer
+is sent as soon as the backward pass has filled it, so its local gradients can be freed and its
+collective can overlap the rest of the backward pass. Results do not depend on it."""
+
+
+def _buckets(items: list, nbytes, limit: int) -> list[list]:
+    out, current, size = [], [], 0
+    for item in items:
+        if current and size + nbytes(item) > limit:
+            out.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes(item)
+    return out + ([current] if current else [])
+
+
 ELEMENTWISE = frozenset(
     """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
     copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag
@@ -80,8 +97,10 @@ class Trace:
 class Layout:
     """The chunking of tensors over ``n`` replicas along mesh ``axes``."""
 
-    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int, scatter: bool = True):
+    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int, scatter: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):  # fmt: skip
         self.axes, self.n, self.min_shard_size, self.scatter = axes, n, min_shard_size, scatter
+        self.bucket_bytes = bucket_bytes
 
     def shard_len(self, size: int) -> int:
         return -(-size // self.n)
@@ -153,7 +172,12 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
     by_dtype: dict[Any, list[int]] = {}
     for i, s in enumerate(shards):
         by_dtype.setdefault(s.shard.dtype, []).append(i)
-    for members in by_dtype.values():
+    buckets = [
+        bucket
+        for members in by_dtype.values()
+        for bucket in _buckets(members, lambda i: shards[i].shard.size * shards[i].shard.dtype.itemsize, layout.bucket_bytes // layout.n)
+    ]
+    for members in buckets:
         parts = [shards[i].shard for i in members]
         buffer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         full = all_gather_invariant(buffer, layout.axes, axis=0, tiled=False)  # [n, local]
@@ -190,6 +214,9 @@ class _Fuser:
     def add(self, value) -> _Pending:
         p = _Pending(self, value, self.layout.shards(value.shape, value.dtype))
         self.pending.append(p)
+        same = [q for q in self.pending if q.shard == p.shard and q.value.dtype == p.value.dtype]
+        if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
+            self.flush(same)  # a full bucket goes now, while the backward pass continues
         return p
 
     def move(self, old: _Pending, value) -> _Pending:
@@ -199,8 +226,12 @@ class _Fuser:
             self.pending.remove(old)
         return self.add(value)
 
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
+    def flush(self, only: list[_Pending] | None = None) -> None:
+        if only is None:
+            pending, self.pending = self.pending, []
+        else:
+            pending = only
+            self.pending = [q for q in self.pending if q not in only]
         scatter = [p for p in pending if p.shard]
         reduce = [p for p in pending if not p.shard]
         for group in (scatter, reduce):

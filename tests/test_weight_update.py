@@ -139,3 +139,19 @@ def test_sharded_needs_an_example_batch(mlp):
     dp = data_parallel(make_train_step(mlp, tx), make_mesh(), weight_update="sharded")
     with pytest.raises(ValueError, match="needs an example global batch"):
         dp.place_state(mlp.init_state(jax.random.key(0), tx))
+
+
+def test_results_do_not_depend_on_the_fusion_bucket_size(mlp):
+    tx = optax.adam(1e-3)
+    step = make_train_step(mlp, tx)
+    state = mlp.init_state(jax.random.key(0), tx)
+    batches = [mlp.train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(5)]
+    outs = []
+    for bucket_bytes in (4096, 2**30):
+        dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=256, bucket_bytes=bucket_bytes)
+        dp.prepare(state, batches[0])
+        outs.append(run_parallel(dp, state, batches)[0])
+        n_scatter = sum(c.kind == "reduce-scatter" for c in dp.trace.collectives)
+        assert (n_scatter > 1) == (bucket_bytes == 4096)
+    assert max_abs_diff(outs[0].params, outs[1].params) <= ULPS
+    assert max_abs_diff(outs[0].opt_state, outs[1].opt_state) <= ULPS
