@@ -62,7 +62,7 @@ ELEMENTWISE = frozenset(
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
 )
-REDUCTIONS = {"reduce_sum": (lax.psum, 0), "reduce_max": (lax.pmax, -np.inf), "reduce_min": (lax.pmin, np.inf)}
+REDUCTIONS = {"reduce_sum": ("sum", 0), "reduce_max": ("max", -np.inf), "reduce_min": ("min", np.inf)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +194,14 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
 
 
 class _Pending:
-    """A gradient sum whose collective is deferred, so that all of them can be fused."""
+    """A cross-replica reduction whose collective is deferred, so that many can be fused.
 
-    def __init__(self, fuser: _Fuser, value, shard: bool):
-        self.fuser, self.value, self.shard, self.result = fuser, value, shard, None
+    ``kind`` is ``"grad"`` (a gradient sum, divided by the replica count: reduce-scattered when
+    ``shard``, else all-reduced) or ``"sum"``/``"max"``/``"min"`` (the partials of a reduction
+    over a whole sharded tensor, such as a per-layer norm)."""
+
+    def __init__(self, fuser: _Fuser, value, shard: bool, kind: str = "grad"):
+        self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
 
     def get(self):
         if self.result is None:
@@ -211,12 +215,13 @@ class _Fuser:
     def __init__(self, layout: Layout, trace: Trace):
         self.layout, self.trace, self.pending = layout, trace, []
 
-    def add(self, value) -> _Pending:
-        p = _Pending(self, value, self.layout.shards(value.shape, value.dtype))
+    def add(self, value, kind: str = "grad") -> _Pending:
+        p = _Pending(self, value, kind == "grad" and self.layout.shards(value.shape, value.dtype), kind)
         self.pending.append(p)
-        same = [q for q in self.pending if q.shard == p.shard and q.value.dtype == p.value.dtype]
-        if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
-            self.flush(same)  # a full bucket goes now, while the backward pass continues
+        if kind == "grad":
+            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype) == (kind, p.shard, p.value.dtype)]
+            if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
+                self.flush(same)  # a full bucket goes now, while the backward pass continues
         return p
 
     def move(self, old: _Pending, value) -> _Pending:
@@ -232,20 +237,34 @@ class _Fuser:
         else:
             pending = only
             self.pending = [q for q in self.pending if q not in only]
-        scatter = [p for p in pending if p.shard]
-        reduce = [p for p in pending if not p.shard]
-        for group in (scatter, reduce):
-            by_dtype: dict[Any, list[_Pending]] = {}
-            for p in group:
-                by_dtype.setdefault(p.value.dtype, []).append(p)
-            for members in by_dtype.values():
-                values = [p.value for p in members]
-                if members[0].shard:
-                    results = _fuse_reduce_scatter(self.layout, values, self.trace)
-                else:
-                    results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)")
-                for p, r in zip(members, results, strict=True):
-                    p.result = r
+        groups: dict[tuple, list[_Pending]] = {}
+        for p in pending:
+            groups.setdefault((p.kind, p.shard, p.value.dtype), []).append(p)
+        for (kind, shard, _), members in groups.items():
+            values = [p.value for p in members]
+            if kind == "grad" and shard:
+                results = _fuse_reduce_scatter(self.layout, values, self.trace)
+            elif kind == "grad":
+                results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)")
+            else:
+                results = _fuse_partials(self.layout, values, kind, self.trace)
+            for p, r in zip(members, results, strict=True):
+                p.result = r
+
+
+def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> list:
+    collective = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[kind]
+    flat = [jnp.ravel(v) for v in values]
+    buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+    total = collective(buffer, layout.axes)
+    trace.collectives.append(
+        Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), f"reduce_{kind} of whole sharded tensors (norms)")
+    )
+    out, offset = [], 0
+    for v in values:
+        out.append(total[offset : offset + v.size].reshape(v.shape))
+        offset += v.size
+    return out
 
 
 class Rewriter:
@@ -276,11 +295,34 @@ class Rewriter:
             env[var] = val
         for var, val in zip(jaxpr.invars, args, strict=True):
             env[var] = val
-        for eqn in jaxpr.eqns:
-            outs = self.equation(eqn, [read(v) for v in eqn.invars])
-            for var, val in zip(eqn.outvars, outs, strict=True):
-                env[var] = val
+        # Equations run in order, except that one waiting on a deferred collective (and all that
+        # depend on it) waits until nothing else can run; then every deferred collective is sent,
+        # fused. The jaxpr is a dataflow graph, so this order computes the same values; effectful
+        # equations keep their relative order.
+        todo = list(jaxpr.eqns)
+        while todo:
+            blocked, blocked_vars = [], set()
+            for eqn in todo:
+                deps = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+                if any(v in blocked_vars for v in deps) or (eqn.effects and blocked):
+                    wait = True
+                else:
+                    invals = [read(v) for v in eqn.invars]
+                    wait = self._waits(eqn, invals)
+                if wait:
+                    blocked.append(eqn)
+                    blocked_vars.update(eqn.outvars)
+                    continue
+                for var, val in zip(eqn.outvars, self.equation(eqn, invals), strict=True):
+                    env[var] = val
+            if blocked:
+                self.fuser.flush()
+            todo = blocked
         return [read(v) for v in jaxpr.outvars]
+
+    def _waits(self, eqn, invals) -> bool:
+        unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
+        return unresolved and not self._movable(eqn, invals) and eqn.primitive.name != _interpret_grad_sum()
 
     def equation(self, eqn, invals) -> list:
         name = eqn.primitive.name
@@ -373,14 +415,13 @@ class Rewriter:
         if name == "squeeze" and len(vals) == 1:
             return [Sharded(vals[0].shard, tuple(d for i, d in enumerate(shape) if i not in p["dimensions"]))]
         if name in REDUCTIONS and len(vals) == 1 and tuple(sorted(p["axes"])) == tuple(range(len(shape))):
-            collective, identity = REDUCTIONS[name]
+            kind, identity = REDUCTIONS[name]
             s = vals[0]
-            local = jnp.where(self.layout.valid(s), s.shard, jnp.asarray(identity, s.shard.dtype))
+            local = s.shard
+            if self.layout.padding(s.size):
+                local = jnp.where(self.layout.valid(s), local, jnp.asarray(identity, local.dtype))
             partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
-            self.trace.collectives.append(
-                Collective("all-reduce", self.layout.axes, partial.dtype.itemsize, 1, f"{name} of a whole sharded tensor")
-            )
-            return [collective(partial, self.layout.axes)]
+            return [self.fuser.add(partial, kind)]  # fused with the other partials when read
         return None
 
 
