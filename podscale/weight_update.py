@@ -229,7 +229,7 @@ class _Fuser:
         local gradient) instead. Exact, since the op moves no value across elements."""
         if old in self.pending:
             self.pending.remove(old)
-        return self.add(value)
+        return self.add(value, old.kind)
 
     def flush(self, only: list[_Pending] | None = None) -> None:
         if only is None:

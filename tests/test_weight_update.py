@@ -155,3 +155,21 @@ def test_results_do_not_depend_on_the_fusion_bucket_size(mlp):
         assert (n_scatter > 1) == (bucket_bytes == 4096)
     assert max_abs_diff(outs[0].params, outs[1].params) <= ULPS
     assert max_abs_diff(outs[0].opt_state, outs[1].opt_state) <= ULPS
+
+
+def test_norm_partials_keep_their_kind_through_shape_ops():
+    """A whole-tensor sum reshaped before use (as optax's norms do) is a sum, not a mean."""
+
+    def step(params, batch):
+        grads = jax.grad(lambda p: jnp.mean(batch["x"] @ p["w"]))(params)
+        total = jnp.sum(grads["w"] * 0 + params["w"]).reshape(1, 1)  # a reduction, then a reshape
+        return jax.tree.map(lambda p, g: p - 0.1 * g * total[0, 0], params, grads), {"total": total[0, 0]}
+
+    params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64) + 0.5}
+    batch = {"x": jnp.ones((16, 64))}
+    dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=100)
+    dp.prepare(params, batch)
+    out, metrics = run_parallel(dp, params, [batch])
+    ref, ref_metrics = run_single(step, params, [batch])
+    np.testing.assert_allclose(metrics["total"], ref_metrics["total"], rtol=1e-6)
+    assert max_abs_diff(ref, out) <= 1e-6
