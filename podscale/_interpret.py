@@ -153,6 +153,11 @@ def _unknown(eqn):
 
 
 def trace(fn: Callable, *args) -> tuple[Any, Any]:
-    """Traces ``fn(*args)`` to a closed jaxpr and the pytree structure of its output."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    """Traces ``fn(*args)`` to a closed jaxpr and the pytree structure of its output.
+
+    Nested ``jax.jit`` calls are inlined (``disable_jit`` while tracing), so the jaxpr is one flat
+    dataflow graph in which the rewrite can defer and fuse collectives across what were separate
+    jitted helpers (optax's per-leaf norms, for instance)."""
+    with jax.disable_jit():
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     return closed, jax.tree.structure(out_shape)
