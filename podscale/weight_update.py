@@ -102,6 +102,10 @@ class Layout:
         self.axes, self.n, self.min_shard_size, self.scatter = axes, n, min_shard_size, scatter
         self.bucket_bytes = bucket_bytes
 
+    def alone(self, nbytes: int) -> bool:
+        """Whether a tensor is large enough to get a collective of its own (a quarter bucket)."""
+        return nbytes >= self.bucket_bytes // 4
+
     def shard_len(self, size: int) -> int:
         return -(-size // self.n)
 
@@ -130,6 +134,18 @@ class Layout:
 
 
 def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
+    """Large tensors go alone (their padded rows are a free reshape, no copy into a buffer);
+    the others are concatenated into one buffer."""
+    alone = [i for i, v in enumerate(values) if layout.alone(v.size * v.dtype.itemsize)]
+    fused = [i for i in range(len(values)) if i not in alone]
+    out: list = [None] * len(values)
+    for group in [[i] for i in alone] + ([fused] if fused else []):
+        for i, r in zip(group, _reduce_scatter(layout, [values[i] for i in group], trace), strict=True):
+            out[i] = r
+    return out
+
+
+def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     rows = [layout._padded_rows(v) for v in values]
     buffer = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
     if not layout.scatter:
@@ -172,11 +188,13 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
     by_dtype: dict[Any, list[int]] = {}
     for i, s in enumerate(shards):
         by_dtype.setdefault(s.shard.dtype, []).append(i)
-    buckets = [
-        bucket
-        for members in by_dtype.values()
-        for bucket in _buckets(members, lambda i: shards[i].shard.size * shards[i].shard.dtype.itemsize, layout.bucket_bytes // layout.n)
-    ]
+    def full_bytes(i):
+        return shards[i].size * shards[i].shard.dtype.itemsize
+
+    buckets = [[i] for i in range(len(shards)) if layout.alone(full_bytes(i))]  # no copy out of a buffer
+    for members in by_dtype.values():
+        rest = [i for i in members if not layout.alone(full_bytes(i))]
+        buckets += _buckets(rest, full_bytes, layout.bucket_bytes)
     for members in buckets:
         parts = [shards[i].shard for i in members]
         buffer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
