@@ -195,7 +195,7 @@ class DataParallelStep:
             rewriter = Rewriter(chunks, trace, _mean_rule(self.mesh))
             closed, out_tree = _interpret.trace(self.step, abstract_state, batch)
             args = [Sharded(x, leaf.shape) if leaf.sharded else x for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)]
-            outs = rewriter.evaluate(closed.jaxpr, closed.consts, [*args, *jax.tree.leaves(batch)])
+            outs = rewriter.run(closed, [*args, *jax.tree.leaves(batch)])
             outs = [rewriter.resolve(o) for o in outs]
             try:
                 new_state, metrics = jax.tree.unflatten(out_tree, outs)

@@ -291,6 +291,12 @@ class Rewriter:
     def __init__(self, layout: Layout, trace: Trace, grad_mean_rule):
         self.layout, self.trace, self.grad_mean_rule = layout, trace, grad_mean_rule
         self.fuser = _Fuser(layout, trace)
+        self.forward: set | None = None  # variables the per-replica computation depends on
+
+    def run(self, closed, args) -> list:
+        """Evaluates a traced step (the top-level jaxpr)."""
+        self.forward = forward_used(closed.jaxpr)
+        return self.evaluate(closed.jaxpr, closed.consts, args)
 
     # -- reading values -------------------------------------------------------------------
     def resolve(self, v):
@@ -358,6 +364,16 @@ class Rewriter:
             inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
             extra = len(vals) - len(inner_jaxpr.invars)
             return self.evaluate(inner_jaxpr, consts, vals[extra:])
+        if not has_shard and self._redundant(eqn, vals):
+            # Replicated work of the update on a large whole tensor (LAMB's weight norm, a weight
+            # decay term): every replica would repeat it, so each does its chunk instead.
+            big = [i for i, v in enumerate(vals) if self._sliceable(v)]
+            sliced = list(vals)
+            for i in big:
+                sliced[i] = self.layout.slice(vals[i])
+            result = self.on_shards(eqn, sliced)
+            if result is not None:
+                return result
         if has_shard:
             sharded = self.on_shards(eqn, vals)
             if sharded is not None:
@@ -365,6 +381,26 @@ class Rewriter:
             self.trace.gathered_ops.append(f"{name}{[list(getattr(v, 'shape', ())) for v in vals]}")
             vals = [self.full(v, f"operand of {name}") for v in vals]
         return self.bind(eqn, vals)
+
+    def _sliceable(self, v) -> bool:
+        return (
+            isinstance(v, jax.Array)
+            and self.layout.shards(np.shape(v), v.dtype)
+            and not _varying(jax.typeof(v))
+        )
+
+    def _redundant(self, eqn, vals) -> bool:
+        """An update-region equation (nothing per-replica depends on it) on a large whole tensor,
+        of a kind that runs on chunks; only with the sharded update."""
+        if not self.layout.scatter or self.forward is None or any(v in self.forward for v in eqn.outvars):
+            return False
+        if any(_varying(v.aval) for v in eqn.outvars) or not any(self._sliceable(v) for v in vals):
+            return False
+        name = eqn.primitive.name
+        if name in ELEMENTWISE:
+            shapes = {tuple(np.shape(v)) for v in vals if np.shape(v) != ()}
+            return len(shapes) == 1
+        return name in REDUCTIONS and len(vals) == 1 and len(eqn.params["axes"]) == np.ndim(vals[0])
 
     @staticmethod
     def _movable(eqn, invals) -> bool:
