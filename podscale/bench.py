@@ -34,7 +34,7 @@ from podscale.data_parallel import data_parallel
 from podscale.mesh import make_mesh
 from podscale.tasks import Task, make_train_step
 
-_COLLECTIVE = re.compile(r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
 
@@ -42,9 +42,12 @@ _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, 
 def hlo_collectives(hlo: str) -> dict[str, int]:
     """Bytes of each kind of collective's results in a compiled (per-device) HLO module."""
     out: dict[str, int] = {}
-    for shapes, kind in _COLLECTIVE.findall(re.sub(r"/\*.*?\*/", "", hlo)):
+    for shapes, kind, start in _COLLECTIVE.findall(re.sub(r"/\*.*?\*/", "", hlo)):
         size = 0
-        for dtype, dims in _SHAPE.findall(shapes):
+        found = _SHAPE.findall(shapes)
+        if start and kind == "all-gather":  # async form: (operands..., results...); count results
+            found = found[len(found) // 2 :]
+        for dtype, dims in found:
             n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
             size += n * _BYTES.get(dtype, 4)
         out[kind] = out.get(kind, 0) + size
