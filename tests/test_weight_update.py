@@ -173,3 +173,19 @@ def test_norm_partials_keep_their_kind_through_shape_ops():
     ref, ref_metrics = run_single(step, params, [batch])
     np.testing.assert_allclose(metrics["total"], ref_metrics["total"], rtol=1e-6)
     assert max_abs_diff(ref, out) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["_accumulating_step", "_remat_step", "_cond_step"])
+def test_sharded_update_through_scan_remat_and_cond(name):
+    """Gradient sums inside a scan (microbatches), a remat, a nested jit; an update inside cond."""
+    import test_data_parallel as tdp
+
+    step = getattr(tdp, name)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k1, (64, 64)), "w2": jax.random.normal(k2, (64, 3))}
+    batches = [{"x": jax.random.normal(jax.random.fold_in(k3, i), (32, 64)), "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3))} for i in range(3)]
+    ref, _ = run_single(step, params, batches)
+    dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=100)
+    dp.prepare(params, batches[0])
+    out, _ = run_parallel(dp, params, batches)
+    assert max_abs_diff(ref, out) <= 1e-5 * max(1.0, max_abs_diff(params, ref))
