@@ -11,7 +11,7 @@ one 128-token sequence, with each optimizer, three ways:
 
 Figures per variant: ``step_s`` (median over timed steps), ``update_s`` (``step_s`` minus the
 median step of the same variant with plain SGD, whose update is one multiply-add: the cost of
-the optimizer beyond SGD), ``peak_bytes_per_device`` (``compiled.memory_analysis()``: arguments
+the optimizer beyond SGD, timed in the same interleaved loop), ``peak_bytes_per_device`` (``compiled.memory_analysis()``: arguments
 + outputs + temporaries - aliased), ``collectives`` (kind -> bytes of the results per device, read
 from the compiled HLO), ``max_abs_param_diff`` against ``replicated`` after the same steps.
 """
@@ -85,61 +85,74 @@ def _gspmd(step, mesh, state, batch_example):
     return jitted, place, gather, lambda s, b: jitted.lower(s, b).compile()
 
 
-def _variant(name, step, mesh, state, batches):
-    if name == "gspmd":
-        run, place, gather, compile_ = _gspmd(step, mesh, state, batches[0])
-    else:
-        dp = data_parallel(step, mesh, weight_update=name)
-        dp.prepare(state, batches[0])
-        run, place, gather = dp, dp.place_state, dp.gather_state
-        compile_ = lambda s, b: dp.lower(s, b).compile()  # noqa: E731
-    placed = place(state)
-    compiled = compile_(placed, batches[0])
-    times = []
-    for i, batch in enumerate(batches):
+class _Variant:
+    """One way of running the step: placed state, compiled program, and its timings."""
+
+    def __init__(self, name, step, mesh, state, batch):
+        if name == "gspmd":
+            self.run, place, self.gather, compile_ = _gspmd(step, mesh, state, batch)
+        else:
+            dp = data_parallel(step, mesh, weight_update=name)
+            dp.prepare(state, batch)
+            self.run, place, self.gather = dp, dp.place_state, dp.gather_state
+            compile_ = lambda s, b: dp.lower(s, b).compile()  # noqa: E731
+        self.state = place(state)
+        self.compiled = compile_(self.state, batch)
+        self.times: list[float] = []
+
+    def step(self, batch, timed: bool) -> None:
         start = time.perf_counter()
-        placed, _ = run(placed, batch)
-        jax.block_until_ready(placed)
-        if i:  # the first call includes dispatch warm-up
-            times.append(time.perf_counter() - start)
-    return {
-        "step_s": statistics.median(times),
-        "peak_bytes_per_device": _peak(compiled),
-        "collectives": hlo_collectives(compiled.as_text()),
-        "params": gather(placed).params if name != "gspmd" else gather(placed).params,
-    }
+        self.state, _ = self.run(self.state, batch)
+        jax.block_until_ready(self.state)
+        if timed:
+            self.times.append(time.perf_counter() - start)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "step_s": statistics.median(self.times),
+            "peak_bytes_per_device": _peak(self.compiled),
+            "collectives": hlo_collectives(self.compiled.as_text()),
+        }
 
 
-def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, variants=("replicated", "sharded", "gspmd"), width: int = 512, depth: int = 8, vocab: int = 8192,
-              seq: int = 128, per_replica_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, variants=("replicated", "sharded", "gspmd"), width: int = 512,
+              depth: int = 8, vocab: int = 8192, seq: int = 128, per_replica_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Runs the benchmark; see the module docstring. Steps of all variants of one optimizer (and
+    of its plain-SGD baselines) are interleaved, so that the machine's noise hits them alike."""
     mesh = make_mesh()
     n = mesh.devices.size
     task = _task(width, depth, vocab, seq)
     global_batch = n * per_replica_batch
     dp_for_batches = data_parallel(lambda s, b: (s, {}), mesh)
-    batches = [dp_for_batches.place_batch(task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)), global_batch) for i in range(steps + 1)]
-    txs = {"sgd": optax.sgd(1e-3), "adam": optax.adam(1e-4), "lamb": optax.lamb(1e-4)}
+    batches = [
+        dp_for_batches.place_batch(task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)), global_batch)
+        for i in range(steps + 1)
+    ]
+    makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
     results: dict[str, Any] = {}
-    baseline: dict[str, float] = {}
-    for opt in ("sgd", *optimizers):
-        tx = txs[opt] if opt in txs else getattr(optax, opt)(1e-4)
-        step = make_train_step(task, tx)
-        state = jax.device_get(task.init_state(jax.random.key(0), tx))
-        per = {}
-        for variant in variants:
-            per[variant] = _variant(variant, step, mesh, state, batches)
-        ref = per["replicated"].pop("params")
-        for variant in variants[1:]:
-            got = per[variant].pop("params")
-            per[variant]["max_abs_param_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True))
-        per["replicated"]["max_abs_param_diff"] = 0.0
-        if opt == "sgd":
-            baseline = {v: per[v]["step_s"] for v in per}
-            continue
-        for v in per:
-            per[v]["update_s"] = per[v]["step_s"] - baseline[v]
+    for opt in optimizers:
+        runs = {}
+        for which in (opt, "sgd"):
+            tx = makers[which]() if which in makers else getattr(optax, which)(1e-4)
+            step = make_train_step(task, tx)
+            state = jax.device_get(task.init_state(jax.random.key(0), tx))
+            for variant in variants:
+                runs[which, variant] = _Variant(variant, step, mesh, state, batches[0])
+        for i, batch in enumerate(batches):
+            for run in runs.values():
+                run.step(batch, timed=i > 0)  # the first step warms up
+        per = {v: runs[opt, v].report() for v in variants}
+        ref = runs[opt, variants[0]].gather(runs[opt, variants[0]].state).params
+        for v in variants:
+            got = runs[opt, v].gather(runs[opt, v].state).params
+            per[v]["max_abs_param_diff"] = max(
+                float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True)
+            )
+            per[v]["update_s"] = per[v]["step_s"] - runs["sgd", v].report()["step_s"]
         results[opt] = per
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params))
-    results["config"] = {"parameters": params, "replicas": n, "per_replica_batch": per_replica_batch, "seq_len": seq,
-                         "timed_steps": steps, "width": width, "depth": depth, "vocab": vocab}  # fmt: skip
+        del runs
+    shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params
+    results["config"] = {"parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)), "replicas": n,
+                         "per_replica_batch": per_replica_batch, "seq_len": seq, "timed_steps": steps, "width": width,
+                         "depth": depth, "vocab": vocab}  # fmt: skip
     return results
