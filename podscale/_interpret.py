@@ -68,17 +68,20 @@ def _as_closed(jaxpr_like) -> tuple[Any, Sequence[Any]]:
     return jaxpr_like, ()
 
 
-def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[str, Rule]) -> list[Any]:
-    """Evaluates ``jaxpr`` on ``args`` under the current trace, applying ``rules``."""
-    env: dict[Any, Any] = {}
+def environment(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> tuple[dict, Callable]:
+    """The variable environment of ``jaxpr`` bound to ``consts`` and ``args``, and its reader."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(var):
         return var.val if isinstance(var, core.Literal) else env[var]
 
-    for var, val in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
+    return env, read
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[str, Rule]) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` under the current trace, applying ``rules``."""
+    env, read = environment(jaxpr, consts, args)
     names = frozenset(rules)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]

@@ -310,15 +310,7 @@ class Rewriter:
 
     # -- the interpreter ------------------------------------------------------------------
     def evaluate(self, jaxpr, consts, args) -> list:
-        env: dict[Any, Any] = {}
-
-        def read(var):
-            return var.val if isinstance(var, core.Literal) else env[var]
-
-        for var, val in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = val
-        for var, val in zip(jaxpr.invars, args, strict=True):
-            env[var] = val
+        env, read = _interpret.environment(jaxpr, consts, args)
         # Equations run in order, except that one waiting on a deferred collective (and all that
         # depend on it) waits until nothing else can run; then every deferred collective is sent,
         # fused. The jaxpr is a dataflow graph, so this order computes the same values; effectful
