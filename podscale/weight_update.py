@@ -235,11 +235,14 @@ class _Fuser:
 
     def add(self, value, kind: str = "grad") -> _Pending:
         p = _Pending(self, value, kind == "grad" and self.layout.shards(value.shape, value.dtype), kind)
-        self.pending.append(p)
         if kind == "grad":
+            # A bucket that was already full goes now, while the backward pass continues. It waits
+            # until the next gradient sum arrives, so that the shape-only ops following the last
+            # one (a transpose, a reshape) have been moved before its collective.
             same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype) == (kind, p.shard, p.value.dtype)]
             if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
-                self.flush(same)  # a full bucket goes now, while the backward pass continues
+                self.flush(same)
+        self.pending.append(p)
         return p
 
     def move(self, old: _Pending, value) -> _Pending:
