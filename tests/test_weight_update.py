@@ -189,3 +189,14 @@ def test_sharded_update_through_scan_remat_and_cond(name):
     dp.prepare(params, batches[0])
     out, _ = run_parallel(dp, params, batches)
     assert max_abs_diff(ref, out) <= 1e-5 * max(1.0, max_abs_diff(params, ref))
+
+
+def test_small_buckets_still_move_shape_ops_before_the_sum():
+    """With buckets that fill on every gradient, the transposed gradient of the Transformer's
+    tied embedding must still be summed after its transpose, not gathered to be transposed."""
+    task = make_task("transformer", "synthetic")
+    tx = optax.adam(1e-3)
+    dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update="sharded", bucket_bytes=4096)
+    plan = dp.plan(task.init_state(jax.random.key(0), tx), task.train_data.get(np.arange(16)))
+    assert plan.gathered_ops == []
+    assert sum(c["kind"] == "reduce-scatter" for c in plan.collectives) > 1
