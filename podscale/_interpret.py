@@ -24,6 +24,16 @@ from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr;
 
 Rule = Callable[[Any, list[Any]], Sequence[Any]]
 
+GRAD_SUM = "psum_invariant"
+"""The primitive that sums a replicated value's gradient over the mesh axes under ``check_vma``
+(the transpose of the implicit cast of a replicated value to a per-replica one)."""
+
+
+def varying_axes(aval) -> frozenset:
+    """The mesh axes over which a value of type ``aval`` differs per replica."""
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
 _CALL_PARAM = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
@@ -35,7 +45,7 @@ _CALL_PARAM = {
 }
 
 
-def _sub_jaxprs(eqn) -> list[Any]:
+def sub_jaxprs(eqn) -> list[Any]:
     subs = []
     for value in eqn.params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
@@ -52,14 +62,14 @@ def contains(jaxpr, names: frozenset[str] | set[str]) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in names:
             return True
-        if any(contains(sub, names) for sub in _sub_jaxprs(eqn)):
+        if any(contains(sub, names) for sub in sub_jaxprs(eqn)):
             return True
     return False
 
 
 def contains_any(eqn, names) -> bool:
     """Whether a sub-jaxpr of ``eqn``, at any depth, holds a primitive named in ``names``."""
-    return any(contains(sub, names) for sub in _sub_jaxprs(eqn))
+    return any(contains(sub, names) for sub in sub_jaxprs(eqn))
 
 
 def _as_closed(jaxpr_like) -> tuple[Any, Sequence[Any]]:
@@ -88,8 +98,8 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[s
         name = eqn.primitive.name
         if name in rules:
             outs = list(rules[name](eqn, invals))
-        elif _sub_jaxprs(eqn) and any(contains(s, names) for s in _sub_jaxprs(eqn)):
-            outs = _higher_order(eqn, invals, rules)
+        elif sub_jaxprs(eqn) and any(contains(s, names) for s in sub_jaxprs(eqn)):
+            outs = rebuild(eqn, invals, rules)
         else:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -100,7 +110,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], rules: Mapping[s
     return [read(v) for v in jaxpr.outvars]
 
 
-def _higher_order(eqn, invals, rules) -> list[Any]:
+def rebuild(eqn, invals, rules) -> list[Any]:
     name, p = eqn.primitive.name, eqn.params
     if name in ("remat2", "checkpoint"):
         # Rebuilt, not inlined: inlining would drop the optimization barrier that keeps XLA from

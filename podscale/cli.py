@@ -108,7 +108,6 @@ def _run_plan(args) -> int:
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
     import jax
-    import numpy as np
 
     from podscale import data_parallel, make_mesh
     from podscale.tasks import make_optimizer, make_task, make_train_step
@@ -118,9 +117,7 @@ def _run_plan(args) -> int:
     tx = make_optimizer(args.optimizer, args.learning_rate)
     dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update=args.weight_update,
                        min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict)  # fmt: skip
-    example = task.train_data.get(np.arange(1))
-    batch = {k: jax.ShapeDtypeStruct((args.batch_size, *v.shape[1:]), v.dtype) for k, v in example.items()}
-    plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), batch)
+    plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))
     if args.strict and plan.gathered_ops:
         raise ValueError(f"--strict: these ops of the update cannot run on shards: {', '.join(plan.gathered_ops)}")
     if args.json:

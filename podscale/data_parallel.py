@@ -46,7 +46,7 @@ from podscale.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE,
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
-GRAD_SUM = "psum_invariant"  # the primitive a replicated value's gradient is summed with
+GRAD_SUM = _interpret.GRAD_SUM
 WEIGHT_UPDATES = ("replicated", "sharded")
 
 
@@ -64,14 +64,13 @@ def _mean_rule(mesh: Mesh):
     return rule
 
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+def _shapes(tree):
+    """``jax.ShapeDtypeStruct`` leaves for a tree of arrays or shape structs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def _replica_mean(kind: str, axes: tuple[str, ...], path, x):
-    varying = tuple(a for a in axes if a in _varying_axes(x))
+    varying = tuple(a for a in axes if a in _interpret.varying_axes(jax.typeof(x)))
     if not varying:
         return x
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -133,7 +132,7 @@ class DataParallelStep:
     def prepare(self, state, batch=None) -> state_layout.StateLayout:
         """Decides each state leaf's layout from the traced step. Needs a (global) batch example
         (arrays or ``jax.ShapeDtypeStruct``) for the sharded update; idempotent."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+        abstract = _shapes(state)
         if self.layout is not None:
             self.layout.check(abstract)
             return self.layout
@@ -162,8 +161,7 @@ class DataParallelStep:
         if self.trace is None:
             if batch is None:
                 raise ValueError("plan() needs an example global batch the first time")
-            batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-            self.lower(self.layout.stored_shapes(), batch_shapes)
+            self.lower(self.layout.stored_shapes(), _shapes(batch))
         return make_plan(self)
 
     def _forward_inputs(self, abstract_state, batch) -> set[int]:
@@ -176,9 +174,8 @@ class DataParallelStep:
             found.append({i for i, v in enumerate(closed.jaxpr.invars[:n_state]) if v in used})
             return jnp.zeros(())
 
-        batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         mapped = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(), P(self.axes)), out_specs=P())
-        jax.eval_shape(mapped, abstract_state, batch_shapes)
+        jax.eval_shape(mapped, abstract_state, _shapes(batch))
         return found[0]
 
     # -- the step ---------------------------------------------------------------------------

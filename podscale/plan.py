@@ -61,7 +61,7 @@ def make_plan(dp) -> Plan:
             "sharded": leaf.sharded,
             "shard_shape": [leaf.shard_len] if leaf.sharded else list(leaf.shape),
             "padding_elements": leaf.padding,
-            "padding_bytes": leaf.padding * leaf.bytes // max(1, _size(leaf.shape)),
+            "padding_bytes": leaf.padding_bytes,
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }
@@ -74,7 +74,7 @@ def make_plan(dp) -> Plan:
         "weights": sum(leaf.bytes_per_device() for leaf in weights),
         "optimizer_state_replicated": sum(leaf.bytes for leaf in others),
         "optimizer_state": sum(leaf.bytes_per_device() for leaf in others),
-        "padding": sum(item["padding_bytes"] for item in leaves),
+        "padding": sum(leaf.padding_bytes for leaf in layout.leaves),
     }
     return Plan(
         weight_update=dp.weight_update,
@@ -86,9 +86,3 @@ def make_plan(dp) -> Plan:
         memory=memory,
     )
 
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -37,6 +37,10 @@ class LeafLayout:
     def bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
+    @property
+    def padding_bytes(self) -> int:
+        return self.padding * np.dtype(self.dtype).itemsize
+
     def bytes_per_device(self) -> int:
         return self.shard_len * np.dtype(self.dtype).itemsize if self.sharded else self.bytes
 

@@ -48,6 +48,11 @@ class Task:
     def example_input(self, batch: int = 1) -> jax.Array:
         return jnp.asarray(self.train_data.get(np.arange(batch) % len(self.train_data))[self.input_key])
 
+    def batch_shapes(self, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes of a global training batch, without loading one."""
+        example = self.train_data.get(np.arange(1))
+        return {k: jax.ShapeDtypeStruct((global_batch, *v.shape[1:]), v.dtype) for k, v in example.items()}
+
     def init_state(self, rng: jax.Array, optimizer: optax.GradientTransformation) -> TrainState:
         variables = self.model.init(rng, self.example_input(), train=False)
         params = variables["params"]

@@ -115,9 +115,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)
 
-    example = task.train_data.get(np.arange(1))
-    batch_shapes = {k: jax.ShapeDtypeStruct((config.batch_size, *v.shape[1:]), v.dtype) for k, v in example.items()}
-    layout = dp.prepare(jax.eval_shape(init), batch_shapes)
+    layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(config.batch_size))
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
     checkpointed = _CheckpointForm(layout)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,6 +33,7 @@ from jax._src.lax.parallel import all_gather_invariant  # public lax has no inva
 from jax.extend import core
 
 from podscale import _interpret
+from podscale._interpret import GRAD_SUM
 
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
@@ -341,11 +341,11 @@ class Rewriter:
 
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
-        return unresolved and not self._movable(eqn, invals) and eqn.primitive.name != _interpret_grad_sum()
+        return unresolved and not self._movable(eqn, invals) and eqn.primitive.name != GRAD_SUM
 
     def equation(self, eqn, invals) -> list:
         name = eqn.primitive.name
-        if name == _interpret_grad_sum():
+        if name == GRAD_SUM:
             return [self.fuser.add(v) for v in invals]
         if self._movable(eqn, invals):
             moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])
@@ -353,7 +353,7 @@ class Rewriter:
         vals = [self.resolve(v) for v in invals]
         has_shard = any(isinstance(v, Sharded) for v in vals)
         if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
-            has_shard or any(_interpret.contains(s, {_interpret_grad_sum()}) for s in _interpret._sub_jaxprs(eqn))
+            has_shard or _interpret.contains_any(eqn, {GRAD_SUM})
         ):
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
@@ -417,10 +417,10 @@ class Rewriter:
         return False
 
     def bind(self, eqn, vals) -> list:
-        if _interpret.contains_any(eqn, {_interpret_grad_sum()}):
+        if _interpret.contains_any(eqn, {GRAD_SUM}):
             # Control flow holding a gradient sum (a scan over microbatches, nn.scan): the sums
             # inside stay all-reduces (as in the replicated step), the results are full values.
-            outs = _interpret._higher_order(eqn, vals, {_interpret_grad_sum(): self.grad_mean_rule})
+            outs = _interpret.rebuild(eqn, vals, {GRAD_SUM: self.grad_mean_rule})
             self.trace.collectives.append(
                 Collective("all-reduce", self.layout.axes, 0, 0, f"gradient sum inside {eqn.primitive.name}")
             )
@@ -474,12 +474,6 @@ class Rewriter:
         return None
 
 
-def _interpret_grad_sum() -> str:
-    from podscale.data_parallel import GRAD_SUM
-
-    return GRAD_SUM
-
-
 def forward_used(jaxpr) -> set:
     """Variables that a value differing per replica (the forward pass) is computed from."""
     needed = set()
@@ -490,9 +484,6 @@ def forward_used(jaxpr) -> set:
 
 
 def _varying(aval, axis=None) -> bool:
-    mat = getattr(aval, "manual_axis_type", None)
-    names = frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+    names = _interpret.varying_axes(aval)
     return bool(names) if axis is None else axis in names
 
-
-RewriteFn = Callable[..., Any]
