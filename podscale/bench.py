@@ -67,7 +67,7 @@ def _task(width: int, depth: int, vocab: int, seq: int) -> Task:
     return Task(model=model, kind="lm", train_data=tokens, eval_data=tokens)
 
 
-def _gspmd(step, mesh, state, batch_example):
+def _gspmd(step, mesh, state):
     n = mesh.devices.size
     replicated = NamedSharding(mesh, P())
 
@@ -90,7 +90,7 @@ class _Variant:
 
     def __init__(self, name, step, mesh, state, batch):
         if name == "gspmd":
-            self.run, place, self.gather, compile_ = _gspmd(step, mesh, state, batch)
+            self.run, place, self.gather, compile_ = _gspmd(step, mesh, state)
         else:
             dp = data_parallel(step, mesh, weight_update=name)
             dp.prepare(state, batch)
