@@ -18,11 +18,20 @@ def _train_parser(sub) -> None:
 
     p = sub.add_parser("train", help="train a model data-parallel on all devices")
     defaults = TrainConfig()
-    p.add_argument("--model", default=defaults.model, help="mlp, cnn, resnet or transformer")
-    p.add_argument("--data", default=defaults.data, help="digits or synthetic")
-    p.add_argument("--optimizer", default=defaults.optimizer, help="sgd, momentum, adam, adamw, lamb or lars")
-    p.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch size over all replicas")
+    p.add_argument("--model", default=defaults.model,
+                   help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt")
+    p.add_argument("--config", default=None, help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size)")
+    p.add_argument("--data", default=None, help="digits or synthetic (default); MLPerf workloads bring their own")
+    p.add_argument("--optimizer", default=None,
+                   help="sgd, momentum, adam (default), adamw, lamb, lars, ...; MLPerf workloads default to their recipe")
+    p.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; MLPerf workloads: the recipe's peak")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch size over all replicas (default 64, or the workload config's)")
+    p.add_argument("--precision", default=defaults.precision, choices=["bf16", "float32"],
+                   help="MLPerf workloads: bf16 compute with float32 state (default), or float32 throughout")
+    p.add_argument("--bn-group-size", type=int, default=1,
+                   help="average batch-norm statistics over groups of this many neighbouring replicas")
+    p.add_argument("--mllog", default=None, help="MLPerf-format log file (default: WORKDIR/mllog.txt)")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
     p.add_argument("--eval-batch-size", type=int, default=None)
@@ -30,7 +39,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--workdir", default=None, help="checkpoints and metrics.jsonl go here")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--target", type=float, default=None, help="held-out accuracy to stop at; reports time to target")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out metric (accuracy; exact_match or mlm_accuracy for workloads) to stop at; reports time to target")
     p.add_argument("--weight-update", default="replicated", choices=["replicated", "sharded"],
                    help="sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state")
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)")
@@ -75,17 +85,17 @@ def _run_train(args) -> int:
         if summary["time_to_target_s"] is not None:
             print(
                 f"time to target: {summary['time_to_target_s']:.1f} s "
-                f"(held-out accuracy {summary['eval_value']:.4f} >= {summary['target']} at step {summary['target_step']})",
+                f"(held-out {summary['eval_metric']} {summary['eval_value']:.4f} >= {summary['target']} at step {summary['target_step']})",
                 file=sys.stderr if args.json else sys.stdout,
             )
         elif summary["target"] is not None:
-            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out accuracy {summary['eval_value']})", file=sys.stderr)
+            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out {summary['eval_metric']} {summary['eval_value']})", file=sys.stderr)
         if args.json:
             print(json.dumps(summary), file=out, flush=True)
         else:
             ev = summary["eval_value"]
             eps = summary["examples_per_s"]
-            print(f"steps {summary['steps']}  final train loss {summary['final_train_loss']}  held-out accuracy "
+            print(f"steps {summary['steps']}  final train loss {summary['final_train_loss']}  held-out {summary['eval_metric']} "
                   f"{ev if ev is None else round(ev, 4)}  {eps and round(eps)} examples/s on {summary['replicas']} replicas")
     return 0 if summary["target"] is None or summary["time_to_target_s"] is not None else 1
 
@@ -93,9 +103,10 @@ def _run_train(args) -> int:
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="show the weight-update plan of a model's step without running it")
     p.add_argument("--model", default="mlp")
-    p.add_argument("--data", default="synthetic")
-    p.add_argument("--optimizer", default="adam")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--config", default=None, help="MLPerf workloads: tiny or full")
+    p.add_argument("--data", default=None)
+    p.add_argument("--optimizer", default=None, help="default adam; MLPerf workloads: their recipe")
+    p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--weight-update", default="sharded", choices=["replicated", "sharded"])
@@ -110,11 +121,11 @@ def _run_plan(args) -> int:
     import jax
 
     from podscale import data_parallel, make_mesh
-    from podscale.tasks import make_optimizer, make_task, make_train_step
+    from podscale.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE
 
-    task = make_task(args.model, args.data)
-    tx = make_optimizer(args.optimizer, args.learning_rate)
+    task = make_task(args.model, args.data, config=args.config)
+    tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
     dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update=args.weight_update,
                        min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict)  # fmt: skip
     plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))

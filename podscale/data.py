@@ -22,7 +22,7 @@ import numpy as np
 _DIGITS_HELD_OUT = 360  # of 1797 images; fixed split, permutation seed 0
 
 
-def _hash_uniform(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
+def hash_uniform(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
     """Uniform [0, 1) floats, a pure function of (seed, index, stream) (splitmix64)."""
     with np.errstate(over="ignore"):
         z = (index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(seed * 1_000_003 + stream)
@@ -83,7 +83,7 @@ class SyntheticImages:
     def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         dim = int(np.prod(self.shape))
         flat = (indices[:, None].astype(np.uint64) * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :])
-        x = (_hash_uniform(self.seed, flat, stream=1) * 2.0 - 1.0).astype(np.float32)
+        x = (hash_uniform(self.seed, flat, stream=1) * 2.0 - 1.0).astype(np.float32)
         label = np.argmax(x @ self._teacher, axis=-1).astype(np.int32)
         return {"image": x.reshape(len(indices), *self.shape), "label": label}
 
@@ -101,8 +101,8 @@ class SyntheticTokens:
         return self.size
 
     def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        start = (_hash_uniform(self.seed, indices, stream=2) * self.vocab_size).astype(np.int64)
-        stride = 1 + (_hash_uniform(self.seed, indices, stream=3) * (self.vocab_size // 4)).astype(np.int64)
+        start = (hash_uniform(self.seed, indices, stream=2) * self.vocab_size).astype(np.int64)
+        stride = 1 + (hash_uniform(self.seed, indices, stream=3) * (self.vocab_size // 4)).astype(np.int64)
         t = np.arange(self.seq_len + 1)
         seq = (start[:, None] + stride[:, None] * t[None, :]) % self.vocab_size
         return {"tokens": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32)}

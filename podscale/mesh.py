@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 DATA = "data"
+BN_GROUP = "bn_group"
+"""The mesh axis of ``make_mesh(..., bn_group_size=k)`` that batch-norm statistics are averaged over."""
 _DEFAULT_NAMES = {1: (DATA,), 2: ("x", "y"), 3: ("x", "y", "z")}
 
 
@@ -23,13 +25,18 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def make_mesh(shape: int | Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> Mesh:
+def make_mesh(
+    shape: int | Sequence[int] | None = None, axis_names: Sequence[str] | None = None, bn_group_size: int = 1
+) -> Mesh:
     """Builds a mesh over every device of every process.
 
     Args:
       shape: the mesh shape; ``None`` means a 1-D mesh over all devices. Its product must equal
         ``jax.device_count()``.
       axis_names: one name per dimension. Defaults: ``("data",)`` for 1-D, ``("x", "y")`` for 2-D.
+      bn_group_size: k > 1 splits the last dimension into (last / k, k) and names the new, innermost
+        axis ``BN_GROUP``: its k devices are neighbouring replicas, and a model whose batch norm
+        averages its statistics over ``BN_GROUP`` normalizes over the group's combined batch.
 
     Devices are ordered by (process, id), so each process owns a contiguous block of the
     flattened mesh: the rows of a batch sharded over all axes that a process feeds are contiguous.
@@ -56,6 +63,16 @@ def make_mesh(shape: int | Sequence[int] | None = None, axis_names: Sequence[str
             f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices). "
             f"Pass a shape whose product is {n}, for example ({n},)."
         )
+    if bn_group_size != 1:
+        if bn_group_size < 1 or shape[-1] % bn_group_size:
+            raise ValueError(
+                f"bn_group_size={bn_group_size} must be a positive divisor of the last mesh dimension "
+                f"({axis_names[-1]}={shape[-1]} of mesh {shape}); groups are neighbouring replicas along it"
+            )
+        if BN_GROUP in axis_names:
+            raise ValueError(f"mesh axis_names {axis_names} already use {BN_GROUP!r}, the batch-norm group axis")
+        shape = (*shape[:-1], shape[-1] // bn_group_size, bn_group_size)
+        axis_names = (*axis_names, BN_GROUP)
     grid = np.array(devices, dtype=object).reshape(shape)
     return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(shape))
 

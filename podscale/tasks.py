@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from podscale import data, models
+from podscale import data, models, workloads
+from podscale.precision import BF16, Policy
+from podscale.workloads import Workload
 
 
 @flax.struct.dataclass
@@ -34,27 +36,42 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """A model on a data set. ``kind`` is ``"classify"`` (image -> label) or ``"lm"`` (next token)."""
+    """A model on a data set. ``kind`` is ``"classify"`` (image -> label), ``"lm"`` (next token), or
+    the kind of an MLPerf workload (``workload`` set: its functions define loss and metric)."""
 
     model: nn.Module
     kind: str
     train_data: Any
     eval_data: Any
+    workload: Workload | None = None
+    config: Any = None
+    """The workload's config (``workload`` set only)."""
+
+    @property
+    def eval_metric(self) -> str:
+        return self.workload.eval_metric if self.workload else "accuracy"
 
     @property
     def input_key(self) -> str:
         return "image" if self.kind == "classify" else "tokens"
 
-    def example_input(self, batch: int = 1) -> jax.Array:
-        return jnp.asarray(self.train_data.get(np.arange(batch) % len(self.train_data))[self.input_key])
+    def example_batch(self, batch: int = 1) -> dict[str, np.ndarray]:
+        return self.train_data.get(np.arange(batch) % len(self.train_data))
 
     def batch_shapes(self, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The shapes of a global training batch, without loading one."""
+        if self.workload:
+            return self.workload.batch_shapes(self.config, global_batch)
         example = self.train_data.get(np.arange(1))
         return {k: jax.ShapeDtypeStruct((global_batch, *v.shape[1:]), v.dtype) for k, v in example.items()}
 
-    def init_state(self, rng: jax.Array, optimizer: optax.GradientTransformation) -> TrainState:
-        variables = self.model.init(rng, self.example_input(), train=False)
+    def init_state(self, rng: jax.Array, optimizer: optax.GradientTransformation, batch=None) -> TrainState:
+        """``batch`` (arrays or shapes) defaults to one training example."""
+        batch = self.example_batch() if batch is None else batch
+        if self.workload:
+            variables = self.workload.init(self.model, rng, batch)
+        else:
+            variables = self.model.init(rng, jnp.asarray(batch[self.input_key]), train=False)
         params = variables["params"]
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -63,13 +80,28 @@ class Task:
             opt_state=optimizer.init(params),
         )
 
+    def _variables(self, state: TrainState, params) -> dict:
+        return {"params": params, **({"batch_stats": state.batch_stats} if state.batch_stats else {})}
+
+    def train_outputs(self, state: TrainState, params, batch):
+        """Per-example ``loss`` and ``accuracy`` in training mode, and the new batch statistics."""
+        if self.workload:
+            return self.workload.train_loss(self.model, self._variables(state, params), batch)
+        logits, batch_stats = self.apply(state, params, batch[self.input_key], train=True)
+        return self.per_example(logits, batch), batch_stats
+
+    def eval_outputs(self, state: TrainState, batch):
+        """Per-example metrics in inference mode, ``eval_metric`` among them."""
+        if self.workload:
+            return self.workload.eval_metrics(self.model, self._variables(state, state.params), batch)
+        logits, _ = self.apply(state, state.params, batch[self.input_key], train=False)
+        return self.per_example(logits, batch)
+
     def apply(self, state: TrainState, params, x, train: bool):
-        variables = {"params": params}
-        if state.batch_stats:
-            variables["batch_stats"] = state.batch_stats
-            if train:
-                logits, updates = self.model.apply(variables, x, train=True, mutable=["batch_stats"])
-                return logits, updates["batch_stats"]
+        variables = self._variables(state, params)
+        if state.batch_stats and train:
+            logits, updates = self.model.apply(variables, x, train=True, mutable=["batch_stats"])
+            return logits, updates["batch_stats"]
         return self.model.apply(variables, x, train=train), state.batch_stats
 
     def per_example(self, logits, batch) -> dict[str, jax.Array]:
@@ -87,8 +119,7 @@ def make_train_step(task: Task, optimizer: optax.GradientTransformation) -> Call
 
     def step(state: TrainState, batch):
         def loss_fn(params):
-            logits, batch_stats = task.apply(state, params, batch[task.input_key], train=True)
-            per = task.per_example(logits, batch)
+            per, batch_stats = task.train_outputs(state, params, batch)
             return jnp.mean(per["loss"]), (jnp.mean(per["accuracy"]), batch_stats)
 
         (loss, (accuracy, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -106,12 +137,7 @@ def make_train_step(task: Task, optimizer: optax.GradientTransformation) -> Call
 
 def make_eval_fn(task: Task) -> Callable:
     """``eval_fn(state, batch) -> per-example metrics``, with batch norm in inference mode."""
-
-    def eval_fn(state: TrainState, batch):
-        logits, _ = task.apply(state, state.params, batch[task.input_key], train=False)
-        return task.per_example(logits, batch)
-
-    return eval_fn
+    return task.eval_outputs
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, str]]] = {
@@ -151,9 +177,40 @@ def _choose(kind: str, name: str, table: dict) -> Any:
     return table[name]
 
 
-def make_task(model: str, dataset: str, seed: int = 0) -> Task:
-    """Builds the task for CLI names, with errors that list the valid names."""
-    module, kind = _choose("model", model, MODELS)()
+def make_task(
+    model: str,
+    dataset: str | None = None,
+    seed: int = 0,
+    config: str | None = None,
+    policy: Policy = BF16,
+    bn_axis: str | None = None,
+) -> Task:
+    """Builds the task for CLI names, with errors that list the valid names.
+
+    ``model`` is one of ``MODELS`` (small models; ``dataset`` picks their data, default synthetic)
+    or an MLPerf workload of ``podscale.workloads`` (``config`` is then ``full`` or ``tiny``, the
+    data set is the workload's own, ``policy`` sets the compute dtype and ``bn_axis`` the mesh
+    axis batch-norm statistics are averaged over).
+    """
+    if model in workloads.NAMES:
+        workload = workloads.get(model)
+        if config is None:
+            raise ValueError(f"model {model!r} needs --config; choose one of: {', '.join(workload.configs)}")
+        cfg = workload.config(config)
+        if dataset is not None:
+            raise ValueError(f"model {model!r} brings its own data; drop --data {dataset}")
+        train_data, eval_data = workload.make_data(cfg, seed)
+        module = workload.make_model(cfg, policy, bn_axis)
+        return Task(module, model, train_data, eval_data, workload=workload, config=cfg)
+    if config is not None:
+        raise ValueError(f"--config is for the MLPerf workloads ({', '.join(workloads.NAMES)}), not for {model!r}")
+    if bn_axis is not None:
+        raise ValueError(f"--bn-group-size needs a model with batch norm from {', '.join(workloads.NAMES)}")
+    names = sorted(MODELS) + list(workloads.NAMES)
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(names)}")
+    module, kind = MODELS[model]()
+    dataset = dataset or "synthetic"
     datasets = DATASETS[kind]
     if dataset not in datasets:
         raise ValueError(
@@ -167,3 +224,12 @@ def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformat
     if not learning_rate > 0:
         raise ValueError(f"--learning-rate must be positive, got {learning_rate}")
     return _choose("optimizer", name, OPTIMIZERS)(learning_rate)
+
+
+def make_task_optimizer(task: Task, name: str | None, learning_rate: float | None, steps: int) -> optax.GradientTransformation:
+    """An optax optimizer by name (default adam at 1e-3) or, for an MLPerf workload without
+    ``name``, its recipe over ``steps`` steps (``learning_rate`` then replaces the recipe's peak)."""
+    if task.workload and name is None:
+        cfg = task.config if learning_rate is None else dataclasses.replace(task.config, learning_rate=learning_rate)
+        return task.workload.make_optimizer(cfg, steps)
+    return make_optimizer(name or "adam", 1e-3 if learning_rate is None else learning_rate)

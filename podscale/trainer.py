@@ -27,8 +27,9 @@ from podscale.checkpoint import Checkpointer
 from podscale.data import Loader, padded_eval_batches
 from podscale.data_parallel import data_parallel
 from podscale.evaluate import distributed_eval
-from podscale.mesh import make_mesh
-from podscale.tasks import make_eval_fn, make_optimizer, make_task, make_train_step
+from podscale.mesh import BN_GROUP, make_mesh
+from podscale.precision import check_state, policy_by_name
+from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +41,21 @@ class TrainConfig:
     """
 
     model: str = "mlp"
-    """``mlp``, ``cnn`` (residual CNN without batch norm), ``resnet`` or ``transformer``."""
-    data: str = "synthetic"
-    """``digits`` (scikit-learn's handwritten digits, image models) or ``synthetic`` (any model)."""
-    optimizer: str = "adam"
-    """An optax optimizer by name: sgd, momentum, adam, adamw, lamb, lars."""
-    learning_rate: float = 1e-3
-    batch_size: int = 64
-    """Global batch size, over all replicas; the replica count must divide it."""
+    """``mlp``, ``cnn`` (residual CNN without batch norm), ``resnet`` or ``transformer``; or an
+    MLPerf workload: ``resnet50``, ``transformer-big``, ``bert-large``, ``gnmt`` (with ``config``)."""
+    config: str | None = None
+    """For an MLPerf workload: ``tiny`` (trains here) or ``full`` (the MLPerf-size model)."""
+    data: str | None = None
+    """``digits`` (scikit-learn's handwritten digits, image models) or ``synthetic`` (any small
+    model; the default). MLPerf workloads bring their own data."""
+    optimizer: str | None = None
+    """An optax optimizer by name (sgd, momentum, adam, adamw, lamb, lars, ...; default adam). MLPerf
+    workloads use their recipe (optimizer, schedule, weight-decay masks) unless this is given."""
+    learning_rate: float | None = None
+    """Default 1e-3; for MLPerf workloads the recipe's peak learning rate."""
+    batch_size: int | None = None
+    """Global batch size, over all replicas; the replica count must divide it. Default 64, or the
+    workload config's ``global_batch``."""
     steps: int = 100
     """Number of training steps (the run stops earlier when ``target`` is reached)."""
     eval_every: int = 0
@@ -65,14 +73,21 @@ class TrainConfig:
     """Mesh shape; default a 1-D mesh over all devices."""
     weight_update: str = "replicated"
     """``replicated`` or ``sharded`` (cross-replica weight-update sharding)."""
+    precision: str = "bf16"
+    """MLPerf workloads: ``bf16`` (bfloat16 convolutions and matrix products, float32 state) or
+    ``float32``."""
+    bn_group_size: int = 1
+    """Batch-norm statistics over groups of this many neighbouring replicas (1: per replica)."""
+    mllog: str | None = None
+    """Write an MLPerf-format log (mlperf-logging's ``mllog``) here (default: WORKDIR/mllog.txt)."""
     metrics_file: str | None = None
     export: str | None = None
     """Write the final parameters to this ``.npz`` file (process 0)."""
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("batch_size", "steps"):
-            if getattr(self, name) < 1:
+        for name in ("batch_size", "steps", "bn_group_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
@@ -98,16 +113,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Trains as ``config`` says; returns the summary that ``--json`` prints."""
     run_start = time.perf_counter()
     lead = jax.process_index() == 0
-    mesh = make_mesh(config.mesh)
-    task = make_task(config.model, config.data, config.seed)
-    optimizer = make_optimizer(config.optimizer, config.learning_rate)
+    mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size)
+    task = make_task(
+        config.model, config.data, config.seed, config=config.config, policy=policy_by_name(config.precision),
+        bn_axis=BN_GROUP if config.bn_group_size > 1 else None,
+    )  # fmt: skip
+    optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
+    batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
     dp = data_parallel(make_train_step(task, optimizer), mesh, weight_update=config.weight_update)
-    if config.batch_size % dp.replicas:
+    if batch_size % dp.replicas:
         raise ValueError(
-            f"--batch-size {config.batch_size} is not divisible by the {dp.replicas} replicas; "
+            f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; "
             f"use a multiple of {dp.replicas}"
         )
-    eval_batch = config.eval_batch_size or config.batch_size
+    eval_batch = config.eval_batch_size or batch_size
     if eval_batch % dp.replicas:
         raise ValueError(f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas")
 
@@ -115,7 +134,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)
 
-    layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(config.batch_size))
+    check_state(jax.eval_shape(init))
+    layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
     checkpointed = _CheckpointForm(layout)
 
@@ -144,7 +164,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             log.write(json.dumps(entry) + "\n")
             log.flush()
 
-    loader = Loader(task.train_data, dp, config.batch_size, config.seed, start_step=start)
+    loader = Loader(task.train_data, dp, batch_size, config.seed, start_step=start)
     summary: dict[str, Any] = {"time_to_target_s": None, "eval": {}}
     last_loss = None
     timed_from, timed_steps, step = None, 0, start
@@ -171,7 +191,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 else:
                     timed_steps += 1
                 done = step + 1
-                eps = timed_steps * config.batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
+                eps = timed_steps * batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
                 progress.update(bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}")
                 aside = time.perf_counter()
                 if ckpt:
@@ -181,7 +201,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
                     summary["eval"] = results
                     record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
-                    reached = config.target is not None and results["accuracy"] >= config.target
+                    reached = config.target is not None and results[task.eval_metric] >= config.target
                     if reached:
                         summary["time_to_target_s"] = time.perf_counter() - run_start
                         summary["target_step"] = done
@@ -206,16 +226,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
     summary.update(
         steps=final_step,
         final_train_loss=last_loss,
-        eval_metric="accuracy",
-        eval_value=summary["eval"].get("accuracy"),
+        eval_metric=task.eval_metric,
+        eval_value=summary["eval"].get(task.eval_metric),
         target=config.target,
-        examples_per_s=timed_steps * config.batch_size / elapsed if elapsed > 0 else None,
+        examples_per_s=timed_steps * batch_size / elapsed if elapsed > 0 else None,
         replicas=dp.replicas,
         processes=jax.process_count(),
         mesh=dict(mesh.shape),
         model=config.model,
+        config=config.config,
         data=config.data,
-        optimizer=config.optimizer,
+        optimizer=config.optimizer or ("recipe" if task.workload else "adam"),
+        batch_size=batch_size,
         resumed_from=resumed_from,
     )
     return summary

@@ -1,0 +1,105 @@
+"""Every MLPerf workload alike: parameter counts, bf16 compute with float32 state, a tiny step that
+matches across replicas, and (slow) the full config compiling for one replica."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import max_abs_diff, run_parallel, run_single
+
+from podscale import data_parallel, make_mesh, workloads
+from podscale.precision import check_state
+from podscale.tasks import make_task, make_train_step
+
+HEAVY = ("dot_general", "conv_general_dilated")
+
+
+def _tiny(name):
+    task = make_task(name, config="tiny")
+    tx = task.workload.make_optimizer(task.config, 10)
+    batches = [task.train_data.get(np.arange(i * 16, (i + 1) * 16) % len(task.train_data)) for i in range(3)]
+    return task, tx, batches
+
+
+def _all_eqns(jaxpr):
+    from podscale._interpret import sub_jaxprs
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_full_config_parameter_count_matches_the_published_one(name):
+    workload = workloads.get(name)
+    count = workload.param_count("full")
+    assert abs(count - workload.reference.params) <= 0.02 * workload.reference.params, (count, workload.reference)
+    assert workload.reference.source
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_configs_state_their_recipe_batch_and_source(name):
+    for cfg in workloads.get(name).configs.values():
+        assert cfg.global_batch >= 1 and cfg.per_core_batch >= 1 and cfg.train_steps >= 1 and cfg.source
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_heavy_ops_run_in_bf16_and_state_stays_float32(name):
+    task, tx, batches = _tiny(name)
+    state = task.init_state(jax.random.key(0), tx)
+    check_state(state)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(leaf.dtype, jnp.floating))
+    closed = jax.make_jaxpr(make_train_step(task, tx))(state, batches[0])
+    heavy = [e for e in _all_eqns(closed.jaxpr) if e.primitive.name in HEAVY]
+    assert heavy
+    for eqn in heavy:
+        assert all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars), (eqn.primitive.name, [v.aval for v in eqn.invars])
+    out_state = jax.eval_shape(make_train_step(task, tx), state, batches[0])[0]
+    check_state(out_state)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_tiny_data_fits_the_batch_shapes(name):
+    task, _, batches = _tiny(name)
+    shapes = task.batch_shapes(16)
+    assert set(shapes) == set(batches[0])
+    for key, value in batches[0].items():
+        assert (value.shape, value.dtype) == (shapes[key].shape, shapes[key].dtype), key
+    eval_batch = task.eval_data.get(np.arange(4))
+    state = task.init_state(jax.random.key(0), task.workload.make_optimizer(task.config, 10))
+    metrics = task.eval_outputs(state, eval_batch)
+    assert task.eval_metric in metrics
+    assert all(v.shape == (4,) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_tiny_step_on_8_replicas_matches_one_device(name):
+    task, tx, batches = _tiny(name)
+    step = make_train_step(task, tx)
+    state = task.init_state(jax.random.key(0), tx)
+    ref, ref_metrics = run_single(step, state, batches)
+    dp = data_parallel(step, make_mesh())
+    out, metrics = run_parallel(dp, state, batches)
+    assert np.isfinite(metrics["loss"])
+    assert max_abs_diff(ref.params, out.params) <= 1e-5  # bf16 matmuls, 8 partial sums vs 1
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name):
+    workload = workloads.get(name)
+    task_cfg = workload.config("full")
+    model = workload.make_model(task_cfg, __import__("podscale").precision.BF16, None)
+    from podscale.tasks import Task
+
+    task = Task(model, name, None, None, workload=workload, config=task_cfg)
+    tx = workload.make_optimizer(task_cfg, task_cfg.train_steps)
+    batch = task.batch_shapes(task_cfg.per_core_batch)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    compiled = jax.jit(make_train_step(task, tx)).lower(state, batch).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] > 0
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
