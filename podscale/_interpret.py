@@ -29,6 +29,51 @@ GRAD_SUM = "psum_invariant"
 (the transpose of the implicit cast of a replicated value to a per-replica one)."""
 
 
+def is_grad_sum(eqn, axes) -> bool:
+    """A ``GRAD_SUM`` over every replica axis. One over fewer axes is the model's own collective
+    (batch norm over a group of replicas, or the backward pass of one) and is left as it is."""
+    return eqn.primitive.name == GRAD_SUM and set(eqn.params["axes"]) == set(axes)
+
+
+def terminal_partial_sum_uses(jaxpr, axes) -> dict[tuple[int, Any], tuple[str, ...]]:
+    """Where the result of a ``GRAD_SUM`` over a strict subset A of ``axes`` is one step of a
+    gradient's sum over the replicas, and so takes the 1/|A| of a mean: ``{(id(eqn), var): A}``
+    for each such use of ``var`` by ``eqn``.
+
+    With batch norm over a group of replicas, a weight's gradient may be summed in two steps (over
+    the group axis, then over the others), while a statistic's cotangent is summed over the group
+    on its way back through the model. A use of the former only meets further sums; the latter is
+    cast to per-replica again (``pvary`` over A, the transpose of the forward ``psum``): it is
+    part of each replica's backward pass and stays a plain sum. flax's batch norm feeds one sum to
+    both (the cotangent of ``scale * rsqrt(var)``), hence the decision per use.
+    """
+    uses = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != GRAD_SUM or set(eqn.params["axes"]) == set(axes):
+            continue
+        group = set(eqn.params["axes"])
+        for j in range(i + 1, len(jaxpr.eqns)):
+            consumer = jaxpr.eqns[j]
+            for var in eqn.outvars:
+                if any(v is var for v in consumer.invars) and not _revaries(jaxpr.eqns[j:], group):
+                    uses[(id(consumer), var)] = tuple(eqn.params["axes"])
+    return uses
+
+
+def _revaries(eqns, group: set) -> bool:
+    """Whether the outputs of ``eqns[0]`` reach a cast to per-replica over an axis of ``group``."""
+    tainted = set(eqns[0].outvars)
+    if eqns[0].primitive.name in ("pvary", "pcast") and group & set(eqns[0].params.get("axes", ())):
+        return True
+    for later in eqns[1:]:
+        if not any(v in tainted for v in later.invars if not isinstance(v, core.Literal)):
+            continue
+        if later.primitive.name in ("pvary", "pcast") and group & set(later.params.get("axes", ())):
+            return True
+        tainted.update(later.outvars)
+    return False
+
+
 def varying_axes(aval) -> frozenset:
     """The mesh axes over which a value of type ``aval`` differs per replica."""
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``

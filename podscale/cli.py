@@ -138,6 +138,38 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _run_models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from podscale import workloads
+
+    rows = []
+    for name in workloads.NAMES:
+        w = workloads.get(name)
+        full, tiny = w.param_count("full"), w.param_count("tiny")
+        rows.append({
+            "name": name, "description": w.description, "params_full": full, "params_tiny": tiny,
+            "reference_params": w.reference.params, "reference_source": w.reference.source,
+            "relative_difference": (full - w.reference.params) / w.reference.params,
+            "global_batch": w.configs["full"].global_batch, "per_core_batch": w.configs["full"].per_core_batch,
+            "hyperparameters_source": w.configs["full"].source, "eval_metric": w.eval_metric,
+        })  # fmt: skip
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = Table("model", "params (full)", "published", "diff", "params (tiny)", "MLPerf batch (per core)", "metric",
+                  title="MLPerf reference workloads (podscale train --model NAME --config full|tiny)")  # fmt: skip
+    for r in rows:
+        table.add_row(r["name"], f"{r['params_full']:,}", f"{r['reference_params']:,}", f"{r['relative_difference']:+.1%}",
+                      f"{r['params_tiny']:,}", f"{r['global_batch']:,} ({r['per_core_batch']})", r["eval_metric"])  # fmt: skip
+    console = Console()
+    console.print(table)
+    for r in rows:
+        console.print(f"[bold]{r['name']}[/]: {r['description']}\n  parameters: {r['reference_source']}\n  recipe: {r['hyperparameters_source']}")
+    return 0
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update)")
     p.add_argument("which", choices=["wus"])
@@ -178,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     _train_parser(sub)
     _plan_parser(sub)
     _bench_parser(sub)
+    mp = sub.add_parser("models", help="list the MLPerf reference workloads with their parameter counts")
+    mp.add_argument("--json", action="store_true")
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
     lp.add_argument("--grace", type=float, default=60.0, help="seconds the others get to stop after one fails")
@@ -187,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         if args.command == "launch":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return distributed.launch(args.processes, cmd, grace_s=args.grace)
+        if args.command == "models":
+            return _run_models(args)
         if args.command == "bench":
             return _run_bench(args)
         if args.command == "plan":

@@ -58,6 +58,8 @@ def _mean_rule(mesh: Mesh):
     def rule(eqn, invals):
         outs = eqn.primitive.bind(*invals, **eqn.params)
         outs = outs if eqn.primitive.multiple_results else [outs]
+        if not _interpret.is_grad_sum(eqn, mesh.axis_names):
+            return outs
         n = math.prod(mesh.shape[a] for a in eqn.params["axes"])
         return [o / jnp.asarray(n, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else o for o in outs]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from mlperf_logging.mllog import constants as C
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -28,6 +29,7 @@ from podscale.data import Loader, padded_eval_batches
 from podscale.data_parallel import data_parallel
 from podscale.evaluate import distributed_eval
 from podscale.mesh import BN_GROUP, make_mesh
+from podscale.mlperf_log import RunLog, parse, time_to_target
 from podscale.precision import check_state, policy_by_name
 from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step
 
@@ -113,6 +115,19 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Trains as ``config`` says; returns the summary that ``--json`` prints."""
     run_start = time.perf_counter()
     lead = jax.process_index() == 0
+    mlpath = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
+    mlog = RunLog(mlpath, write=lead)
+    try:
+        return _train(config, mlog, run_start, lead)
+    except BaseException:
+        mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
+        raise
+    finally:
+        mlog.close()
+
+
+def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> dict[str, Any]:
+    mlog.start(C.INIT_START)
     mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size)
     task = make_task(
         config.model, config.data, config.seed, config=config.config, policy=policy_by_name(config.precision),
@@ -156,6 +171,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"pass a larger --steps to train further"
         )
     evaluate = distributed_eval(make_eval_fn(task), mesh)
+    _log_run_config(mlog, config, task, dp, batch_size, eval_batch)
+    mlog.end(C.INIT_STOP)
+    mlog.start(C.RUN_START)
+    epoch = lambda done: done * batch_size / len(task.train_data)  # noqa: E731
+    mlog.start(C.BLOCK_START, metadata={"first_epoch_num": epoch(start), "first_step_num": start + 1})
     metrics_path = _metrics_path(config)
     log = open(metrics_path, "a") if (lead and metrics_path) else None  # noqa: SIM115
 
@@ -198,13 +218,19 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     ckpt.maybe_save(done, state, checkpointed.save_form)
                 reached = False
                 if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                    mlog.end(C.BLOCK_STOP, metadata={"epoch_num": epoch(done), "step_num": done})
+                    mlog.start(C.EVAL_START, metadata={"epoch_num": epoch(done), "step_num": done})
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
+                    at = {"epoch_num": epoch(done), "step_num": done}
+                    mlog.end(C.EVAL_STOP, metadata=at)
+                    mlog.event(C.EVAL_ACCURACY, results[task.eval_metric], metadata={**at, "metric": task.eval_metric})
                     summary["eval"] = results
                     record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
                     reached = config.target is not None and results[task.eval_metric] >= config.target
                     if reached:
-                        summary["time_to_target_s"] = time.perf_counter() - run_start
                         summary["target_step"] = done
+                    elif done < config.steps:
+                        mlog.start(C.BLOCK_START, metadata={"first_epoch_num": epoch(done), "first_step_num": done + 1})
                 excluded += time.perf_counter() - aside
                 if reached:
                     break
@@ -217,6 +243,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if log:
             log.close()
     final_step = step + 1 if step < config.steps else config.steps
+    reached = config.target is not None and summary.get("target_step") is not None
+    mlog.end(C.RUN_STOP, metadata={"status": C.SUCCESS if reached or config.target is None else C.ABORTED,
+                                   "epoch_num": epoch(final_step), "step_num": final_step})  # fmt: skip
+    if reached:
+        summary["time_to_target_s"] = time_to_target(parse(mlog.lines), config.target)["seconds"]
     if ckpt:
         ckpt.maybe_save(final_step, state, checkpointed.save_form, force=True)
         ckpt.close()
@@ -239,8 +270,29 @@ def train(config: TrainConfig) -> dict[str, Any]:
         optimizer=config.optimizer or ("recipe" if task.workload else "adam"),
         batch_size=batch_size,
         resumed_from=resumed_from,
+        mllog=mlog.path,
     )
     return summary
+
+
+def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int, eval_batch: int) -> None:
+    """The MLPerf log's run configuration: submission, batch, seed, data sizes, hyperparameters."""
+    mlog.event(C.SUBMISSION_BENCHMARK, config.model)
+    mlog.event(C.SUBMISSION_ORG, "podscale")
+    mlog.event(C.SUBMISSION_DIVISION, "open")
+    mlog.event(C.SUBMISSION_STATUS, "research")
+    mlog.event(C.SUBMISSION_PLATFORM, f"{dp.replicas}x{jax.devices()[0].device_kind}")
+    mlog.event(C.SEED, config.seed)
+    mlog.event(C.GLOBAL_BATCH_SIZE, batch_size)
+    mlog.event(C.TRAIN_SAMPLES, len(task.train_data))
+    mlog.event(C.EVAL_SAMPLES, len(task.eval_data))
+    if task.workload and config.optimizer is None:
+        cfg = task.config if config.learning_rate is None else dataclasses.replace(task.config, learning_rate=config.learning_rate)
+        hparams = task.workload.hparams(cfg, config.steps) if task.workload.hparams else {C.OPT_BASE_LR: cfg.learning_rate}
+    else:
+        hparams = {C.OPT_NAME: config.optimizer or "adam", C.OPT_BASE_LR: config.learning_rate or 1e-3}
+    for key, value in hparams.items():
+        mlog.event(key, value)
 
 
 class _CheckpointForm:

@@ -33,7 +33,7 @@ from jax._src.lax.parallel import all_gather_invariant  # public lax has no inva
 from jax.extend import core
 
 from podscale import _interpret
-from podscale._interpret import GRAD_SUM
+from podscale._interpret import GRAD_SUM, is_grad_sum
 
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
@@ -295,10 +295,12 @@ class Rewriter:
         self.layout, self.trace, self.grad_mean_rule = layout, trace, grad_mean_rule
         self.fuser = _Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
+        self.partial_uses: dict = {}  # see _interpret.terminal_partial_sum_uses
 
     def run(self, closed, args) -> list:
         """Evaluates a traced step (the top-level jaxpr)."""
         self.forward = forward_used(closed.jaxpr)
+        self.partial_uses = _interpret.terminal_partial_sum_uses(closed.jaxpr, self.layout.axes)
         return self.evaluate(closed.jaxpr, closed.consts, args)
 
     # -- reading values -------------------------------------------------------------------
@@ -326,7 +328,7 @@ class Rewriter:
                 if any(v in blocked_vars for v in deps) or (eqn.effects and blocked):
                     wait = True
                 else:
-                    invals = [read(v) for v in eqn.invars]
+                    invals = [self._read(eqn, v, read) for v in eqn.invars]
                     wait = self._waits(eqn, invals)
                 if wait:
                     blocked.append(eqn)
@@ -339,13 +341,21 @@ class Rewriter:
             todo = blocked
         return [read(v) for v in jaxpr.outvars]
 
+    def _read(self, eqn, var, read):
+        value = read(var)
+        axes = self.partial_uses.get((id(eqn), var)) if not isinstance(var, core.Literal) else None
+        if axes is None:
+            return value
+        value = self.resolve(value)  # one step of a gradient's sum over the replicas: a mean
+        return value / jnp.asarray(math.prod(lax.axis_size(a) for a in axes), value.dtype)
+
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
-        return unresolved and not self._movable(eqn, invals) and eqn.primitive.name != GRAD_SUM
+        return unresolved and not self._movable(eqn, invals) and not is_grad_sum(eqn, self.layout.axes)
 
     def equation(self, eqn, invals) -> list:
         name = eqn.primitive.name
-        if name == GRAD_SUM:
+        if is_grad_sum(eqn, self.layout.axes):
             return [self.fuser.add(v) for v in invals]
         if self._movable(eqn, invals):
             moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])

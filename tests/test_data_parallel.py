@@ -1,5 +1,6 @@
 """The data-parallel step against the plain single-device step."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
+from podscale.mesh import BN_GROUP
 from podscale.tasks import make_task, make_train_step
 
 STEPS = 10
@@ -187,3 +189,56 @@ def test_typed_prng_keys_in_the_state_round_trip():
     placed = dp.place_state(state)
     back = dp.gather_state(placed)
     np.testing.assert_array_equal(jax.random.key_data(back["rng"]), jax.random.key_data(state["rng"]))
+
+
+class _BNNet(nn.Module):
+    bn_axis: str | None
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.BatchNorm(use_running_average=not train, axis_name=self.bn_axis, momentum=0.9)(nn.Dense(16)(x))
+        return nn.Dense(3)(nn.relu(x))
+
+
+def _bn_step(model, tx):
+    def step(state, batch):
+        params, stats, opt = state
+
+        def loss(p):
+            out, upd = model.apply({"params": p, "batch_stats": stats}, batch["x"], True, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean(), upd["batch_stats"]
+
+        (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), stats, opt), {"loss": value}
+
+    return step
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_batch(weight_update):
+    """bn_group_size=4 on 8 replicas: two groups, each normalizing over its 4 replicas' rows."""
+    tx = optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(1), (64, 5))
+    batch = {"x": x, "y": jnp.arange(64) % 3}
+    variables = _BNNet(None).init(jax.random.key(0), x[:2], False)
+    state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    dp = data_parallel(_bn_step(_BNNet(BN_GROUP), tx), make_mesh(bn_group_size=4), weight_update=weight_update, min_shard_size=1)
+    dp.prepare(state, batch)
+    (params, stats, _), metrics = run_parallel(dp, state, [batch])
+
+    # One device: the plain model (no collectives) on each group's 32 rows, losses averaged.
+    plain = _BNNet(None)
+
+    def group_loss(p, rows):
+        out, upd = plain.apply({"params": p, "batch_stats": variables["batch_stats"]}, x[rows], True, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"][rows]).mean(), upd["batch_stats"]
+
+    groups = [slice(0, 32), slice(32, 64)]
+    ref_loss = jnp.mean(jnp.stack([group_loss(variables["params"], g)[0] for g in groups]))
+    grads = jax.grad(lambda p: jnp.mean(jnp.stack([group_loss(p, g)[0] for g in groups])))(variables["params"])
+    ref_params = optax.apply_updates(variables["params"], tx.update(grads, tx.init(variables["params"]))[0])
+    ref_stats = jax.tree.map(lambda *s: jnp.mean(jnp.stack(s), 0), *[group_loss(variables["params"], g)[1] for g in groups])
+    np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
+    assert max_abs_diff(ref_params, params) <= 1e-6
+    assert max_abs_diff(ref_stats, stats) <= 1e-6  # stored statistics: the mean over groups

@@ -33,3 +33,15 @@ def test_parse_shape():
     assert parse_shape("8") == (8,)
     with pytest.raises(ValueError, match="4x2"):
         parse_shape("four")
+
+
+def test_bn_groups_are_neighbouring_replicas_on_an_inner_axis():
+    mesh = make_mesh(bn_group_size=4)
+    assert dict(mesh.shape) == {"data": 2, "bn_group": 4}
+    ids = [[d.id for d in row] for row in mesh.devices]
+    assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_bn_group_size_must_divide_the_last_mesh_dimension():
+    with pytest.raises(ValueError, match=r"bn_group_size=3 must be a positive divisor of the last mesh dimension \(data=8"):
+        make_mesh(bn_group_size=3)

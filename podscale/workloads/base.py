@@ -71,6 +71,9 @@ class Workload:
     """``(model, variables, batch) -> per_example``: inference mode; includes ``eval_metric``."""
     eval_metric: str
     """The key of ``eval_metrics`` that ``--target`` refers to, e.g. ``exact_match``."""
+    hparams: Callable[[Any, int], dict[str, Any]] | None = None
+    """``(config, total_steps)``: the recipe's hyperparameters under mllog's standard keys
+    (``mlperf_logging.mllog.constants``: ``opt_name``, ``opt_base_learning_rate``, warmup, ...)."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
 

@@ -1,0 +1,105 @@
+"""MLPerf-format run logs through mlperf-logging's ``mllog``, and time to target read from them.
+
+Each run gets its own ``MLLogger`` writing ``:::MLLOG {...}`` lines with the standard keys
+(``mllog.constants``) to a file, and keeps the same lines in memory: the time to target that
+``podscale train`` prints is computed from the log by :func:`time_to_target`, the way MLPerf
+results are scored (``run_start`` to the first ``eval_accuracy`` at or above the target).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from mlperf_logging.mllog.mllog import MLLogger
+from mlperf_logging.mllog import constants
+
+PREFIX = ":::MLLOG "
+_counter = iter(range(1 << 62))
+_counter_lock = threading.Lock()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage().lstrip("\n"))
+
+
+class RunLog:
+    """An MLPerf log for one run: ``start``/``end``/``event`` as ``mllog``'s, kept in ``lines`` and
+    written to ``path`` when ``write`` (one process of a run writes the file: the trainer's process 0)."""
+
+    def __init__(self, path: str | None = None, write: bool = True):
+        with _counter_lock:
+            name = f"podscale.mllog.{next(_counter)}"
+        self._logger = logging.getLogger(name)
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._memory = _Lines()
+        self._handlers: list[logging.Handler] = [self._memory]
+        if write and path:
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._handlers.append(logging.FileHandler(path))
+        for handler in self._handlers:
+            self._logger.addHandler(handler)
+        self.path = path if write else None
+        self._ml = MLLogger(logger=self._logger, default_stack_offset=2)
+
+    @property
+    def lines(self) -> list[str]:
+        return self._memory.lines
+
+    def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._ml.start(key=key, value=value, metadata=metadata)
+
+    def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._ml.end(key=key, value=value, metadata=metadata)
+
+    def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._ml.event(key=key, value=value, metadata=metadata)
+
+    def close(self) -> None:
+        for handler in self._handlers:
+            self._logger.removeHandler(handler)
+            handler.close()
+
+
+def parse(lines: Iterable[str]) -> list[dict]:
+    """The events of an MLPerf log (lines without the ``:::MLLOG`` prefix are skipped)."""
+    events = []
+    for line in lines:
+        at = line.find(PREFIX)
+        if at >= 0:
+            events.append(json.loads(line[at + len(PREFIX):]))
+    return events
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return parse(f)
+
+
+def time_to_target(events: list[dict], target: float) -> dict | None:
+    """Seconds from the last ``run_start`` to the first ``eval_accuracy`` >= ``target`` after it,
+    with that evaluation's value and metadata; ``None`` when the target was not reached."""
+    starts = [i for i, e in enumerate(events) if e["key"] == constants.RUN_START]
+    if not starts:
+        raise ValueError("the MLPerf log has no run_start event")
+    start = events[starts[-1]]
+    for event in events[starts[-1]:]:
+        if event["key"] == constants.EVAL_ACCURACY and event["value"] is not None and event["value"] >= target:
+            return {
+                "seconds": (event["time_ms"] - start["time_ms"]) / 1000.0,
+                "value": event["value"],
+                "step": event["metadata"].get("step_num"),
+                "epoch": event["metadata"].get("epoch_num"),
+            }
+    return None

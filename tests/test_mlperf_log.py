@@ -1,0 +1,63 @@
+"""MLPerf logs written by the trainer, and the time to target read back from them."""
+
+import jax.numpy as jnp
+import pytest
+from mlperf_logging.mllog import constants as C
+
+from podscale import mlperf_log
+from podscale.trainer import TrainConfig, train
+
+
+def test_the_trainer_logs_the_standard_keys_and_reports_time_to_target_from_the_log(tmp_path):
+    path = str(tmp_path / "mllog.txt")
+    summary = train(TrainConfig(model="mlp", data="digits", learning_rate=3e-3, steps=60, eval_every=10, target=0.5, mllog=path, progress=False))
+    events = mlperf_log.read(path)
+    keys = [e["key"] for e in events]
+    for key in (C.INIT_START, C.INIT_STOP, C.RUN_START, C.RUN_STOP, C.GLOBAL_BATCH_SIZE, C.SEED, C.OPT_NAME,
+                C.OPT_BASE_LR, C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.BLOCK_START, C.BLOCK_STOP, C.EVAL_ACCURACY):  # fmt: skip
+        assert key in keys, key
+    assert keys.index(C.INIT_STOP) < keys.index(C.RUN_START) < keys.index(C.EVAL_ACCURACY) < keys.index(C.RUN_STOP)
+    assert next(e for e in events if e["key"] == C.GLOBAL_BATCH_SIZE)["value"] == 64
+    assert next(e for e in events if e["key"] == C.RUN_STOP)["metadata"]["status"] == C.SUCCESS
+    reached = mlperf_log.time_to_target(events, 0.5)
+    assert reached["seconds"] == summary["time_to_target_s"]
+    assert reached["step"] == summary["target_step"]
+    accuracies = [e["value"] for e in events if e["key"] == C.EVAL_ACCURACY]
+    assert accuracies[-1] >= 0.5 and all(a < 0.5 for a in accuracies[:-1])
+
+
+def test_a_run_that_misses_its_target_stops_aborted(tmp_path):
+    path = str(tmp_path / "mllog.txt")
+    summary = train(TrainConfig(model="mlp", steps=3, target=1.01, mllog=path, progress=False))
+    events = mlperf_log.read(path)
+    assert summary["time_to_target_s"] is None
+    assert events[-1]["key"] == C.RUN_STOP and events[-1]["metadata"]["status"] == C.ABORTED
+    assert mlperf_log.time_to_target(events, 1.01) is None
+
+
+def test_time_to_target_counts_from_the_last_run_start():
+    log = mlperf_log.RunLog()
+    log.start(C.RUN_START)
+    log.event(C.EVAL_ACCURACY, 0.9, metadata={"step_num": 5})
+    log.start(C.RUN_START)  # a resumed run appends to the same log
+    log.event(C.EVAL_ACCURACY, 0.5, metadata={"step_num": 10})
+    log.event(C.EVAL_ACCURACY, 0.95, metadata={"step_num": 20})
+    log.close()
+    events = mlperf_log.parse(log.lines)
+    got = mlperf_log.time_to_target(events, 0.9)
+    assert got["step"] == 20 and got["value"] == 0.95
+    assert got["seconds"] == (events[-1]["time_ms"] - events[2]["time_ms"]) / 1000
+
+
+def test_a_log_without_run_start_is_an_error():
+    with pytest.raises(ValueError, match="no run_start"):
+        mlperf_log.time_to_target(mlperf_log.parse(['junk', ':::MLLOG {"key": "eval_accuracy", "value": 1, "time_ms": 1, "metadata": {}}']), 0.5)
+
+
+def test_sixteen_bit_state_is_refused_before_training():
+    from podscale.precision import check_state
+    from podscale.tasks import TrainState
+
+    state = TrainState(step=jnp.zeros(()), params={"w": jnp.zeros(3, jnp.bfloat16)}, batch_stats={}, opt_state=())
+    with pytest.raises(TypeError, match=r"state.params\['w'\] would be stored as bfloat16.*param_dtype=jnp.float32"):
+        check_state(state)
