@@ -8,8 +8,8 @@ import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh, workloads
-from podscale.precision import check_state
-from podscale.tasks import make_task, make_train_step
+from podscale.precision import BF16, check_state
+from podscale.tasks import Task, make_task, make_train_step
 
 HEAVY = ("dot_general", "conv_general_dilated")
 
@@ -90,13 +90,10 @@ def test_tiny_step_on_8_replicas_matches_one_device(name):
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name):
     workload = workloads.get(name)
-    task_cfg = workload.config("full")
-    model = workload.make_model(task_cfg, __import__("podscale").precision.BF16, None)
-    from podscale.tasks import Task
-
-    task = Task(model, name, None, None, workload=workload, config=task_cfg)
-    tx = workload.make_optimizer(task_cfg, task_cfg.train_steps)
-    batch = task.batch_shapes(task_cfg.per_core_batch)
+    cfg = workload.config("full")
+    task = Task(workload.make_model(cfg, BF16, None), name, None, None, workload=workload, config=cfg)  # no data
+    tx = workload.make_optimizer(cfg, cfg.train_steps)
+    batch = task.batch_shapes(cfg.per_core_batch)
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
     compiled = jax.jit(make_train_step(task, tx)).lower(state, batch).compile()
     cost = compiled.cost_analysis()
