@@ -264,3 +264,21 @@ def make_grad_sum(mesh: Mesh, mode: str = "1d", chunks: int | None = None, dtype
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
+
+
+def parse_axis_costs(text: str | None):
+    """``--axis-costs``: ``calibrate``, or ``AXIS=BANDWIDTH:LATENCY,...`` (bytes/s and seconds,
+    e.g. ``x=1e11:1e-6,y=4.5e10:1e-6``)."""
+    if text is None or text == "calibrate":
+        return text
+    costs = {}
+    for part in text.split(","):
+        try:
+            axis, figures = part.split("=")
+            bandwidth, latency = (float(f) for f in figures.split(":"))
+        except ValueError:
+            raise ValueError(f"--axis-costs {text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6") from None
+        if bandwidth <= 0 or latency < 0:
+            raise ValueError(f"--axis-costs {part!r}: bandwidth must be positive and latency at least 0")
+        costs[axis.strip()] = AxisCost(bandwidth, latency)
+    return costs
