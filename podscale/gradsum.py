@@ -181,10 +181,11 @@ def choose_order(mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float
         raise ValueError(f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of {axes}")
     forward = modelled_seconds(axes, sizes, costs, nbytes)
     backward = modelled_seconds(axes[::-1], sizes, costs, nbytes)
-    order = axes if forward <= backward else axes[::-1]
+    tied = math.isclose(forward, backward, rel_tol=1e-9)
+    order = axes if tied or forward < backward else axes[::-1]
     best, other = sorted((forward, backward))
     described = "; ".join(f"{a}: {costs[a].bandwidth:.3g} B/s, {costs[a].latency:.3g} s" for a in axes)
-    tie = " (a tie: mesh order)" if forward == backward else ""
+    tie = " (a tie: mesh order)" if tied else ""
     return order, (
         f"{order[0]} first: a {nbytes / 2**20:.1f} MiB sum is modelled at {best * 1e3:.3g} ms against "
         f"{other * 1e3:.3g} ms with {order[1]} first{tie} ({described})"
