@@ -27,6 +27,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; MLPerf workloads: the recipe's peak")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch size over all replicas (default 64, or the workload config's)")
+    p.add_argument("--grad-sum", default="1d", choices=["1d", "2d"],
+                   help="2d: on a 2-D --mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back")
+    p.add_argument("--grad-sum-chunks", type=int, default=None, help="pipelined chunks per fused buffer with --grad-sum 2d (default 4)")
+    p.add_argument("--grad-sum-dtype", default=None, choices=["float32", "bfloat16"], help="sum gradients in this dtype (opt-in)")
+    p.add_argument("--axis-costs", default=None,
+                   help="which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="size of the fused gradient buffers (default 16 MiB)")
     p.add_argument("--precision", default=defaults.precision, choices=["bf16", "float32"],
                    help="MLPerf workloads: bf16 compute with float32 state (default), or float32 throughout")
     p.add_argument("--bn-group-size", type=int, default=1,
@@ -112,6 +119,11 @@ def _plan_parser(sub) -> None:
     p.add_argument("--weight-update", default="sharded", choices=["replicated", "sharded"])
     p.add_argument("--min-shard-size", type=int, default=None, help="tensors smaller than this stay replicated")
     p.add_argument("--strict", action="store_true", help="fail when an op of the update cannot run on shards")
+    p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2")
+    p.add_argument("--grad-sum", default="1d", choices=["1d", "2d"])
+    p.add_argument("--grad-sum-chunks", type=int, default=None)
+    p.add_argument("--grad-sum-dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--axis-costs", default=None, help="calibrate, or AXIS=BYTES_PER_S:LATENCY_S,...")
     p.add_argument("--json", action="store_true")
 
 
@@ -121,13 +133,16 @@ def _run_plan(args) -> int:
     import jax
 
     from podscale import data_parallel, make_mesh
+    from podscale.gradsum import parse_axis_costs
     from podscale.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE
 
     task = make_task(args.model, args.data, config=args.config)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
-    dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update=args.weight_update,
-                       min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict)  # fmt: skip
+    dp = data_parallel(make_train_step(task, tx), make_mesh(args.mesh), weight_update=args.weight_update,
+                       min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict,
+                       grad_sum=args.grad_sum, grad_sum_chunks=args.grad_sum_chunks, grad_sum_dtype=args.grad_sum_dtype,
+                       axis_costs=parse_axis_costs(args.axis_costs))  # fmt: skip
     plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))
     if args.strict and plan.gathered_ops:
         raise ValueError(f"--strict: these ops of the update cannot run on shards: {', '.join(plan.gathered_ops)}")
@@ -171,8 +186,9 @@ def _run_models(args) -> int:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update)")
-    p.add_argument("which", choices=["wus"])
+    p = sub.add_parser("bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D)")
+    p.add_argument("which", choices=["wus", "gradsum"])
+    p.add_argument("--sizes", default="1,16,128", help="gradsum: gradient sizes in MiB per device")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=8)
@@ -185,6 +201,9 @@ def _run_bench(args) -> int:
     distributed.setup(args.replicas, distributed.ClusterSpec())
     from rich.console import Console
     from rich.table import Table
+
+    if args.which == "gradsum":
+        return _run_bench_gradsum(args)
 
     from podscale.bench import bench_wus
 
@@ -200,6 +219,31 @@ def _run_bench(args) -> int:
             coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
             peak = r["peak_bytes_per_device"]
             table.add_row(opt, variant, f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{peak / 2**20:.1f}" if peak else "-", coll, f"{r['max_abs_param_diff']:.2e}")
+    Console().print(table)
+    return 0
+
+
+def _run_bench_gradsum(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from podscale.bench_gradsum import bench_gradsum
+
+    try:
+        sizes = [float(s) for s in args.sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes {args.sizes!r}: write MiB per device as numbers, e.g. 1,16,128") from None
+    result = bench_gradsum(sizes, repeats=max(args.steps, 1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    table = Table("gradient", "variant", "median s", "vs 1d", "bytes sent per device, per axis (ring)", "max |error|",
+                  title="gradient summation on 8 CPU devices")  # fmt: skip
+    for size, per in result.items():
+        base = per.get("1d", {}).get("median_s")
+        for name, r in per.items():
+            axes = ", ".join(f"{a}: {b / 2**20:,.2f} MiB" for a, b in r["bytes_per_axis"].items())
+            table.add_row(size, name, f"{r['median_s']:.4f}", f"{r['median_s'] / base:.2f}x" if base else "-", axes, f"{r['max_abs_error']:.1e}")
     Console().print(table)
     return 0
 

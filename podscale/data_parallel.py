@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale import _interpret, state_layout
+from podscale.gradsum import make_grad_sum
 from podscale.mesh import replica_count
 from podscale.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
 
@@ -95,7 +96,8 @@ class DataParallelStep:
 
     def __init__(self, step: Step, mesh: Mesh, *, weight_update: str = "replicated",
                  min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False, donate_state: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):  # fmt: skip
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_sum: str = "1d", grad_sum_chunks: int | None = None,
+                 grad_sum_dtype=None, axis_costs=None):  # fmt: skip
         if weight_update not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update={weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
         if min_shard_size < 1:
@@ -105,6 +107,7 @@ class DataParallelStep:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
+        self.grad_sum = make_grad_sum(mesh, grad_sum, grad_sum_chunks, grad_sum_dtype, axis_costs, nbytes=bucket_bytes)
         self.layout: state_layout.StateLayout | None = None
         self.trace: Trace | None = None
         self._jitted = None
@@ -147,7 +150,8 @@ class DataParallelStep:
                 "weight_update='sharded' needs an example global batch to decide which state "
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
-        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded)
+        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded,
+                                          order=self.grad_sum.order)  # fmt: skip
         return self.layout
 
     def plan(self, state=None, batch=None):
@@ -184,7 +188,7 @@ class DataParallelStep:
     def _build(self):
         layout = self.layout
         axes, n = self.axes, self.replicas
-        chunks = Layout(axes, n, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
+        chunks = Layout(self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
         abstract_state = jax.tree.unflatten(
             layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
         )
@@ -331,7 +335,8 @@ class DataParallelStep:
 
 def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
                   min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False,
-                  donate_state: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallelStep:  # fmt: skip
+                  donate_state: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_sum: str = "1d",
+                  grad_sum_chunks: int | None = None, grad_sum_dtype=None, axis_costs=None) -> DataParallelStep:  # fmt: skip
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
     One call on a global batch gives the new state that ``step`` gives on that whole batch on one
@@ -346,10 +351,18 @@ def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
       strict: make it an error when an op of the update cannot run on shards.
       bucket_bytes: size of the fused gradient buffers (and, divided by the replica count, of
         the fused weight all-gathers); results do not depend on it.
+      grad_sum: ``"1d"`` (one collective over all mesh axes) or ``"2d"`` on a 2-D mesh: gradients
+        are reduce-scattered along one axis, all-reduced (or, with the sharded update,
+        reduce-scattered) along the other, then all-gathered (see ``podscale.gradsum``).
+      grad_sum_chunks: pipelined chunks per fused buffer for ``"2d"`` (default 4).
+      grad_sum_dtype: sum gradients in this dtype (e.g. ``jnp.bfloat16``); opt-in.
+      axis_costs: ``{axis: gradsum.AxisCost}`` from a topology, or ``"calibrate"``: decides which
+        axis the 2-D sum goes along first. Without it, mesh order.
     """
     if not callable(step):
         raise TypeError(f"data_parallel(step, mesh): step must be callable, got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}")
     return DataParallelStep(step, mesh, weight_update=weight_update, min_shard_size=min_shard_size,
-                            strict=strict, donate_state=donate_state, bucket_bytes=bucket_bytes)  # fmt: skip
+                            strict=strict, donate_state=donate_state, bucket_bytes=bucket_bytes, grad_sum=grad_sum,
+                            grad_sum_chunks=grad_sum_chunks, grad_sum_dtype=grad_sum_dtype, axis_costs=axis_costs)  # fmt: skip

@@ -50,10 +50,12 @@ class StateLayout:
     treedef: Any
     leaves: tuple[LeafLayout, ...]
     mesh: Mesh
+    order: tuple[str, ...] | None = None
+    """The mesh axes in the order chunks are laid out (the gradient sum's); default mesh order."""
 
     @property
     def axes(self) -> tuple[str, ...]:
-        return tuple(self.mesh.axis_names)
+        return self.order or tuple(self.mesh.axis_names)
 
     @property
     def n(self) -> int:
@@ -108,7 +110,7 @@ class StateLayout:
         self.check(state)
         out = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            sharding = NamedSharding(self.mesh, P(self.axes) if leaf.sharded else P())
+            sharding = NamedSharding(self.mesh, P(self.axes) if leaf.sharded else P())  # chunk i on device i of the order
             out.append(_put(x, sharding, leaf))
         return jax.tree.unflatten(self.treedef, out)
 
@@ -150,7 +152,8 @@ def _get(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int, shard: bool = True) -> StateLayout:
+def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int, shard: bool = True,
+           order: tuple[str, ...] | None = None) -> StateLayout:  # fmt: skip
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
     ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
@@ -173,4 +176,4 @@ def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: i
         else:
             length = -(-size // n)
             leaves.append(LeafLayout(**kw, sharded=True, reason="sharded", shard_len=length, padding=length * n - size))
-    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh)
+    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order)

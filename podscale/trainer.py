@@ -28,7 +28,9 @@ from podscale.checkpoint import Checkpointer
 from podscale.data import Loader, padded_eval_batches
 from podscale.data_parallel import data_parallel
 from podscale.evaluate import distributed_eval
+from podscale.gradsum import parse_axis_costs
 from podscale.mesh import BN_GROUP, make_mesh
+from podscale.weight_update import DEFAULT_BUCKET_BYTES
 from podscale.mlperf_log import RunLog, parse, time_to_target
 from podscale.precision import check_state, policy_by_name
 from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step
@@ -75,6 +77,16 @@ class TrainConfig:
     """Mesh shape; default a 1-D mesh over all devices."""
     weight_update: str = "replicated"
     """``replicated`` or ``sharded`` (cross-replica weight-update sharding)."""
+    grad_sum: str = "1d"
+    """``1d`` (one collective over all mesh axes) or ``2d`` (on a 2-D ``mesh``; see ``podscale.gradsum``)."""
+    grad_sum_chunks: int | None = None
+    """Pipelined chunks per fused gradient buffer with ``grad_sum="2d"`` (default 4)."""
+    grad_sum_dtype: str | None = None
+    """Sum gradients in this dtype, e.g. ``bfloat16`` (opt-in; default: the gradients' own)."""
+    axis_costs: str | None = None
+    """Which axis the 2-D sum goes along first: ``calibrate``, or ``x=BW:LAT,y=BW:LAT``."""
+    bucket_bytes: int | None = None
+    """Size of the fused gradient buffers (default 16 MiB)."""
     precision: str = "bf16"
     """MLPerf workloads: ``bf16`` (bfloat16 convolutions and matrix products, float32 state) or
     ``float32``."""
@@ -135,7 +147,11 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     )  # fmt: skip
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
-    dp = data_parallel(make_train_step(task, optimizer), mesh, weight_update=config.weight_update)
+    dp = data_parallel(
+        make_train_step(task, optimizer), mesh, weight_update=config.weight_update, grad_sum=config.grad_sum,
+        grad_sum_chunks=config.grad_sum_chunks, grad_sum_dtype=config.grad_sum_dtype,
+        axis_costs=parse_axis_costs(config.axis_costs), bucket_bytes=config.bucket_bytes or DEFAULT_BUCKET_BYTES,
+    )  # fmt: skip
     if batch_size % dp.replicas:
         raise ValueError(
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; "
@@ -264,6 +280,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
         replicas=dp.replicas,
         processes=jax.process_count(),
         mesh=dict(mesh.shape),
+        grad_sum={"mode": dp.grad_sum.mode, "order": list(dp.grad_sum.order), "chunks": dp.grad_sum.chunks,
+                  "dtype": config.grad_sum_dtype},  # fmt: skip
         model=config.model,
         config=config.config,
         data=config.data,

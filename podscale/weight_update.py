@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.extend import core
 
 from podscale import _interpret
 from podscale._interpret import GRAD_SUM, is_grad_sum
+from podscale.gradsum import GradSum, PhaseRecord
 
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
@@ -84,6 +84,13 @@ class Collective:
     bytes_per_device: int
     tensors: int
     why: str
+    chunks: int = 1
+    """Pipelined chunks the buffer is sent in (2-D gradient summation)."""
+
+
+def _record(trace: Trace, phases: list[PhaseRecord], tensors: int, why: str) -> None:
+    for ph in phases:
+        trace.collectives.append(Collective(ph.kind, ph.axes, ph.bytes_per_device, tensors, why, ph.chunks))
 
 
 @dataclasses.dataclass
@@ -95,12 +102,15 @@ class Trace:
 
 
 class Layout:
-    """The chunking of tensors over ``n`` replicas along mesh ``axes``."""
+    """The chunking of tensors over the replicas, and how gradients are summed (``grad_sum``).
 
-    def __init__(self, axes: tuple[str, ...], n: int, min_shard_size: int, scatter: bool = True,
+    Chunks are ordered by ``lax.axis_index(grad_sum.order)``, the order of the 2-D sum's phases.
+    """
+
+    def __init__(self, grad_sum: GradSum, min_shard_size: int, scatter: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):  # fmt: skip
-        self.axes, self.n, self.min_shard_size, self.scatter = axes, n, min_shard_size, scatter
-        self.bucket_bytes = bucket_bytes
+        self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
+        self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
 
     def alone(self, nbytes: int) -> bool:
         """Whether a tensor is large enough to get a collective of its own (a quarter bucket)."""
@@ -148,21 +158,20 @@ def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
 def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     rows = [layout._padded_rows(v) for v in values]
     buffer = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    phases: list[PhaseRecord] = []
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
-        total = lax.psum(buffer, layout.axes) / jnp.asarray(layout.n, buffer.dtype)
-        trace.collectives.append(Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), "gradient sum"))
+        total = layout.grad_sum.all_reduce(buffer, phases) / jnp.asarray(layout.n, buffer.dtype)
+        _record(trace, phases, len(values), "gradient sum")
         out, offset = [], 0
         for v, r in zip(values, rows, strict=True):
             out.append(total[:, offset : offset + r.shape[1]].reshape(-1)[: v.size].reshape(v.shape))
             offset += r.shape[1]
         return out
-    local = lax.psum_scatter(buffer, layout.axes, scatter_dimension=0, tiled=True)[0]
+    local = layout.grad_sum.reduce_scatter(buffer, phases)
     local = local / jnp.asarray(layout.n, local.dtype)
-    trace.collectives.append(
-        Collective("reduce-scatter", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), "gradient sum")
-    )
+    _record(trace, phases, len(values), "gradient sum")
     out, offset = [], 0
     for v, r in zip(values, rows, strict=True):
         out.append(Sharded(local[offset : offset + r.shape[1]], tuple(v.shape)))
@@ -173,8 +182,9 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str) -> list:
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-    total = lax.psum(buffer, layout.axes) / jnp.asarray(layout.n, buffer.dtype)
-    trace.collectives.append(Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), why))
+    phases: list[PhaseRecord] = []
+    total = layout.grad_sum.all_reduce(buffer, phases) / jnp.asarray(layout.n, buffer.dtype)
+    _record(trace, phases, len(values), why)
     out, offset = [], 0
     for v in values:
         out.append(total[offset : offset + v.size].reshape(v.shape))
@@ -198,10 +208,9 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
     for members in buckets:
         parts = [shards[i].shard for i in members]
         buffer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        full = all_gather_invariant(buffer, layout.axes, axis=0, tiled=False)  # [n, local]
-        trace.collectives.append(
-            Collective("all-gather", layout.axes, buffer.size * buffer.dtype.itemsize, len(members), why)
-        )
+        phases: list[PhaseRecord] = []
+        full = layout.grad_sum.all_gather(buffer, phases)  # [n, local]
+        _record(trace, phases, len(members), why)
         offset = 0
         for i in members:
             s = shards[i]

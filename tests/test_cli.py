@@ -39,6 +39,11 @@ def _params(path):
         (["--model", "transformer", "--data", "digits"], "data 'digits' does not fit model 'transformer'"),
         (["--mesh", "4x4"], "mesh shape (4, 4) needs 16 devices, but there are 8"),
         (["--batch-size", "20"], "--batch-size 20 is not divisible by the 8 replicas"),
+        (["--grad-sum", "2d"], "grad_sum='2d' needs a mesh with exactly two axes, got {'data': 8}"),
+        (["--mesh", "4x2", "--grad-sum", "2d", "--axis-costs", "x=fast"], "--axis-costs 'x=fast': write calibrate"),
+        (["--model", "resnet50"], "model 'resnet50' needs --config; choose one of: full, tiny"),
+        (["--model", "resnet50", "--config", "full"], "does not ship with podscale"),
+        (["--bn-group-size", "3"], "bn_group_size=3 must be a positive divisor of the last mesh dimension"),
         (["--replicas", "6", "--num-processes", "4", "--coordinator-address", "127.0.0.1:1", "--process-id", "0"],
          "--replicas 6 is not divisible by the 4 processes"),
     ],
@@ -179,3 +184,28 @@ def test_sharded_checkpoints_move_between_replica_counts(tmp_path):
     assert last["resumed_from"] == 6 and last["steps"] == whole["steps"] == 8
     a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "moved.npz")
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
+
+
+def test_2d_gradient_sum_trains_like_1d_and_the_plan_shows_both_axes(tmp_path):
+    common = ["train", "--model", "mlp", "--mesh", "4x2", "--steps", "10", "--json", "--no-progress"]
+    one = _summary(_run(*common, "--export", str(tmp_path / "1d.npz")))
+    two = _summary(_run(*common, "--grad-sum", "2d", "--grad-sum-chunks", "2", "--export", str(tmp_path / "2d.npz")))
+    assert two["grad_sum"] == {"mode": "2d", "order": ["x", "y"], "chunks": 2, "dtype": None}
+    np.testing.assert_allclose(two["final_train_loss"], one["final_train_loss"], rtol=1e-6)
+    a, b = _params(tmp_path / "1d.npz"), _params(tmp_path / "2d.npz")
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
+    plan = json.loads(_run("plan", "--model", "mlp", "--mesh", "4x2", "--grad-sum", "2d", "--axis-costs",
+                           "x=1e9:1e-5,y=1e11:1e-6", "--json").stdout)  # fmt: skip
+    assert plan["grad_sum"]["order"] == ["y", "x"] and "y first" in plan["grad_sum"]["reason"]
+    kinds = {(c["kind"], tuple(c["axes"])) for c in plan["collectives"]}
+    assert {("reduce-scatter", ("y",)), ("reduce-scatter", ("x",)), ("all-gather", ("x",)), ("all-gather", ("y",))} <= kinds
+
+
+def test_bench_gradsum_reports_every_variant():
+    result = json.loads(_run("bench", "gradsum", "--sizes", "0.25", "--steps", "1", "--json").stdout)
+    per = result["0.25 MiB"]
+    assert set(per) == {"1d", "2d 4x2", "2d 2x4", "2d 4x2 k=4", "2d 2x4 k=4"}
+    assert per["1d"]["bytes_per_axis"] == {"data": 7 * 2**18 // 4}
+    assert per["2d 4x2"]["bytes_per_axis"] == {"x": 3 * 2**18 // 2, "y": 2**18 // 4}
+    assert all(r["max_abs_error"] == 0 and r["median_s"] > 0 for r in per.values())
+    assert per["2d 4x2 k=4"]["collectives"][0]["chunks"] == 4

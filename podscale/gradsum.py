@@ -1,0 +1,285 @@
+"""How gradients are summed over the replicas: one collective over every mesh axis (``"1d"``), or
+the 2-D scheme of Kumar et al. 2019 (``"2d"``) on a 2-D mesh, in fused, pipelined chunks.
+
+On a 2-D torus a single ring over all chips uses one link direction per chip and is as long as the
+pod. The 2-D scheme reduce-scatters along one axis (``first``), all-reduces the 1/|first| pieces
+along the other (``second``), then all-gathers along ``first``: both axes' links work and every
+ring is short. With the sharded weight update the all-reduce becomes a second reduce-scatter, the
+update runs on a 1/(x*y) shard, and the weights are all-gathered along ``second``, then ``first``.
+
+Each fused buffer is cut into ``chunks`` pieces whose collectives are independent, so the phase
+on one axis of chunk i can run while chunk i-1 is in its phase on the other axis (the schedule is
+XLA's; on CPU, collectives run one at a time). Results do not depend on ``chunks``: every element
+is summed in the same order whatever the chunking.
+
+Row convention: a buffer of ``n`` rows has its rows ordered by ``lax.axis_index(order)``, i.e.
+row ``i_first * |second| + i_second``; the sharded update's chunk layout uses the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+MODES = ("1d", "2d")
+DEFAULT_CHUNKS = 4
+"""Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisCost:
+    """One mesh axis's links: one-way bandwidth per device (bytes/s) and latency per ring step (s)."""
+
+    bandwidth: float
+    latency: float
+
+    def ring(self, size: int, nbytes: float, steps_per_member: int = 1) -> float:
+        """Seconds for a ring reduce-scatter or all-gather (1 step each) or all-reduce (2) of
+        ``nbytes`` per device over ``size`` members."""
+        if size == 1:
+            return 0.0
+        return steps_per_member * (size - 1) * (self.latency + nbytes / size / self.bandwidth)
+
+
+@dataclasses.dataclass
+class PhaseRecord:
+    """One phase of a summation, for the plan: a collective kind on one or more mesh axes."""
+
+    kind: str  # reduce-scatter | all-reduce | all-gather
+    axes: tuple[str, ...]
+    bytes_per_device: int
+    chunks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSum:
+    """The summation scheme of a step. Build it with :func:`make_grad_sum`."""
+
+    mode: str
+    order: tuple[str, ...]
+    """Mesh axes in the order the reduce-scatter goes: ``order[0]`` first."""
+    sizes: Mapping[str, int]
+    chunks: int = 1
+    dtype: Any = None
+    """Gradients are summed in this dtype (``None``: their own); results come back in theirs."""
+    reason: str = ""
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.sizes[a] for a in self.order)
+
+    # -- the three collectives, on values typed as differing per replica -------------------
+    def all_reduce(self, x, phases: list[PhaseRecord]) -> jax.Array:
+        """The sum over every replica of ``x`` (any shape); the result is the same everywhere."""
+        shape, dtype = x.shape, x.dtype
+        x = self._to_sum_dtype(x)
+        if self.mode == "1d":
+            phases.append(PhaseRecord("all-reduce", self.order, _nbytes(x), 1))
+            return lax.psum(x, self.order).astype(dtype).reshape(shape)
+        first, second = self.order
+        nx = self.sizes[first]
+        flat = jnp.ravel(x)
+        pad = -flat.size % nx
+        rows = (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nx, -1)
+        outs = []
+        for cols in self._column_chunks(rows.shape[1]):
+            piece = lax.psum_scatter(rows[:, cols], first, scatter_dimension=0, tiled=True)
+            piece = lax.psum(piece, second)
+            outs.append(all_gather_invariant(piece[0], first, axis=0, tiled=False))
+        total = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        nbytes = _nbytes(rows)
+        phases += [
+            PhaseRecord("reduce-scatter", (first,), nbytes, len(outs)),
+            PhaseRecord("all-reduce", (second,), nbytes // nx, len(outs)),
+            PhaseRecord("all-gather", (first,), nbytes // nx, len(outs)),
+        ]
+        return total.reshape(-1)[: math.prod(shape)].astype(dtype).reshape(shape)
+
+    def reduce_scatter(self, rows, phases: list[PhaseRecord]) -> jax.Array:
+        """``rows``: ``[n, m]``; returns this replica's row of the sum, ``[m]``."""
+        dtype = rows.dtype
+        rows = self._to_sum_dtype(rows)
+        if self.mode == "1d":
+            phases.append(PhaseRecord("reduce-scatter", self.order, _nbytes(rows), 1))
+            return lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0].astype(dtype)
+        first, second = self.order
+        nx, ny = self.sizes[first], self.sizes[second]
+        outs = []
+        for cols in self._column_chunks(rows.shape[1]):
+            part = rows[:, cols]
+            width = part.shape[1]
+            part = lax.psum_scatter(part.reshape(nx, ny * width), first, scatter_dimension=0, tiled=True)
+            part = lax.psum_scatter(part.reshape(ny, width), second, scatter_dimension=0, tiled=True)
+            outs.append(part[0])
+        nbytes = _nbytes(rows)
+        phases += [
+            PhaseRecord("reduce-scatter", (first,), nbytes, len(outs)),
+            PhaseRecord("reduce-scatter", (second,), nbytes // nx, len(outs)),
+        ]
+        return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).astype(dtype)
+
+    def all_gather(self, shard, phases: list[PhaseRecord]) -> jax.Array:
+        """``shard``: ``[m]``, this replica's row; returns all rows, ``[n, m]`` (never in the
+        summation dtype: these are weights)."""
+        if self.mode == "1d":
+            phases.append(PhaseRecord("all-gather", self.order, _nbytes(shard), 1))
+            return all_gather_invariant(shard, self.order, axis=0, tiled=False)
+        first, second = self.order
+        outs = []
+        for cols in self._column_chunks(shard.shape[0]):
+            part = all_gather_invariant(shard[cols], second, axis=0, tiled=False)  # [ny, w]
+            part = all_gather_invariant(part, first, axis=0, tiled=False)  # [nx, ny, w]
+            outs.append(part.reshape(self.n, -1))
+        nbytes = _nbytes(shard)
+        phases += [
+            PhaseRecord("all-gather", (second,), nbytes, len(outs)),
+            PhaseRecord("all-gather", (first,), nbytes * self.sizes[second], len(outs)),
+        ]
+        return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _to_sum_dtype(self, x):
+        return x.astype(self.dtype) if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def _column_chunks(self, width: int) -> list[slice]:
+        k = max(1, min(self.chunks, width))
+        bounds = np.linspace(0, width, k + 1).round().astype(int)
+        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def _nbytes(x) -> int:
+    return int(x.size) * x.dtype.itemsize
+
+
+def modelled_seconds(order: tuple[str, str], sizes: Mapping[str, int], costs: Mapping[str, AxisCost], nbytes: float) -> float:
+    """Ring model of the 2-D sum of ``nbytes`` per device with ``order[0]`` first:
+    reduce-scatter along it, all-reduce along the other on 1/|first| pieces, all-gather back."""
+    first, second = order
+    scatter = costs[first].ring(sizes[first], nbytes)
+    return 2 * scatter + costs[second].ring(sizes[second], nbytes / sizes[first], steps_per_member=2)
+
+
+def choose_order(mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float) -> tuple[tuple[str, str], str]:
+    """The 2-D order with the lower modelled time for ``nbytes`` per device, and why."""
+    axes = tuple(mesh.axis_names)
+    sizes = dict(mesh.shape)
+    if costs is None:
+        return axes, "no per-axis costs given (pass axis_costs, or calibrate): mesh order"
+    missing = [a for a in axes if a not in costs]
+    if missing:
+        raise ValueError(f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of {axes}")
+    forward = modelled_seconds(axes, sizes, costs, nbytes)
+    backward = modelled_seconds(axes[::-1], sizes, costs, nbytes)
+    tied = math.isclose(forward, backward, rel_tol=1e-9)
+    order = axes if tied or forward < backward else axes[::-1]
+    best, other = sorted((forward, backward))
+    described = "; ".join(f"{a}: {costs[a].bandwidth:.3g} B/s, {costs[a].latency:.3g} s" for a in axes)
+    tie = " (a tie: mesh order)" if tied else ""
+    return order, (
+        f"{order[0]} first: a {nbytes / 2**20:.1f} MiB sum is modelled at {best * 1e3:.3g} ms against "
+        f"{other * 1e3:.3g} ms with {order[1]} first{tie} ({described})"
+    )
+
+
+def calibrate(mesh: Mesh, small: int = 2**12, large: int = 2**22, repeats: int = 5) -> dict[str, AxisCost]:
+    """Measures each mesh axis: an all-reduce of a small and a large float32 buffer per device,
+    fitted to the ring model (best of ``repeats``). All processes use process 0's figures."""
+    from jax.experimental import multihost_utils
+
+    costs = {}
+    for axis in mesh.axis_names:
+        size = mesh.shape[axis]
+        if size == 1:
+            costs[axis] = AxisCost(bandwidth=float("inf"), latency=0.0)
+            continue
+        times = []
+        for nbytes in (small, large):
+            x = jnp.ones((math.prod(mesh.shape.values()), nbytes // 4), jnp.float32)
+            f = jax.jit(jax.shard_map(lambda v, a=axis: lax.psum(v, a), mesh=mesh, in_specs=P(tuple(mesh.axis_names)),
+                                      out_specs=P(tuple(mesh.axis_names))))  # fmt: skip
+            x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(tuple(mesh.axis_names))))
+            jax.block_until_ready(f(x))
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(f(x))
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+        steps = 2 * (size - 1)
+        per_byte = max((times[1] - times[0]) / (large - small), 1e-15)  # seconds per byte of buffer
+        bandwidth = steps / size / per_byte
+        latency = max(times[0] / steps - small / size / bandwidth, 0.0)
+        costs[axis] = AxisCost(bandwidth=bandwidth, latency=latency)
+    if jax.process_count() > 1:
+        flat = np.array([[costs[a].bandwidth, costs[a].latency] for a in mesh.axis_names])
+        flat = np.asarray(multihost_utils.broadcast_one_to_all(flat))
+        costs = {a: AxisCost(float(b), float(l)) for a, (b, l) in zip(mesh.axis_names, flat, strict=True)}
+    return costs
+
+
+def make_grad_sum(mesh: Mesh, mode: str = "1d", chunks: int | None = None, dtype: Any = None,
+                  axis_costs: Mapping[str, AxisCost] | str | None = None, nbytes: float = 2**24) -> GradSum:  # fmt: skip
+    """Checks the knobs against the mesh and picks the 2-D axis order.
+
+    Args:
+      mode: ``"1d"`` (one collective over all axes) or ``"2d"`` (needs a mesh with two axes).
+      chunks: pipelined chunks per buffer (default :data:`DEFAULT_CHUNKS` for 2-D, 1 for 1-D).
+      dtype: sum gradients in this dtype, e.g. ``jnp.bfloat16`` (opt-in; default their own).
+      axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``.
+      nbytes: the buffer size the order is chosen for (the fusion bucket size).
+    """
+    axes = tuple(mesh.axis_names)
+    sizes = dict(mesh.shape)
+    if mode not in MODES:
+        raise ValueError(f"grad_sum={mode!r}: choose one of {', '.join(MODES)}")
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"grad_sum_chunks must be at least 1, got {chunks}")
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"grad_sum_dtype must be a float type such as bfloat16, got {dtype.name}")
+    if mode == "1d":
+        if chunks not in (None, 1):
+            raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
+        return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
+    if len(axes) != 2:
+        raise ValueError(
+            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; make one with "
+            f"make_mesh((x, y)) or --mesh 4x2"
+        )
+    costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
+    if isinstance(costs, str):
+        raise ValueError(f"axis_costs={costs!r}: pass a dict of AxisCost per mesh axis, 'calibrate' or None")
+    order, reason = choose_order(mesh, costs, nbytes)
+    if axis_costs == "calibrate":
+        reason = "calibrated: " + reason
+    return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
+
+
+def parse_axis_costs(text: str | None):
+    """``--axis-costs``: ``calibrate``, or ``AXIS=BANDWIDTH:LATENCY,...`` (bytes/s and seconds,
+    e.g. ``x=1e11:1e-6,y=4.5e10:1e-6``)."""
+    if text is None or text == "calibrate":
+        return text
+    costs = {}
+    for part in text.split(","):
+        try:
+            axis, figures = part.split("=")
+            bandwidth, latency = (float(f) for f in figures.split(":"))
+        except ValueError:
+            raise ValueError(f"--axis-costs {text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6") from None
+        if bandwidth <= 0 or latency < 0:
+            raise ValueError(f"--axis-costs {part!r}: bandwidth must be positive and latency at least 0")
+        costs[axis.strip()] = AxisCost(bandwidth, latency)
+    return costs
