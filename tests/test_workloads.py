@@ -1,6 +1,8 @@
 """Every MLPerf workload alike: parameter counts, bf16 compute with float32 state, a tiny step that
 matches across replicas, and (slow) the full config compiling for one replica."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,14 @@ def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name)
     cost = cost[0] if isinstance(cost, list) else cost
     assert cost["flops"] > 0
     assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_podscale_models_lists_every_workload_with_its_counts(capsys):
+    from podscale.cli import main
+
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(workloads.NAMES)
+    for r in rows:
+        assert abs(r["relative_difference"]) <= 0.02
+        assert r["params_tiny"] < r["params_full"] and r["reference_source"] and r["hyperparameters_source"]
