@@ -124,7 +124,8 @@ def test_optimizer_is_adam_with_the_recipe_betas_on_the_schedule():
 def test_one_embedding_table_serves_source_target_and_output(setup, apply):
     model, variables, batch = setup
     params = variables["params"]
-    with_vocab = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if CFG.vocab_size in x.shape]
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    with_vocab = [jax.tree_util.keystr(path) for path, x in leaves if CFG.vocab_size in x.shape]
     assert with_vocab == ["['embedding']"]
     inputs = np.full((1, CFG.length), 3, np.int32)
     inputs[0, 4] = 4  # token 4: source only

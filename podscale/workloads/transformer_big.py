@@ -169,7 +169,8 @@ class Attention(nn.Module):
         cfg, p = self.cfg, self.policy
         head_dim = cfg.hidden // cfg.heads
         dense = dict(use_bias=False, kernel_init=_KERNEL_INIT, dtype=p.compute_dtype, param_dtype=p.param_dtype)
-        q = nn.DenseGeneral((cfg.heads, head_dim), **dense, name="query")(x) * jnp.asarray(head_dim**-0.5, p.compute_dtype)
+        scale = jnp.asarray(head_dim**-0.5, p.compute_dtype)
+        q = nn.DenseGeneral((cfg.heads, head_dim), **dense, name="query")(x) * scale
         k = nn.DenseGeneral((cfg.heads, head_dim), **dense, name="key")(memory)
         v = nn.DenseGeneral((cfg.heads, head_dim), **dense, name="value")(memory)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(p.accum_dtype)
