@@ -33,11 +33,19 @@ padding, which attention ignores), ``positions`` [B, P] int32 (exactly P masked 
 sequence, never padding, ascending) and ``targets`` [B, P] int32 (the original tokens there). Token
 types are all zero and not part of the batch.
 
-The tiny config trains on a synthetic corpus (:class:`MarkovText`): sequences from a fixed random
-sparse Markov chain, so a masked token is predictable from its neighbours while always guessing the
-most frequent token is poor (``unigram_baseline``). Time to target on CPU::
+The tiny config (2 layers, hidden 64, 4 heads, L = 32, P = 5, vocabulary 64, batch 128, LAMB peak
+0.05 after 50 warmup steps) trains on a synthetic corpus (:class:`MarkovText`): sequences from a
+fixed random sparse Markov chain, so a masked token is predictable from its neighbours (the Bayes
+accuracy is about 0.91) while always guessing the most frequent token scores about 0.045
+(``unigram_baseline``). On 8 simulated CPU replicas it reaches 0.77 held-out masked-token accuracy
+at step 300 (about 1.5 CPU-minutes)::
 
-    podscale train --model bert-large --config tiny --steps 300 --eval-every 50 --target 0.8 --no-progress
+    podscale train --model bert-large --config tiny --steps 400 --eval-every 50 --target 0.75 --no-progress
+
+The data-parallel step differs from the single-device one by more than float32 rounding early in
+training: bias gradients are reduced in bfloat16 (one sum vs 8 partial sums), and LAMB turns the
+difference into a step of up to the learning rate for zero-initialised biases (trust ratio 1) and
+for the attention key bias, whose exact gradient is zero.
 """
 
 from __future__ import annotations
