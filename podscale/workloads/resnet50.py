@@ -13,8 +13,9 @@ with eta 0.001, momentum 0.9, weight decay 5e-5, base learning rate 10.5 reached
 warmup over 2 epochs, then polynomial decay of power 2 to 1e-4 (the ``lars_opt_end_learning_rate``
 of the MLPerf reference ``image_classification/tensorflow2/lars_util.py``), 37 epochs, label
 smoothing 0.1. Batch-norm parameters and biases are excluded from both weight decay and the LARS
-trust ratio (the MLPerf rules' LARS "skip list"; Kumar et al. 2019, arXiv 1909.09756). The
-reference model has no dropout.
+trust ratio, as in the MLPerf reference (``image_classification/tensorflow2/common.py``:
+``skip_list=['batch_normalization', 'bias', 'bn']``) and the TPU submissions (Kumar et al. 2019,
+arXiv 1909.09756). The reference model has no dropout, so nothing is left out here.
 
 ``configs["tiny"]``: the same bottleneck v1.5 network with stages of width 8/16/32 and one block
 each, a 3x3 stem and no max-pool, on scikit-learn's 8x8 digits. Expected result::
@@ -44,7 +45,7 @@ IMAGENET_TRAIN_IMAGES = 1_281_167
 
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
-    """A ResNet v1.5 with bottleneck blocks and its LARS recipe."""
+    """A ResNet v1.5 with bottleneck blocks and its LARS recipe (the MLPerf model has no dropout)."""
 
     global_batch: int
     """The global batch the recipe's hyperparameters are for."""
