@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from podscale import data, models, workloads
+from podscale.mesh import BN_GROUP
 from podscale.precision import BF16, Policy
 from podscale.workloads import Workload
 
@@ -192,6 +193,12 @@ def make_task(
     data set is the workload's own, ``policy`` sets the compute dtype and ``bn_axis`` the mesh
     axis batch-norm statistics are averaged over).
     """
+    if bn_axis not in (None, BN_GROUP):
+        raise ValueError(
+            f"bn_axis={bn_axis!r}: batch norm can average over the {BN_GROUP!r} axis of make_mesh(bn_group_size=k) "
+            f"only (a model's own sum over every replica axis would be taken for a gradient sum); for all "
+            f"replicas use bn_group_size equal to the replica count"
+        )
     if model in workloads.NAMES:
         workload = workloads.get(model)
         if config is None:

@@ -10,6 +10,7 @@ import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh, workloads
+from podscale.mesh import BN_GROUP
 from podscale.precision import BF16, FLOAT32, check_state
 from podscale.tasks import Task, make_task, make_train_step
 
@@ -78,14 +79,15 @@ def test_tiny_data_fits_the_batch_shapes(name):
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_tiny_step_on_8_replicas_matches_one_device(name):
     """In float32: with bf16 compute each replica's gradient is rounded before the sum, and Adam
-    turns a nearly cancelling element's flipped sign into a step of about the learning rate."""
+    turns a nearly cancelling element's flipped sign into a step of about the learning rate.
+    Batch norm runs over all 8 replicas (one bn group), as it does over the batch on one device."""
     task = make_task(name, config="tiny", policy=FLOAT32)
     tx = task.workload.make_optimizer(task.config, 10)
     batches = [task.train_data.get(np.arange(i * 16, (i + 1) * 16) % len(task.train_data)) for i in range(3)]
-    step = make_train_step(task, tx)
     state = task.init_state(jax.random.key(0), tx)
-    ref, ref_metrics = run_single(step, state, batches)
-    dp = data_parallel(step, make_mesh())
+    ref, ref_metrics = run_single(make_train_step(task, tx), state, batches)
+    grouped = make_task(name, config="tiny", policy=FLOAT32, bn_axis=BN_GROUP)
+    dp = data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8))
     out, metrics = run_parallel(dp, state, batches)
     assert np.isfinite(metrics["loss"])
     assert max_abs_diff(ref.params, out.params) <= 1e-5
