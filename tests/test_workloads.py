@@ -119,3 +119,16 @@ def test_podscale_models_lists_every_workload_with_its_counts(capsys):
     for r in rows:
         assert abs(r["relative_difference"]) <= 0.02
         assert r["params_tiny"] < r["params_full"] and r["reference_source"] and r["hyperparameters_source"]
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_recipes_log_their_hyperparameters_under_mllog_keys(name):
+    from mlperf_logging.mllog import constants as C
+
+    workload = workloads.get(name)
+    cfg = workload.config("tiny")
+    logged = workload.hparams(cfg, cfg.train_steps)
+    assert logged[C.OPT_NAME] in (C.LARS, C.LAMB, C.ADAM)
+    base = logged.get(C.OPT_BASE_LR, logged.get(C.LARS_OPT_BASE_LEARNING_RATE))
+    assert base == cfg.learning_rate
+    assert all(isinstance(v, (int, float, str)) for v in logged.values())

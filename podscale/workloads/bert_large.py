@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from mlperf_logging.mllog import constants as C
 
 from podscale.data import hash_uniform
 from podscale.precision import Policy
@@ -399,6 +400,22 @@ REFERENCE = Reference(
     ),
 )
 
+def hparams(cfg: BertConfig, total_steps: int) -> dict:
+    """The recipe under mllog's standard LAMB keys."""
+    return {
+        C.OPT_NAME: C.LAMB,
+        C.OPT_BASE_LR: cfg.learning_rate,
+        C.OPT_LAMB_BETA_1: cfg.b1,
+        C.OPT_LAMB_BETA_2: cfg.b2,
+        C.OPT_LAMB_EPSILON: cfg.eps,
+        C.OPT_LAMB_WEIGHT_DECAY: cfg.weight_decay,
+        C.OPT_LAMB_LR_DECAY_POLY_POWER: cfg.decay_power,
+        C.OPT_LR_WARMUP_STEPS: min(cfg.warmup_steps, total_steps),
+        C.NUM_WARMUP_STEPS: min(cfg.warmup_steps, total_steps),
+        C.OPT_LR_TRAINING_STEPS: total_steps,
+    }
+
+
 WORKLOAD = Workload(
     name="bert-large",
     description="BERT-large masked-LM pre-training with LAMB (MLPerf bert)",
@@ -412,5 +429,6 @@ WORKLOAD = Workload(
     train_loss=train_loss,
     eval_metrics=eval_metrics,
     eval_metric="mlm_accuracy",
+    hparams=hparams,
     unigram_baseline=unigram_baseline,
 )

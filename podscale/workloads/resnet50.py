@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from mlperf_logging.mllog import constants as C
 
 from podscale import data
 from podscale.precision import Policy
@@ -223,11 +224,16 @@ def adapted(params) -> dict:
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
 
 
+def warmup_steps(cfg: ResNetConfig, total_steps: int) -> int:
+    """The warmup's share of ``cfg.train_steps``, applied to ``total_steps``."""
+    return max(1, min(total_steps - 1, round(cfg.warmup_steps * total_steps / cfg.train_steps)))
+
+
 def learning_rate_schedule(cfg: ResNetConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to the peak, then power-2 polynomial decay to ``end_learning_rate`` at
     ``total_steps``. The warmup keeps its share of the schedule when ``total_steps`` differs from
     ``cfg.train_steps``."""
-    warmup = max(1, min(total_steps - 1, round(cfg.warmup_steps * total_steps / cfg.train_steps)))
+    warmup = warmup_steps(cfg, total_steps)
     return optax.join_schedules(
         [
             optax.linear_schedule(0.0, cfg.learning_rate, warmup),
@@ -246,6 +252,23 @@ def make_optimizer(cfg: ResNetConfig, total_steps: int) -> optax.GradientTransfo
         trust_ratio_mask=adapted,
         momentum=cfg.momentum,
     )
+
+
+def hparams(cfg: ResNetConfig, total_steps: int) -> dict:
+    """The recipe under mllog's standard LARS keys."""
+    total_steps = max(2, total_steps)
+    return {
+        C.OPT_NAME: C.LARS,
+        C.LARS_OPT_BASE_LEARNING_RATE: cfg.learning_rate,
+        C.LARS_OPT_END_LR: cfg.end_learning_rate,
+        C.LARS_OPT_LR_DECAY_POLY_POWER: 2,
+        C.LARS_OPT_LR_DECAY_STEPS: total_steps - warmup_steps(cfg, total_steps),
+        C.OPT_LR_WARMUP_STEPS: warmup_steps(cfg, total_steps),
+        C.LARS_OPT_MOMENTUM: cfg.momentum,
+        C.LARS_OPT_WEIGHT_DECAY: cfg.weight_decay,
+        C.LARS_EPSILON: 0.0,
+        "label_smoothing": cfg.label_smoothing,
+    }
 
 
 # -- loss and metrics -----------------------------------------------------------------------------
@@ -296,4 +319,5 @@ WORKLOAD = Workload(
     train_loss=train_loss,
     eval_metrics=eval_metrics,
     eval_metric="accuracy",
+    hparams=hparams,
 )

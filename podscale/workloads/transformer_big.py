@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from mlperf_logging.mllog import constants as C
 
 from podscale.precision import Policy
 from podscale.workloads.base import Reference, Workload
@@ -391,6 +392,20 @@ def make_optimizer(cfg: TransformerConfig, total_steps: int) -> optax.GradientTr
     return optax.adam(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
 
 
+def hparams(cfg: TransformerConfig, total_steps: int) -> dict:
+    """The recipe under mllog's standard Adam keys."""
+    del total_steps
+    return {
+        C.OPT_NAME: C.ADAM,
+        C.OPT_BASE_LR: cfg.learning_rate,
+        C.OPT_LR_WARMUP_STEPS: cfg.warmup_steps,
+        C.OPT_ADAM_BETA_1: cfg.b1,
+        C.OPT_ADAM_BETA_2: cfg.b2,
+        C.OPT_ADAM_EPSILON: cfg.eps,
+        "label_smoothing": cfg.label_smoothing,
+    }
+
+
 WORKLOAD = Workload(
     name="transformer-big",
     description="Transformer big (Vaswani et al. 2017), WMT14 En-De, MLPerf v0.6 recipe",
@@ -404,4 +419,5 @@ WORKLOAD = Workload(
     train_loss=train_loss,
     eval_metrics=eval_metrics,
     eval_metric="exact_match",
+    hparams=hparams,
 )
