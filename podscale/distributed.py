@@ -61,19 +61,6 @@ class ClusterSpec:
         return all(v is not None for v in given)
 
 
-CPU_COLLECTIVE_TIMEOUT_S = 600
-
-
-def cpu_collective_patience() -> None:
-    """Lets simulated CPU devices wait up to ``CPU_COLLECTIVE_TIMEOUT_S`` for each other in a
-    collective (XLA's default, 40 s, aborts runs on a loaded machine where 8 device threads share
-    2 cores). Read when the backend starts, so call it before any JAX computation; a value the
-    user set in ``XLA_FLAGS`` wins."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_collective_timeout_seconds" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={CPU_COLLECTIVE_TIMEOUT_S}".strip()
-
-
 def setup(replicas: int | None, spec: ClusterSpec) -> None:
     """Configures CPU devices and joins the cluster. Call once, before any JAX computation."""
     processes = spec.num_processes if spec.explicit else 1
@@ -87,9 +74,8 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
         if replicas % processes:
             raise ValueError(f"--replicas {replicas} is not divisible by the {processes} processes")
         local = replicas // processes
-    # These settings only concern the CPU backend; a GPU or TPU backend ignores them.
+    # This setting only concerns the CPU backend; a GPU or TPU backend ignores it.
     jax.config.update("jax_num_cpu_devices", local)
-    cpu_collective_patience()
     if spec.explicit or spec.auto:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s}

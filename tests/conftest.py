@@ -15,7 +15,4 @@ if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
 import jax  # noqa: E402
 
-from podscale.distributed import cpu_collective_patience  # noqa: E402
-
 jax.config.update("jax_num_cpu_devices", 8)
-cpu_collective_patience()
