@@ -230,10 +230,16 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                 eps = timed_steps * batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
                 progress.update(bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}")
                 aside = time.perf_counter()
+                evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
+                if evaluating or (ckpt and done % config.checkpoint_every == 0):
+                    # Let the step finish before another program runs collectives on the same
+                    # devices: on CPU, the eval's all-reduce could otherwise interleave with the
+                    # step's and never complete.
+                    jax.block_until_ready(state)
                 if ckpt:
                     ckpt.maybe_save(done, state, checkpointed.save_form)
                 reached = False
-                if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                if evaluating:
                     mlog.end(C.BLOCK_STOP, metadata={"epoch_num": epoch(done), "step_num": done})
                     mlog.start(C.EVAL_START, metadata={"epoch_num": epoch(done), "step_num": done})
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
