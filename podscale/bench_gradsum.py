@@ -103,7 +103,7 @@ def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIA
                 start = time.perf_counter()
                 jax.block_until_ready(r["compiled"](r["x"]))
                 r["times"].append(time.perf_counter() - start)
-        result[f"{mib} MiB"] = {
+        result[f"{mib:g} MiB"] = {
             name: {
                 "median_s": statistics.median(r["times"]),
                 "mesh": r["mesh"],
