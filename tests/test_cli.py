@@ -209,3 +209,21 @@ def test_bench_gradsum_reports_every_variant():
     assert per["2d 4x2"]["bytes_per_axis"] == {"x": 3 * 2**18 // 2, "y": 2**18 // 4}
     assert all(r["max_abs_error"] == 0 and r["median_s"] > 0 for r in per.values())
     assert per["2d 4x2 k=4"]["collectives"][0]["chunks"] == 4
+
+
+def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
+    """The issue's ResNet time-to-target run, end to end, with its MLPerf log."""
+    from mlperf_logging.mllog import constants as C
+
+    from podscale import mlperf_log
+
+    log = tmp_path / "mllog.txt"
+    proc = _run("train", "--model", "resnet50", "--config", "tiny", "--steps", "200", "--eval-every", "25",
+                "--target", "0.97", "--mllog", str(log), "--json", "--no-progress", timeout=600)  # fmt: skip
+    summary = _summary(proc)
+    assert summary["eval_value"] >= 0.97 and summary["optimizer"] == "recipe"
+    events = mlperf_log.read(str(log))
+    logged = {e["key"]: e["value"] for e in events}
+    assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_LR_DECAY_POLY_POWER] == 2
+    assert logged[C.GLOBAL_BATCH_SIZE] == 128
+    assert mlperf_log.time_to_target(events, 0.97)["seconds"] == summary["time_to_target_s"]
