@@ -29,7 +29,6 @@ gradient sums become one fused all-reduce.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -187,7 +186,7 @@ class DataParallelStep:
     # -- the step ---------------------------------------------------------------------------
     def _build(self):
         layout = self.layout
-        axes, n = self.axes, self.replicas
+        axes = self.axes
         chunks = Layout(self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
         abstract_state = jax.tree.unflatten(
             layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
