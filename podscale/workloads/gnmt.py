@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from mlperf_logging.mllog import constants as C
 
 from podscale.precision import Policy
 from podscale.workloads.base import Reference, Workload
@@ -320,14 +321,18 @@ def greedy_decode(model: GNMT, variables, inputs, length: int):
     return tokens.T
 
 
+def _schedule_steps(config: GNMTConfig, total_steps: int) -> tuple[int, int, int]:
+    """(first decay step, steps between decays, warm-up steps) of a run of ``total_steps``."""
+    start = int(round(config.decay_start * total_steps))
+    return start, max((total_steps - start) // config.decay_steps, 1), min(config.warmup_steps, start)
+
+
 def learning_rate_schedule(config: GNMTConfig, total_steps: int) -> optax.Schedule:
     """The reference's ``WarmupMultiStepLR``: exponential warm-up from 1 % to the peak, constant,
     then ``decay_steps`` multiplications by ``decay_factor``, the first at ``decay_start`` of the
     run and then every ``(total - start) // decay_steps`` steps."""
     peak = config.learning_rate
-    start = int(round(config.decay_start * total_steps))
-    interval = max((total_steps - start) // config.decay_steps, 1)
-    warmup = min(config.warmup_steps, start)
+    start, interval, warmup = _schedule_steps(config, total_steps)
     decays = {start - warmup + k * interval: config.decay_factor for k in range(config.decay_steps)}
     after = optax.piecewise_constant_schedule(peak, decays)
     if warmup == 0:
@@ -341,6 +346,22 @@ def make_optimizer(config: GNMTConfig, total_steps: int) -> optax.GradientTransf
         optax.clip_by_global_norm(config.grad_clip),
         optax.adam(learning_rate_schedule(config, total_steps)),
     )
+
+
+def hparams(config: GNMTConfig, total_steps: int) -> dict:
+    """The recipe under mllog's standard keys (Adam, warm-up, step decay, gradient clipping)."""
+    start, interval, warmup = _schedule_steps(config, total_steps)
+    return {
+        C.OPT_NAME: C.ADAM,
+        C.OPT_BASE_LR: config.learning_rate,
+        C.OPT_LR_WARMUP_STEPS: warmup,
+        C.OPT_LR_DECAY_START_STEP: start,
+        C.OPT_LR_DECAY_INTERVAL: interval,
+        C.OPT_LR_DECAY_FACTOR: config.decay_factor,
+        C.OPT_LR_DECAY_STEPS: config.decay_steps,
+        C.OPT_GRADIENT_CLIP_NORM: config.grad_clip,
+        "label_smoothing": config.label_smoothing,
+    }
 
 
 def per_example_losses(logits, targets, label_smoothing: float):
@@ -415,6 +436,7 @@ WORKLOAD = Workload(
     batch_shapes=_batch_shapes,
     make_data=_make_data,
     make_optimizer=make_optimizer,
+    hparams=hparams,
     init=_init,
     train_loss=_train_loss,
     eval_metrics=_eval_metrics,
