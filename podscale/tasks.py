@@ -67,19 +67,24 @@ class Task:
         return {k: jax.ShapeDtypeStruct((global_batch, *v.shape[1:]), v.dtype) for k, v in example.items()}
 
     def init_state(self, rng: jax.Array, optimizer: optax.GradientTransformation, batch=None) -> TrainState:
-        """``batch`` (arrays or shapes) defaults to one training example."""
+        """``batch`` (arrays or shapes) defaults to one training example. Compiled as one program
+        (initializers run op by op would compile each of their random draws separately)."""
         batch = self.example_batch() if batch is None else batch
-        if self.workload:
-            variables = self.workload.init(self.model, rng, batch)
-        else:
-            variables = self.model.init(rng, jnp.asarray(batch[self.input_key]), train=False)
-        params = variables["params"]
-        return TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            batch_stats=variables.get("batch_stats", {}),
-            opt_state=optimizer.init(params),
-        )
+
+        def init(rng, batch):
+            if self.workload:
+                variables = self.workload.init(self.model, rng, batch)
+            else:
+                variables = self.model.init(rng, jnp.asarray(batch[self.input_key]), train=False)
+            params = variables["params"]
+            return TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=params,
+                batch_stats=variables.get("batch_stats", {}),
+                opt_state=optimizer.init(params),
+            )
+
+        return jax.jit(init)(rng, batch)
 
     def _variables(self, state: TrainState, params) -> dict:
         return {"params": params, **({"batch_stats": state.batch_stats} if state.batch_stats else {})}

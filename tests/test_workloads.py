@@ -132,3 +132,37 @@ def test_recipes_log_their_hyperparameters_under_mllog_keys(name):
     base = logged.get(C.OPT_BASE_LR, logged.get(C.LARS_OPT_BASE_LEARNING_RATE))
     assert base == cfg.learning_rate
     assert all(isinstance(v, (int, float, str)) for v in logged.values())
+
+
+class _First:
+    """The first ``n`` examples of a source (an eval set the replicas do not divide)."""
+
+    def __init__(self, source, n):
+        self.source, self.n = source, n
+
+    def __len__(self):
+        return self.n
+
+    def get(self, indices):
+        return self.source.get(indices)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
+    """100 held-out examples in global batches of 32: the last batch is padded and masked."""
+    from podscale import distributed_eval
+    from podscale.data import padded_eval_batches
+
+    task = make_task(name, config="tiny", policy=FLOAT32)
+    tx = task.workload.make_optimizer(task.config, 10)
+    state = task.init_state(jax.random.key(0), tx)
+    state, _ = jax.jit(make_train_step(task, tx))(state, task.train_data.get(np.arange(32)))
+    mesh = make_mesh()
+    dp = data_parallel(make_train_step(task, tx), mesh)
+    subset = _First(task.eval_data, 100)
+    got = distributed_eval(task.eval_outputs, mesh)(dp.place_state(state), padded_eval_batches(subset, dp, 32))
+    per = np.asarray(jax.jit(task.eval_outputs)(state, subset.get(np.arange(100)))[task.eval_metric], np.float64)
+    if set(np.unique(per)) <= {0.0, 1.0}:  # counts of 0/1 in float32 are exact
+        assert got[task.eval_metric] == np.sum(per) / 100
+    else:  # masked-LM accuracy: a mean over each sequence's positions, summed in another order
+        np.testing.assert_allclose(got[task.eval_metric], np.sum(per) / 100, rtol=1e-6)
