@@ -45,33 +45,63 @@ def terminal_partial_sum_uses(jaxpr, axes) -> dict[tuple[int, Any], tuple[str, .
     on its way back through the model. A use of the former only meets further sums; the latter is
     cast to per-replica again (``pvary`` over A, the transpose of the forward ``psum``): it is
     part of each replica's backward pass and stays a plain sum. flax's batch norm feeds one sum to
-    both (the cotangent of ``scale * rsqrt(var)``), hence the decision per use.
+    both (the cotangent of ``scale * rsqrt(var)``), hence the decision per use. An op shared by
+    both paths between the sum and its uses would defeat this (the weight's part would stay a
+    sum); flax's batch norm has none, which the bn-group tests check against one device.
     """
+    _refuse_nested_partial_sums(jaxpr, axes)
     uses = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != GRAD_SUM or set(eqn.params["axes"]) == set(axes):
+        if not _is_partial_sum(eqn, axes):
             continue
         group = set(eqn.params["axes"])
         for j in range(i + 1, len(jaxpr.eqns)):
             consumer = jaxpr.eqns[j]
             for var in eqn.outvars:
-                if any(v is var for v in consumer.invars) and not _revaries(jaxpr.eqns[j:], group):
+                if not any(v is var for v in consumer.invars):
+                    continue
+                revaried, _ = _reach(jaxpr.eqns[j:], group)
+                if not revaried:
                     uses[(id(consumer), var)] = tuple(eqn.params["axes"])
     return uses
 
 
-def _revaries(eqns, group: set) -> bool:
-    """Whether the outputs of ``eqns[0]`` reach a cast to per-replica over an axis of ``group``."""
-    tainted = set(eqns[0].outvars)
-    if eqns[0].primitive.name in ("pvary", "pcast") and group & set(eqns[0].params.get("axes", ())):
-        return True
-    for later in eqns[1:]:
-        if not any(v in tainted for v in later.invars if not isinstance(v, core.Literal)):
+def _is_partial_sum(eqn, axes) -> bool:
+    return eqn.primitive.name == GRAD_SUM and set(eqn.params["axes"]) != set(axes)
+
+
+def _refuse_nested_partial_sums(jaxpr, axes) -> None:
+    """Partial sums are rescaled in the top-level jaxpr only: refuse them inside remat, scan, ..."""
+    for eqn in jaxpr.eqns:
+        for sub in sub_jaxprs(eqn):
+            if any(_is_partial_sum(e, axes) for e in sub.eqns) or _has_partial(sub, axes):
+                raise NotImplementedError(
+                    f"a sum over part of the mesh axes {tuple(axes)} (batch norm over a group of replicas?) sits "
+                    f"inside {eqn.primitive.name}; podscale takes a gradient's mean there only for sums over "
+                    "every axis. Drop bn_group_size, or move the batch norm out of jax.checkpoint / scan"
+                )
+
+
+def _has_partial(jaxpr, axes) -> bool:
+    return any(_is_partial_sum(e, axes) or any(_has_partial(s, axes) for s in sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
+def _reach(eqns, group: set) -> tuple[bool, bool]:
+    """Whether the outputs of ``eqns[0]`` reach a cast to per-replica over an axis of ``group``,
+    and whether they reach a sum over axes outside ``group`` (the rest of a weight's gradient sum).
+    Both is normal for the forward statistics (everything downstream depends on them); for a
+    backward use it would be ambiguous, which the decision per direct use does not resolve."""
+    tainted, revaried, summed_on = set(eqns[0].outvars), False, False
+    for eqn in eqns:
+        if eqn is not eqns[0] and not any(v in tainted for v in eqn.invars if not isinstance(v, core.Literal)):
             continue
-        if later.primitive.name in ("pvary", "pcast") and group & set(later.params.get("axes", ())):
-            return True
-        tainted.update(later.outvars)
-    return False
+        axes = set(eqn.params.get("axes", ())) if eqn.primitive.name in ("pvary", "pcast", GRAD_SUM) else set()
+        if eqn.primitive.name in ("pvary", "pcast") and group & axes:
+            revaried = True
+        if eqn.primitive.name == GRAD_SUM and axes and not group & axes:
+            summed_on = True
+        tainted.update(eqn.outvars)
+    return revaried, summed_on
 
 
 def varying_axes(aval) -> frozenset:

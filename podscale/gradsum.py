@@ -87,6 +87,8 @@ class GradSum:
         if self.mode == "1d":
             phases.append(PhaseRecord("all-reduce", self.order, _nbytes(x), 1))
             return lax.psum(x, self.order).astype(dtype).reshape(shape)
+        if x.size == 0:
+            return x.astype(dtype)
         first, second = self.order
         nx = self.sizes[first]
         flat = jnp.ravel(x)
@@ -113,6 +115,8 @@ class GradSum:
         if self.mode == "1d":
             phases.append(PhaseRecord("reduce-scatter", self.order, _nbytes(rows), 1))
             return lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0].astype(dtype)
+        if rows.shape[1] == 0:
+            return rows[0].astype(dtype)
         first, second = self.order
         nx, ny = self.sizes[first], self.sizes[second]
         outs = []
@@ -135,6 +139,8 @@ class GradSum:
         if self.mode == "1d":
             phases.append(PhaseRecord("all-gather", self.order, _nbytes(shard), 1))
             return all_gather_invariant(shard, self.order, axis=0, tiled=False)
+        if shard.shape[0] == 0:
+            return jnp.zeros((self.n, 0), shard.dtype)
         first, second = self.order
         outs = []
         for cols in self._column_chunks(shard.shape[0]):
@@ -205,10 +211,11 @@ def calibrate(mesh: Mesh, small: int = 2**12, large: int = 2**22, repeats: int =
             continue
         times = []
         for nbytes in (small, large):
-            x = jnp.ones((math.prod(mesh.shape.values()), nbytes // 4), jnp.float32)
-            f = jax.jit(jax.shard_map(lambda v, a=axis: lax.psum(v, a), mesh=mesh, in_specs=P(tuple(mesh.axis_names)),
-                                      out_specs=P(tuple(mesh.axis_names))))  # fmt: skip
-            x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(tuple(mesh.axis_names))))
+            spec = P(tuple(mesh.axis_names))
+            f = jax.jit(jax.shard_map(lambda v, a=axis: lax.psum(v, a), mesh=mesh, in_specs=spec, out_specs=spec))
+            rows = math.prod(mesh.shape.values())
+            x = jax.jit(lambda n=nbytes: jnp.ones((rows, n // 4), jnp.float32),  # made in place, on every device
+                        out_shardings=jax.sharding.NamedSharding(mesh, spec))()  # fmt: skip
             jax.block_until_ready(f(x))
             best = math.inf
             for _ in range(repeats):
@@ -254,8 +261,9 @@ def make_grad_sum(mesh: Mesh, mode: str = "1d", chunks: int | None = None, dtype
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     if len(axes) != 2:
+        extra = " (bn_group_size adds a third axis: 2-D summation and batch-norm groups do not combine yet)" if len(axes) > 2 else ""
         raise ValueError(
-            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; make one with "
+            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}{extra}; make one with "
             f"make_mesh((x, y)) or --mesh 4x2"
         )
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs

@@ -44,13 +44,9 @@ class RunLog:
         self._logger.setLevel(logging.INFO)
         self._memory = _Lines()
         self._handlers: list[logging.Handler] = [self._memory]
-        if write and path:
-            if os.path.dirname(path):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._handlers.append(logging.FileHandler(path))
-        for handler in self._handlers:
-            self._logger.addHandler(handler)
+        self._logger.addHandler(self._memory)
         self.path = path if write else None
+        self.running = False  # between run_start and run_stop
         self._ml = MLLogger(logger=self._logger, default_stack_offset=2)
 
     @property
@@ -58,10 +54,28 @@ class RunLog:
         return self._memory.lines
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        if key == constants.RUN_START:
+            self._open_file()
+            self.running = True
         self._ml.start(key=key, value=value, metadata=metadata)
 
     def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         self._ml.end(key=key, value=value, metadata=metadata)
+        if key == constants.RUN_STOP:
+            self.running = False
+
+    def _open_file(self) -> None:
+        """The file gets the run's lines from ``run_start`` on, with the configuration logged
+        before it: a run that fails during init (say, on a bad flag) leaves no file behind."""
+        if not self.path or len(self._handlers) > 1:
+            return
+        if os.path.dirname(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        handler = logging.FileHandler(self.path)
+        handler.stream.write("".join(line + "\n" for line in self.lines))
+        handler.flush()
+        self._handlers.append(handler)
+        self._logger.addHandler(handler)
 
     def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
         self._ml.event(key=key, value=value, metadata=metadata)

@@ -217,7 +217,7 @@ def make_task(
     if config is not None:
         raise ValueError(f"--config is for the MLPerf workloads ({', '.join(workloads.NAMES)}), not for {model!r}")
     if bn_axis is not None:
-        raise ValueError(f"--bn-group-size needs a model with batch norm from {', '.join(workloads.NAMES)}")
+        raise ValueError("--bn-group-size needs an MLPerf workload with batch norm (resnet50)")
     names = sorted(MODELS) + list(workloads.NAMES)
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(names)}")

@@ -132,7 +132,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     try:
         return _train(config, mlog, run_start, lead)
     except BaseException:
-        mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
+        if mlog.running:
+            mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
         raise
     finally:
         mlog.close()
@@ -150,7 +151,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     dp = data_parallel(
         make_train_step(task, optimizer), mesh, weight_update=config.weight_update, grad_sum=config.grad_sum,
         grad_sum_chunks=config.grad_sum_chunks, grad_sum_dtype=config.grad_sum_dtype,
-        axis_costs=parse_axis_costs(config.axis_costs), bucket_bytes=config.bucket_bytes or DEFAULT_BUCKET_BYTES,
+        axis_costs=parse_axis_costs(config.axis_costs), bucket_bytes=DEFAULT_BUCKET_BYTES if config.bucket_bytes is None else config.bucket_bytes,
     )  # fmt: skip
     if batch_size % dp.replicas:
         raise ValueError(
@@ -166,6 +167,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
         return task.init_state(jax.random.key(config.seed), optimizer)
 
     check_state(jax.eval_shape(init))
+    if config.bn_group_size > 1 and not jax.eval_shape(init).batch_stats:
+        raise ValueError(f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag")
     layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
     checkpointed = _CheckpointForm(layout)

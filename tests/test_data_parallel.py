@@ -242,3 +242,28 @@ def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_b
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
     assert max_abs_diff(ref_params, params) <= 1e-6
     assert max_abs_diff(ref_stats, stats) <= 1e-6  # stored statistics: the mean over groups
+
+
+def test_batch_norm_over_groups_inside_remat_is_refused_not_wrong():
+    tx = optax.sgd(0.1)
+    model = _BNNet(BN_GROUP)
+    x = jax.random.normal(jax.random.key(1), (64, 5))
+    batch = {"x": x, "y": jnp.arange(64) % 3}
+    variables = _BNNet(None).init(jax.random.key(0), x[:2], False)
+
+    def step(state, batch):
+        params, stats, opt = state
+
+        @jax.checkpoint
+        def loss(p):
+            out, upd = model.apply({"params": p, "batch_stats": stats}, batch["x"], True, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean(), upd["batch_stats"]
+
+        (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), stats, opt), {}
+
+    state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    dp = data_parallel(step, make_mesh(bn_group_size=4))
+    with pytest.raises(NotImplementedError, match="inside .*checkpoint|inside remat"):
+        run_parallel(dp, state, [batch])

@@ -61,3 +61,10 @@ def test_sixteen_bit_state_is_refused_before_training():
     state = TrainState(step=jnp.zeros(()), params={"w": jnp.zeros(3, jnp.bfloat16)}, batch_stats={}, opt_state=())
     with pytest.raises(TypeError, match=r"state.params\['w'\] would be stored as bfloat16.*param_dtype=jnp.float32"):
         check_state(state)
+
+
+def test_a_run_refused_during_init_writes_no_log(tmp_path):
+    path = tmp_path / "mllog.txt"
+    with pytest.raises(ValueError, match="--bn-group-size 2: model 'mlp'|--bn-group-size needs"):
+        train(TrainConfig(model="mlp", steps=3, bn_group_size=2, mllog=str(path), progress=False))
+    assert not path.exists()
