@@ -67,8 +67,8 @@ class Task:
         return {k: jax.ShapeDtypeStruct((global_batch, *v.shape[1:]), v.dtype) for k, v in example.items()}
 
     def init_state(self, rng: jax.Array, optimizer: optax.GradientTransformation, batch=None) -> TrainState:
-        """``batch`` (arrays or shapes) defaults to one training example. Compiled as one program
-        (initializers run op by op would compile each of their random draws separately)."""
+        """``batch`` (arrays or shapes) defaults to one training example. A workload's state is
+        made by one compiled program (its many initializers, run op by op, would each compile)."""
         batch = self.example_batch() if batch is None else batch
 
         def init(rng, batch):
@@ -84,7 +84,7 @@ class Task:
                 opt_state=optimizer.init(params),
             )
 
-        return jax.jit(init)(rng, batch)
+        return jax.jit(init)(rng, batch) if self.workload else init(rng, batch)
 
     def _variables(self, state: TrainState, params) -> dict:
         return {"params": params, **({"batch_stats": state.batch_stats} if state.batch_stats else {})}
