@@ -60,8 +60,7 @@ def terminal_partial_sum_uses(jaxpr, axes) -> dict[tuple[int, Any], tuple[str, .
             for var in eqn.outvars:
                 if not any(v is var for v in consumer.invars):
                     continue
-                revaried, _ = _reach(jaxpr.eqns[j:], group)
-                if not revaried:
+                if not _revaries(jaxpr.eqns[j:], group):
                     uses[(id(consumer), var)] = tuple(eqn.params["axes"])
     return uses
 
@@ -86,22 +85,17 @@ def _has_partial(jaxpr, axes) -> bool:
     return any(_is_partial_sum(e, axes) or any(_has_partial(s, axes) for s in sub_jaxprs(e)) for e in jaxpr.eqns)
 
 
-def _reach(eqns, group: set) -> tuple[bool, bool]:
-    """Whether the outputs of ``eqns[0]`` reach a cast to per-replica over an axis of ``group``,
-    and whether they reach a sum over axes outside ``group`` (the rest of a weight's gradient sum).
-    Both is normal for the forward statistics (everything downstream depends on them); for a
-    backward use it would be ambiguous, which the decision per direct use does not resolve."""
-    tainted, revaried, summed_on = set(eqns[0].outvars), False, False
+def _revaries(eqns, group: set) -> bool:
+    """Whether the outputs of ``eqns[0]`` reach a cast to per-replica over an axis of ``group``
+    (the transpose of a forward sum over it: the value belongs to each replica's backward pass)."""
+    tainted = set(eqns[0].outvars)
     for eqn in eqns:
         if eqn is not eqns[0] and not any(v in tainted for v in eqn.invars if not isinstance(v, core.Literal)):
             continue
-        axes = set(eqn.params.get("axes", ())) if eqn.primitive.name in ("pvary", "pcast", GRAD_SUM) else set()
-        if eqn.primitive.name in ("pvary", "pcast") and group & axes:
-            revaried = True
-        if eqn.primitive.name == GRAD_SUM and axes and not group & axes:
-            summed_on = True
+        if eqn.primitive.name in ("pvary", "pcast") and group & set(eqn.params.get("axes", ())):
+            return True
         tainted.update(eqn.outvars)
-    return revaried, summed_on
+    return False
 
 
 def varying_axes(aval) -> frozenset:

@@ -238,10 +238,14 @@ def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformat
     return _choose("optimizer", name, OPTIMIZERS)(learning_rate)
 
 
+def recipe_config(task: Task, learning_rate: float | None):
+    """A workload's config with ``learning_rate`` (if given) as the recipe's peak."""
+    return task.config if learning_rate is None else dataclasses.replace(task.config, learning_rate=learning_rate)
+
+
 def make_task_optimizer(task: Task, name: str | None, learning_rate: float | None, steps: int) -> optax.GradientTransformation:
     """An optax optimizer by name (default adam at 1e-3) or, for an MLPerf workload without
     ``name``, its recipe over ``steps`` steps (``learning_rate`` then replaces the recipe's peak)."""
     if task.workload and name is None:
-        cfg = task.config if learning_rate is None else dataclasses.replace(task.config, learning_rate=learning_rate)
-        return task.workload.make_optimizer(cfg, steps)
+        return task.workload.make_optimizer(recipe_config(task, learning_rate), steps)
     return make_optimizer(name or "adam", 1e-3 if learning_rate is None else learning_rate)

@@ -33,7 +33,7 @@ from podscale.mesh import BN_GROUP, make_mesh
 from podscale.weight_update import DEFAULT_BUCKET_BYTES
 from podscale.mlperf_log import RunLog, parse, time_to_target
 from podscale.precision import check_state, policy_by_name
-from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step
+from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +314,7 @@ def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int
     mlog.event(C.TRAIN_SAMPLES, len(task.train_data))
     mlog.event(C.EVAL_SAMPLES, len(task.eval_data))
     if task.workload and config.optimizer is None:
-        cfg = task.config if config.learning_rate is None else dataclasses.replace(task.config, learning_rate=config.learning_rate)
+        cfg = recipe_config(task, config.learning_rate)
         hparams = task.workload.hparams(cfg, config.steps) if task.workload.hparams else {C.OPT_BASE_LR: cfg.learning_rate}
     else:
         hparams = {C.OPT_NAME: config.optimizer or "adam", C.OPT_BASE_LR: config.learning_rate or 1e-3}
