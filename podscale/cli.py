@@ -8,13 +8,13 @@ import json
 import os
 import sys
 
-from podscale import distributed
-from podscale.checkpoint import CheckpointError
-from podscale.mesh import parse_shape
+from podscale.train import distributed
+from podscale.train.checkpoint import CheckpointError
+from podscale.parallel.mesh import parse_shape
 
 
 def _train_parser(sub) -> None:
-    from podscale.trainer import TrainConfig
+    from podscale.train.trainer import TrainConfig
 
     p = sub.add_parser("train", help="train a model data-parallel on all devices")
     defaults = TrainConfig()
@@ -82,7 +82,7 @@ def _run_train(args) -> int:
 
     import jax
 
-    from podscale.trainer import TrainConfig, train
+    from podscale.train.trainer import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
@@ -132,10 +132,11 @@ def _run_plan(args) -> int:
 
     import jax
 
-    from podscale import data_parallel, make_mesh
-    from podscale.gradsum import parse_axis_costs
-    from podscale.tasks import make_task, make_task_optimizer, make_train_step
-    from podscale.weight_update import DEFAULT_MIN_SHARD_SIZE
+    from podscale import make_mesh
+    from podscale import data_parallel
+    from podscale.parallel.gradsum import parse_axis_costs
+    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
+    from podscale.parallel.weight_update import DEFAULT_MIN_SHARD_SIZE
 
     task = make_task(args.model, args.data, config=args.config)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
@@ -205,7 +206,7 @@ def _run_bench(args) -> int:
     if args.which == "gradsum":
         return _run_bench_gradsum(args)
 
-    from podscale.bench import bench_wus
+    from podscale.bench.wus import bench_wus
 
     result = bench_wus(steps=args.steps, width=args.width, depth=args.depth, vocab=args.vocab)
     if args.json:
@@ -227,7 +228,7 @@ def _run_bench_gradsum(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from podscale.bench_gradsum import bench_gradsum
+    from podscale.bench.gradsum import bench_gradsum
 
     try:
         sizes = [float(s) for s in args.sizes.split(",")]

@@ -1,6 +1,6 @@
 import pytest
 
-from podscale.bench import bench_wus, hlo_collectives
+from podscale.bench.wus import bench_wus, hlo_collectives
 
 
 def test_hlo_collectives_reads_kinds_and_bytes():

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.precision import BF16, FLOAT32
+from podscale.train.precision import BF16, FLOAT32
 from podscale.workloads import bert_large as bert
 from podscale.workloads.synthetic import BOS, PAD
 

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from podscale.checkpoint import CheckpointError
-from podscale.trainer import TrainConfig, train
+from podscale.train.checkpoint import CheckpointError
+from podscale.train.trainer import TrainConfig, train
 
 
 def _config(workdir, **kw):

@@ -215,7 +215,7 @@ def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
     """The issue's ResNet time-to-target run, end to end, with its MLPerf log."""
     from mlperf_logging.mllog import constants as C
 
-    from podscale import mlperf_log
+    from podscale.train import mlperf_log
 
     log = tmp_path / "mllog.txt"
     proc = _run("train", "--model", "resnet50", "--config", "tiny", "--steps", "200", "--eval-every", "25",

@@ -8,9 +8,10 @@ import optax
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import data_parallel, make_mesh
-from podscale.mesh import BN_GROUP
-from podscale.tasks import make_task, make_train_step
+from podscale import make_mesh
+from podscale import data_parallel
+from podscale.parallel.mesh import BN_GROUP
+from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 10
 GLOBAL_BATCH = 32

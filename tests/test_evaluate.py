@@ -3,9 +3,9 @@ import numpy as np
 import optax
 
 from podscale import distributed_eval, make_mesh
-from podscale.data import padded_eval_batches
-from podscale.data_parallel import data_parallel
-from podscale.tasks import make_eval_fn, make_task, make_train_step
+from podscale.train.data import padded_eval_batches
+from podscale.parallel.engine import data_parallel
+from podscale.train.tasks import make_eval_fn, make_task, make_train_step
 
 
 def test_distributed_eval_equals_single_device_eval_on_an_indivisible_set():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.precision import FLOAT32
+from podscale.train.precision import FLOAT32
 from podscale.workloads import gnmt
 from podscale.workloads.synthetic import BOS, PAD, shift_right
 

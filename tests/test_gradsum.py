@@ -7,9 +7,10 @@ import optax
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import data_parallel, make_mesh
-from podscale.gradsum import AxisCost, calibrate, choose_order, make_grad_sum, parse_axis_costs
-from podscale.tasks import make_task, make_train_step
+from podscale import make_mesh
+from podscale import data_parallel
+from podscale.parallel.gradsum import AxisCost, calibrate, choose_order, make_grad_sum, parse_axis_costs
+from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 5
 

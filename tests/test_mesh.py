@@ -2,7 +2,7 @@ import jax
 import pytest
 
 from podscale import make_mesh
-from podscale.mesh import parse_shape, replica_count
+from podscale.parallel.mesh import parse_shape, replica_count
 
 
 def test_default_mesh_is_1d_over_all_devices():

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import pytest
 from mlperf_logging.mllog import constants as C
 
-from podscale import mlperf_log
-from podscale.trainer import TrainConfig, train
+from podscale.train import mlperf_log
+from podscale.train.trainer import TrainConfig, train
 
 
 def test_the_trainer_logs_the_standard_keys_and_reports_time_to_target_from_the_log(tmp_path):
@@ -55,8 +55,8 @@ def test_a_log_without_run_start_is_an_error():
 
 
 def test_sixteen_bit_state_is_refused_before_training():
-    from podscale.precision import check_state
-    from podscale.tasks import TrainState
+    from podscale.train.precision import check_state
+    from podscale.train.tasks import TrainState
 
     state = TrainState(step=jnp.zeros(()), params={"w": jnp.zeros(3, jnp.bfloat16)}, batch_stats={}, opt_state=())
     with pytest.raises(TypeError, match=r"state.params\['w'\] would be stored as bfloat16.*param_dtype=jnp.float32"):

@@ -11,10 +11,11 @@ import pytest
 from helpers import max_abs_diff
 from jax.sharding import PartitionSpec as P
 
-from podscale import data_parallel, make_mesh
-from podscale.mesh import BN_GROUP
-from podscale.precision import BF16, FLOAT32
-from podscale.tasks import TrainState
+from podscale import make_mesh
+from podscale import data_parallel
+from podscale.parallel.mesh import BN_GROUP
+from podscale.train.precision import BF16, FLOAT32
+from podscale.train.tasks import TrainState
 from podscale.workloads import resnet50 as r
 
 TINY = r.TINY

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.precision import BF16, FLOAT32
+from podscale.train.precision import BF16, FLOAT32
 from podscale.workloads import transformer_big as tb
 from podscale.workloads.synthetic import BOS, PAD, shift_right
 

@@ -11,8 +11,9 @@ import optax
 import pytest
 from helpers import EXACT, FMA_OFF, max_abs_diff, run_parallel, run_single
 
-from podscale import data_parallel, make_mesh
-from podscale.tasks import make_task, make_train_step
+from podscale import make_mesh
+from podscale import data_parallel
+from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 20
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import data_parallel, make_mesh, workloads
-from podscale.mesh import BN_GROUP
-from podscale.precision import BF16, FLOAT32, check_state
-from podscale.tasks import Task, make_task, make_train_step
+from podscale import make_mesh, workloads
+from podscale import data_parallel
+from podscale.parallel.mesh import BN_GROUP
+from podscale.train.precision import BF16, FLOAT32, check_state
+from podscale.train.tasks import Task, make_task, make_train_step
 
 HEAVY = ("dot_general", "conv_general_dilated")
 
@@ -25,7 +26,7 @@ def _tiny(name):
 
 
 def _all_eqns(jaxpr):
-    from podscale._interpret import sub_jaxprs
+    from podscale.parallel._interpret import sub_jaxprs
 
     for eqn in jaxpr.eqns:
         yield eqn
@@ -146,7 +147,7 @@ class _First:
 def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
     """100 held-out examples in global batches of 32: the last batch is padded and masked."""
     from podscale import distributed_eval
-    from podscale.data import padded_eval_batches
+    from podscale.train.data import padded_eval_batches
 
     task = make_task(name, config="tiny", policy=FLOAT32)
     tx = task.workload.make_optimizer(task.config, 10)

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from podscale.precision import Policy
+from podscale.train.precision import Policy
 
 Batch = dict[str, Any]
 PerExample = dict[str, jax.Array]  # every value of shape [batch]
@@ -84,7 +84,7 @@ class Workload:
 
     def param_count(self, config_name: str = "full", policy: Policy | None = None) -> int:
         """Parameters of a config, from shapes only (nothing is allocated)."""
-        from podscale.precision import BF16
+        from podscale.train.precision import BF16
 
         config = self.config(config_name)
         model = self.make_model(config, policy or BF16, None)

@@ -60,8 +60,8 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.data import hash_uniform
-from podscale.precision import Policy
+from podscale.train.data import hash_uniform
+from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
 from podscale.workloads.synthetic import BOS, PAD
 

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale import data
-from podscale.precision import Policy
+from podscale.train import data
+from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
 
 IMAGENET_TRAIN_IMAGES = 1_281_167

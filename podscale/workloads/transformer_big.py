@@ -55,7 +55,7 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.precision import Policy
+from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
 from podscale.workloads.synthetic import BOS, PAD, ReversedTokens, shift_right
 

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from podscale import data, models, workloads
-from podscale.mesh import BN_GROUP
-from podscale.precision import BF16, Policy
+from podscale import workloads
+from podscale.train import data
+from podscale.train import models
+from podscale.parallel.mesh import BN_GROUP
+from podscale.train.precision import BF16, Policy
 from podscale.workloads import Workload
 
 

@@ -31,9 +31,9 @@ import numpy as np
 from jax import lax
 from jax.extend import core
 
-from podscale import _interpret
-from podscale._interpret import GRAD_SUM, is_grad_sum
-from podscale.gradsum import GradSum, PhaseRecord
+from podscale.parallel import _interpret
+from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
+from podscale.parallel.gradsum import GradSum, PhaseRecord
 
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective

@@ -39,10 +39,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale import _interpret, state_layout
-from podscale.gradsum import make_grad_sum
-from podscale.mesh import replica_count
-from podscale.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
+from podscale.parallel import _interpret
+from podscale.parallel import state_layout
+from podscale.parallel.gradsum import make_grad_sum
+from podscale.parallel.mesh import replica_count
+from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -159,7 +160,7 @@ class DataParallelStep:
         ``state`` (user layout) and ``batch`` may be arrays or ``ShapeDtypeStruct``; they can be
         left out once the step has been prepared and traced.
         """
-        from podscale.plan import make_plan
+        from podscale.parallel.plan import make_plan
 
         if state is not None:
             self.prepare(state, batch)

@@ -24,16 +24,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.checkpoint import Checkpointer
-from podscale.data import Loader, padded_eval_batches
-from podscale.data_parallel import data_parallel
-from podscale.evaluate import distributed_eval
-from podscale.gradsum import parse_axis_costs
-from podscale.mesh import BN_GROUP, make_mesh
-from podscale.weight_update import DEFAULT_BUCKET_BYTES
-from podscale.mlperf_log import RunLog, parse, time_to_target
-from podscale.precision import check_state, policy_by_name
-from podscale.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
+from podscale.train.checkpoint import Checkpointer
+from podscale.train.data import Loader, padded_eval_batches
+from podscale.parallel.engine import data_parallel
+from podscale.train.evaluate import distributed_eval
+from podscale.parallel.gradsum import parse_axis_costs
+from podscale.parallel.mesh import BN_GROUP, make_mesh
+from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES
+from podscale.train.mlperf_log import RunLog, parse, time_to_target
+from podscale.train.precision import check_state, policy_by_name
+from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,10 +29,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale import data, models
-from podscale.data_parallel import data_parallel
-from podscale.mesh import make_mesh
-from podscale.tasks import Task, make_train_step
+from podscale.train import data
+from podscale.train import models
+from podscale.parallel.engine import data_parallel
+from podscale.parallel.mesh import make_mesh
+from podscale.train.tasks import Task, make_train_step
 
 _COLLECTIVE = re.compile(r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")

@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.bench import hlo_collectives
-from podscale.gradsum import GradSum, PhaseRecord, make_grad_sum
-from podscale.mesh import make_mesh
+from podscale.bench.wus import hlo_collectives
+from podscale.parallel.gradsum import GradSum, PhaseRecord, make_grad_sum
+from podscale.parallel.mesh import make_mesh
 
 VARIANTS = {
     "1d": (None, "1d", 1),

@@ -1,0 +1,827 @@
+"""Partitions the single-device step, traced at the *global* batch shape, over the data axes.
+
+The specification is the user's step run on one device on the whole batch. podscale traces that
+program (``jax.make_jaxpr`` at the global shapes, loops kept as loops) and evaluates it inside a
+``shard_map`` that is manual over the data axes, carrying a *layout* with every value:
+
+* ``REPLICATED``: the whole value, the same on every replica (weights, scalars, optimizer state);
+* :class:`Split` ``(dim)``: this replica's contiguous block of ``dim`` (the batch and everything
+  computed row by row from it), in the order of ``lax.axis_index(axes)``;
+* ``PARTIAL``: a value of the whole shape whose *sum over the replicas* is the true value: what a
+  reduction over a split dimension leaves (a weight's gradient, a token count, a loss's sum).
+
+An equation with a rule runs on the local pieces and says its output layout (an elementwise op on
+split rows stays split, a ``dot_general`` contracting the split batch gives a partial sum, ...).
+A partial sum stays partial through sums and shape-only ops (so a weight used at every time step
+of a loop, or in two places, is summed once) and is resolved by one ``psum`` (bound as
+``psum_invariant``, which :mod:`podscale.weight_update` defers, fuses and, with the sharded update,
+turns into a reduce-scatter) when something nonlinear reads it. An equation without a rule gets its
+operands made whole (all-gathered or summed), which is always correct, and is listed in
+``Partitioner.whole_ops`` for the plan. Nothing is rescaled: a mean over the batch divides by the
+global count because the program says so, and a sum, a weighted mean or a per-example gradient
+comes out as on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core
+
+# -- layouts ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """This replica's contiguous block of dimension ``dim``."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"split({self.dim})"
+
+
+class _Named:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+REPLICATED = _Named("replicated")
+PARTIAL = _Named("partial")
+
+Layout = Any  # REPLICATED | PARTIAL | Split
+
+
+def join(a: Layout, b: Layout) -> Layout:
+    """The layout two values of one place (a loop carry, the branches of a cond) can share."""
+    if a == b:
+        return a
+    if a is REPLICATED:
+        return b
+    if b is REPLICATED:
+        return a
+    return REPLICATED
+
+
+class _Retry(Exception):
+    """A loop carry or a branch output came out in another layout than assumed: trace again."""
+
+    def __init__(self, layouts):
+        super().__init__("retry")
+        self.layouts = layouts
+
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count
+    pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
+    sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
+    random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
+    stop_gradient""".split()
+)
+"""Ops whose outputs are computed position by position from their operands' positions (with the
+operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
+
+_KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
+
+# Ops through which a partial sum stays partial: the sum of their results over the replicas is
+# their result on the sum. Shape-only ops and sums; nothing that multiplies, so that the arithmetic
+# after the sum is the single device's.
+_LINEAR_UNARY = frozenset("neg reshape transpose squeeze broadcast_in_dim reduce_sum rev copy copy_p".split())
+_LINEAR_SUMS = frozenset("add add_any sub".split())
+_IDENTITY = frozenset("reshard sharding_constraint mesh_cast".split())
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+# -- the partitioner ---------------------------------------------------------------------------
+
+
+class Partitioner:
+    """Evaluates a global-shape jaxpr on local pieces; see the module docstring."""
+
+    def __init__(self, axes: Sequence[str], n: int):
+        self.axes, self.n = tuple(axes), n
+        self.whole_ops: list[str] = []
+        """Equations computed on whole values because no rule ran them on pieces, for the plan."""
+        self.resolved: list[str] = []
+
+    # -- conversions ---------------------------------------------------------------------------
+    def index(self):
+        return lax.axis_index(self.axes)
+
+    def vary(self, x):
+        """``x`` typed as differing per replica (binding a primitive directly needs equal types)."""
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) or isinstance(x, np.ndarray) else x
+        have = _vma(x)
+        missing = tuple(a for a in self.axes if a not in have)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    def slice_rows(self, x, dim: int):
+        """A whole value's block of ``dim`` on this replica (no communication)."""
+        size = x.shape[dim] // self.n
+        return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
+
+    def whole(self, x, layout: Layout, why: str = ""):
+        """The whole value, the same on every replica."""
+        if layout is REPLICATED:
+            return x
+        if layout is PARTIAL:
+            if why:
+                self.resolved.append(why)
+            return lax.psum(x, self.axes)
+        return lax.all_gather(x, self.axes, axis=layout.dim, tiled=True)
+
+    def convert(self, x, src: Layout, dst: Layout, why: str = ""):
+        if src == dst:
+            return x
+        if dst is REPLICATED:
+            return self.whole(x, src, why)
+        if src is not REPLICATED:
+            x = self.whole(x, src, why)
+        if dst is PARTIAL:  # the whole value on replica 0, zeros elsewhere: it sums to itself
+            return jnp.where(self.index() == 0, x, jnp.zeros_like(x))
+        return self.slice_rows(x, dst.dim)
+
+    def splittable(self, shape, dim: int) -> bool:
+        return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] > 0
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
+        env: dict[Any, tuple[Any, Layout]] = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = (c, REPLICATED)
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = a
+
+        def read(var):
+            if isinstance(var, core.Literal):
+                return (var.val, REPLICATED)
+            return env[var]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            outs = self.equation(eqn, ins)
+            for var, out in zip(eqn.outvars, outs, strict=True):
+                env[var] = out
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        if name in _CONTROL:
+            return _CONTROL[name](self, eqn, ins)
+        if all(lay is REPLICATED for lay in layouts):
+            return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
+        if name in _IDENTITY and len(ins) == 1:
+            return [ins[0]]
+        if PARTIAL in layouts:
+            out = self.partial_rule(eqn, ins)
+            if out is not None:
+                return out
+            ins = [(self.whole(v, lay, f"{name} reads a partial sum") if lay is PARTIAL else v,
+                    REPLICATED if lay is PARTIAL else lay) for v, lay in ins]  # fmt: skip
+            if all(lay is REPLICATED for _, lay in ins):
+                return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
+        rule = _RULES.get(name)
+        if name in ELEMENTWISE:
+            rule = _elementwise
+        out = rule(self, eqn, ins) if rule is not None else None
+        if out is not None:
+            return out
+        return self.fallback(eqn, ins)
+
+    def fallback(self, eqn, ins):
+        shapes = [list(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
+        where = _source(eqn)
+        self.whole_ops.append(f"{eqn.primitive.name}{shapes}{where}")
+        vals = [self.whole(v, lay, f"{eqn.primitive.name} reads a partial sum") for v, lay in ins]
+        return [(o, REPLICATED) for o in self.bind(eqn, vals)]
+
+    def bind(self, eqn, vals, **changes) -> list[Any]:
+        """Binds ``eqn``'s primitive on ``vals``, with the params in ``changes`` that it has."""
+        params = dict(eqn.params, **{k: v for k, v in changes.items() if k in eqn.params})
+        params = eqn.primitive.get_bind_params(params)
+        if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+            vals = [self.vary(v) for v in vals]
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*vals, **params)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    # -- partial sums ----------------------------------------------------------------------------
+    def partial_rule(self, eqn, ins):
+        """Equations through which a partial sum stays partial, or ``None``."""
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        vals = [v for v, _ in ins]
+        if name in _LINEAR_UNARY and len(ins) == 1:
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name in _LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "convert_element_type" and _is_float(eqn.params["new_dtype"]) and _is_float(vals[0].dtype):
+            if np.dtype(eqn.params["new_dtype"]).itemsize >= np.dtype(vals[0].dtype).itemsize:
+                return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+            return None
+        if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name in ("slice", "squeeze", "expand_dims") and len(ins) == 1:
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "concatenate" and all(lay is PARTIAL for lay in layouts):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "scatter-add" and layouts[1] is REPLICATED:
+            operand = self.convert(vals[0], layouts[0], PARTIAL)
+            updates = self.convert(vals[2], layouts[2], PARTIAL)
+            return [(o, PARTIAL) for o in self.bind(eqn, [operand, vals[1], updates])]
+        return None
+
+
+def _vma(x) -> frozenset:
+    try:
+        aval = jax.typeof(x)
+    except TypeError:
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _is_zero(var) -> bool:
+    return isinstance(var, core.Literal) and np.all(np.asarray(var.val) == 0)
+
+
+def _source(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        return f" at {frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
+    except Exception:  # source info is a courtesy; never fail the plan over it
+        return ""
+
+
+def _global_shape(var) -> tuple[int, ...]:
+    return tuple(var.aval.shape)
+
+
+# -- rules for split values ----------------------------------------------------------------------
+
+
+def _elementwise(p: Partitioner, eqn, ins):
+    name = eqn.primitive.name
+    shape = _global_shape(eqn.outvars[0])
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    if name in _KEY_OPS and dim >= len(eqn.invars[0].aval.shape):
+        return None  # random-key ops extend their key's shape; only the key's dimensions split
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        vshape = tuple(getattr(var.aval, "shape", ()))
+        if isinstance(lay, Split):
+            vals.append(v)
+        elif vshape == ():
+            vals.append(v)
+        elif len(vshape) > dim and vshape[dim] == shape[dim] and p.splittable(vshape, dim):
+            vals.append(p.slice_rows(v, dim))
+        elif len(vshape) > dim and vshape[dim] == 1:
+            vals.append(v)  # broadcasts along the split dimension
+        else:
+            return None
+    return [(o, Split(dim)) for o in p.bind(eqn, vals)]
+
+
+def _local_shape(p: Partitioner, shape, dim: int):
+    shape = list(shape)
+    shape[dim] //= p.n
+    return tuple(shape)
+
+
+def _broadcast_in_dim(p: Partitioner, eqn, ins):
+    (v, lay), *dyn = ins
+    if dyn or not isinstance(lay, Split):
+        return None
+    out_dim = eqn.params["broadcast_dimensions"][lay.dim]
+    in_shape, shape = _global_shape(eqn.invars[0]), eqn.params["shape"]
+    if in_shape[lay.dim] != shape[out_dim]:
+        return None
+    out = p.bind(eqn, [v], shape=_local_shape(p, shape, out_dim), sharding=None)
+    return [(out[0], Split(out_dim))]
+
+
+def _reshape_dim(in_shape, out_shape, dim: int, n: int):
+    """The output dimension a split of input ``dim`` becomes under a row-major reshape, if the
+    blocks stay contiguous: the dimensions before it keep their product, and ``dim`` is merged
+    with later ones, split into a leading factor, or kept."""
+    before = math.prod(in_shape[:dim])
+    acc = 1
+    for j, size in enumerate(out_shape):
+        if acc == before:
+            # out dim j starts where input dim `dim` starts
+            if size == in_shape[dim]:
+                return j
+            if size > in_shape[dim] and size % in_shape[dim] == 0:  # merged with later dims
+                rest = size // in_shape[dim]
+                if math.prod(in_shape[dim + 1 :]) % rest == 0 and _prefix_product(in_shape[dim + 1 :], rest):
+                    return j
+                return None
+            if size < in_shape[dim] and in_shape[dim] % size == 0 and size % n == 0:  # leading factor
+                return j
+            return None
+        acc *= size
+        if acc > before:
+            return None
+    return None
+
+
+def _prefix_product(dims, target) -> bool:
+    acc = 1
+    for d in dims:
+        if acc == target:
+            return True
+        acc *= d
+    return acc == target
+
+
+def _reshape(p: Partitioner, eqn, ins):
+    (v, lay), *dyn = ins
+    if dyn or not isinstance(lay, Split) or eqn.params.get("dimensions") is not None:
+        return None
+    in_shape, out_shape = _global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    out_dim = _reshape_dim(in_shape, out_shape, lay.dim, p.n)
+    if out_dim is None or not p.splittable(out_shape, out_dim):
+        return None
+    out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
+    return [(out[0], Split(out_dim))]
+
+
+def _transpose(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    perm = tuple(eqn.params["permutation"])
+    return [(p.bind(eqn, [v])[0], Split(perm.index(lay.dim)))]
+
+
+def _squeeze(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    dims = tuple(d % len(_global_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    if lay.dim in dims:
+        return None
+    return [(p.bind(eqn, [v])[0], Split(lay.dim - sum(d < lay.dim for d in dims)))]
+
+
+def _reduce(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    axes = tuple(eqn.params["axes"])
+    name = eqn.primitive.name
+    local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
+    if lay.dim not in axes:
+        return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if name == "reduce_sum":
+        return [(local, PARTIAL)]
+    collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
+    if collective is None:
+        return None
+    return [(collective(local, p.axes), REPLICATED)]
+
+
+def _reduce_or_and(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    axes = tuple(eqn.params["axes"])
+    local = p.bind(eqn, [v])[0]
+    if lay.dim not in axes:
+        return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    as_int = local.astype(jnp.int32)
+    combined = lax.pmax(as_int, p.axes) if eqn.primitive.name == "reduce_or" else lax.pmin(as_int, p.axes)
+    return [(combined.astype(local.dtype), REPLICATED)]
+
+
+def _along_other_dim(param: str):
+    """Ops along one dimension (``argmax``, ``cumsum``, ``sort``...): split elsewhere, they run
+    on the local rows."""
+
+    def rule(p: Partitioner, eqn, ins):
+        dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+        if len(dims) != 1:
+            return None
+        (dim,) = dims
+        value = eqn.params[param]
+        along = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        rank = len(_global_shape(eqn.invars[0]))
+        if dim in tuple(a % rank for a in along):
+            return None
+        vals = [v if isinstance(lay, Split) else p.slice_rows(v, dim) for v, lay in ins]
+        out_dim = dim
+        if eqn.primitive.name in ("argmax", "argmin"):
+            out_dim = dim - sum(a < dim for a in along)
+        return [(o, Split(out_dim)) for o in p.bind(eqn, vals)]
+
+    return rule
+
+
+def _dot_general(p: Partitioner, eqn, ins):
+    (lhs, ll), (rhs, rl) = ins
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    lshape, rshape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    nb = len(lb)
+    changes = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+
+    def done(l_val, r_val, layout):
+        return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes)]
+
+    if isinstance(ll, Split) and isinstance(rl, Split):
+        d, e = ll.dim, rl.dim
+        if d in lc and e == rc[lc.index(d)]:
+            return done(lhs, rhs, PARTIAL)
+        if d in lb and e == rb[lb.index(d)]:
+            return done(lhs, rhs, Split(lb.index(d)))
+        return None
+    if isinstance(ll, Split):
+        d = ll.dim
+        if d in lc:
+            e = rc[lc.index(d)]
+            return done(lhs, p.slice_rows(rhs, e), PARTIAL) if p.splittable(rshape, e) else None
+        if d in lb:
+            e = rb[lb.index(d)]
+            return done(lhs, p.slice_rows(rhs, e), Split(lb.index(d))) if p.splittable(rshape, e) else None
+        return done(lhs, rhs, Split(nb + lfree.index(d)))
+    e = rl.dim
+    if e in rc:
+        d = lc[rc.index(e)]
+        return done(p.slice_rows(lhs, d), rhs, PARTIAL) if p.splittable(lshape, d) else None
+    if e in rb:
+        d = lb[rb.index(e)]
+        return done(p.slice_rows(lhs, d), rhs, Split(rb.index(e))) if p.splittable(lshape, d) else None
+    return done(lhs, rhs, Split(nb + len(lfree) + rfree.index(e)))
+
+
+def _conv(p: Partitioner, eqn, ins):
+    (lhs, ll), (rhs, rl) = ins
+    prm = eqn.params
+    dn = prm["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    if prm["feature_group_count"] != 1 or prm["batch_group_count"] != 1:
+        return None
+    if isinstance(ll, Split) and rl is REPLICATED and ll.dim == lhs_spec[0]:
+        return [(o, Split(out_spec[0])) for o in p.bind(eqn, [lhs, rhs])]  # the batch: row by row
+    if isinstance(ll, Split) and isinstance(rl, Split) and ll.dim == lhs_spec[1] and rl.dim == rhs_spec[1]:
+        return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs])]  # contracts the split batch (a kernel's gradient)
+    return None
+
+
+def _gather(p: Partitioner, eqn, ins):
+    (op, ol), (idx, il) = ins
+    dn = eqn.params["dimension_numbers"]
+    oshape, ishape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    out_rank = len(_global_shape(eqn.outvars[0]))
+    offset_dims = tuple(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset_dims]  # one per index dim but the last
+    obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
+    window = [d for d in range(len(oshape)) if d not in dn.collapsed_slice_dims and d not in obatch]
+    slice_sizes = list(eqn.params["slice_sizes"])
+    # Batching dimensions (take_along_axis): operand rows pair with index rows.
+    for d, i in zip(obatch, ibatch, strict=True):
+        if ol in (Split(d), REPLICATED) and il in (Split(i), REPLICATED) and (ol == Split(d) or il == Split(i)):
+            if not (p.splittable(oshape, d) and p.splittable(ishape, i)):
+                return None
+            vals = [p.convert(op, ol, Split(d)), p.convert(idx, il, Split(i))]
+            return [(o, Split(batch_out[i])) for o in p.bind(eqn, vals)]
+    if ol is REPLICATED and isinstance(il, Split) and il.dim < len(ishape) - 1 and il.dim not in ibatch:
+        return [(o, Split(batch_out[il.dim])) for o in p.bind(eqn, [op, idx])]
+    if isinstance(ol, Split) and il is REPLICATED:
+        d = ol.dim
+        if d in window and d not in dn.start_index_map and slice_sizes[d] == oshape[d]:
+            slice_sizes[d] //= p.n
+            out = p.bind(eqn, [op, idx], slice_sizes=tuple(slice_sizes))
+            return [(out[0], Split(offset_dims[window.index(d)]))]
+    return None
+
+
+def _scatter(p: Partitioner, eqn, ins):
+    (op, ol), (idx, il), (upd, ul) = ins
+    dn = eqn.params["dimension_numbers"]
+    oshape, ishape, ushape = (_global_shape(v) for v in eqn.invars)
+    obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims)
+    window = [d for d in range(len(oshape)) if d not in dn.inserted_window_dims and d not in obatch]
+    upd_scatter = [d for d in range(len(ushape)) if d not in dn.update_window_dims]  # one per index dim but the last
+    if ol is PARTIAL:
+        return None
+    # A window dimension that no index addresses: rows go to the same rows.
+    for d in window:
+        ud = dn.update_window_dims[window.index(d)]
+        if d in dn.scatter_dims_to_operand_dims or ushape[ud] != oshape[d] or il is not REPLICATED:
+            continue
+        if ol in (Split(d), REPLICATED) and ul in (Split(ud), REPLICATED) and (ol == Split(d) or ul == Split(ud)):
+            if not p.splittable(oshape, d):
+                return None
+            vals = [p.convert(op, ol, Split(d)), idx, p.convert(upd, ul, Split(ud))]
+            return [(o, Split(d)) for o in p.bind(eqn, vals)]
+    # Batching dimensions: operand rows, index rows and update rows pair up.
+    for d, i in zip(obatch, ibatch, strict=True):
+        if i >= len(ishape) - 1:
+            continue
+        ud = upd_scatter[i]
+        lays = (ol, il, ul)
+        if all(lay in (want, REPLICATED) for lay, want in zip(lays, (Split(d), Split(i), Split(ud)))) and any(
+            isinstance(lay, Split) for lay in lays
+        ):
+            if not (p.splittable(oshape, d) and p.splittable(ishape, i) and p.splittable(ushape, ud)):
+                return None
+            vals = [p.convert(op, ol, Split(d)), p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
+            return [(o, Split(d)) for o in p.bind(eqn, vals)]
+    if eqn.primitive.name not in ("scatter-add", "scatter_add"):
+        return None
+    if ol is REPLICATED and isinstance(il, Split) and il.dim < len(ishape) - 1 and il.dim not in ibatch:
+        ud = upd_scatter[il.dim]
+        if ul not in (Split(ud), REPLICATED) or not p.splittable(ushape, ud):
+            return None
+        # Each replica adds its rows' updates; the operand counted once (replica 0): a partial sum.
+        vals = [p.convert(op, REPLICATED, PARTIAL), idx, p.convert(upd, ul, Split(ud))]
+        return [(o, PARTIAL) for o in p.bind(eqn, vals)]
+    return None
+
+
+def _slice(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    shape = _global_shape(eqn.invars[0])
+    d = lay.dim
+    start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
+    strides = eqn.params["strides"]
+    if start[d] != 0 or limit[d] != shape[d] or (strides and strides[d] != 1):
+        return None
+    limit[d] //= p.n
+    return [(p.bind(eqn, [v], limit_indices=tuple(limit))[0], lay)]
+
+
+def _dynamic_slice(p: Partitioner, eqn, ins):
+    (v, lay), *idx = ins
+    if any(il is not REPLICATED for _, il in idx) or not isinstance(lay, Split):
+        return None
+    sizes = list(eqn.params["slice_sizes"])
+    if sizes[lay.dim] != _global_shape(eqn.invars[0])[lay.dim]:
+        return None
+    sizes[lay.dim] //= p.n
+    return [(p.bind(eqn, [v, *[i for i, _ in idx]], slice_sizes=tuple(sizes))[0], lay)]
+
+
+def _dynamic_update_slice(p: Partitioner, eqn, ins):
+    (op, ol), (upd, ul), *idx = ins
+    if any(il is not REPLICATED for _, il in idx):
+        return None
+    dim = ol.dim if isinstance(ol, Split) else ul.dim if isinstance(ul, Split) else None
+    if dim is None:
+        return None
+    oshape, ushape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    if ushape[dim] != oshape[dim] or not p.splittable(oshape, dim):
+        return None
+    op, upd = p.convert(op, ol, Split(dim)), p.convert(upd, ul, Split(dim))
+    return [(p.bind(eqn, [op, upd, *[i for i, _ in idx]])[0], Split(dim))]
+
+
+def _pad(p: Partitioner, eqn, ins):
+    (v, lay), (pv, pl) = ins
+    if not isinstance(lay, Split) or pl is not REPLICATED:
+        return None
+    config = eqn.params["padding_config"]
+    if tuple(config[lay.dim]) != (0, 0, 0):
+        return None
+    return [(p.bind(eqn, [v, pv])[0], lay)]
+
+
+def _concatenate(p: Partitioner, eqn, ins):
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1 or eqn.params["dimension"] in dims:
+        return None
+    (dim,) = dims
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        if not (isinstance(lay, Split) or p.splittable(_global_shape(var), dim)):
+            return None
+        vals.append(p.convert(v, lay, Split(dim)))
+    return [(p.bind(eqn, vals)[0], Split(dim))]
+
+
+def _rev(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    if lay.dim in eqn.params["dimensions"]:
+        return None
+    return [(p.bind(eqn, [v])[0], lay)]
+
+
+def _split_op(p: Partitioner, eqn, ins):
+    (v, lay), = ins
+    if lay.dim == eqn.params["axis"]:
+        return None
+    return [(o, lay) for o in p.bind(eqn, [v])]
+
+
+def _optimization_barrier(p: Partitioner, eqn, ins):
+    outs = p.bind(eqn, [v for v, _ in ins])
+    return list(zip(outs, [lay for _, lay in ins], strict=True))
+
+
+_RULES = {
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "transpose": _transpose,
+    "squeeze": _squeeze,
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_or": _reduce_or_and,
+    "reduce_and": _reduce_or_and,
+    "argmax": _along_other_dim("axes"),
+    "argmin": _along_other_dim("axes"),
+    "cumsum": _along_other_dim("axis"),
+    "cumprod": _along_other_dim("axis"),
+    "cummax": _along_other_dim("axis"),
+    "cummin": _along_other_dim("axis"),
+    "cumlogsumexp": _along_other_dim("axis"),
+    "sort": _along_other_dim("dimension"),
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "gather": _gather,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter": _scatter,
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
+    "pad": _pad,
+    "concatenate": _concatenate,
+    "rev": _rev,
+    "split": _split_op,
+    "optimization_barrier": _optimization_barrier,
+}
+
+
+# -- calls and control flow ------------------------------------------------------------------------
+
+
+def _inline(param: str):
+    def rule(p: Partitioner, eqn, ins):
+        closed = eqn.params[param]
+        jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, core.ClosedJaxpr) else (closed, ())
+        extra = len(ins) - len(jaxpr.invars)
+        if all(lay is REPLICATED for _, lay in ins):
+            return [(o, REPLICATED) for o in p.bind(eqn, [v for v, _ in ins])]
+        return p.run(jaxpr, consts, ins[extra:])
+
+    return rule
+
+
+def _remat(p: Partitioner, eqn, ins):
+    if all(lay is REPLICATED for _, lay in ins):
+        return [(o, REPLICATED) for o in p.bind(eqn, [v for v, _ in ins])]
+    # Rebuilt, not inlined: the recomputation keeps its barrier (and so its memory saving).
+    jaxpr = eqn.params["jaxpr"]
+    layouts = [lay for _, lay in ins]
+    found: list = []
+
+    def body(*vals):
+        outs = p.run(jaxpr, (), list(zip(vals, layouts, strict=True)))
+        found.append([lay for _, lay in outs])
+        return [v for v, _ in outs]
+
+    fn = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
+    outs = fn(*[v for v, _ in ins])
+    return list(zip(outs, found[-1], strict=True))
+
+
+def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
+    """Converts each value to its target layout, or raises ``_Retry`` with better targets: a split
+    or partial value meeting a replicated target takes that slot over (unless the slot was already
+    given up, ``pinned``), and two different non-replicated layouts give the slot up."""
+    new_targets, retry = list(targets), False
+    for i, ((_, lay), t) in enumerate(zip(vals_layouts, targets, strict=True)):
+        if lay == t or lay is REPLICATED:
+            continue
+        if t is REPLICATED and i not in pinned:
+            new_targets[i], retry = lay, True
+        elif t is not REPLICATED:
+            new_targets[i], retry = REPLICATED, True
+    if retry:
+        raise _Retry(new_targets)
+    return [p.convert(v, lay, t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
+
+
+def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16):
+    """Runs ``attempt(targets, pinned)`` until the layouts it assumes are the layouts it gets."""
+    targets, pinned = list(initial), set()
+    marks = (len(p.whole_ops), len(p.resolved))
+    for _ in range(limit):
+        try:
+            return attempt(targets, frozenset(pinned))
+        except _Retry as r:
+            del p.whole_ops[marks[0] :], p.resolved[marks[1] :]  # that trace is dropped
+            pinned |= {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a is not REPLICATED and b is REPLICATED}
+            targets = r.layouts
+    return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))))
+
+
+def _scan(p: Partitioner, eqn, ins):
+    prm = eqn.params
+    body, nc, ncarry = prm["jaxpr"], prm["num_consts"], prm["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
+    # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
+    xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
+    xs = [(p.whole(v, lay, "a scan's input"), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in xs]
+    x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
+    ys_layouts: list = []
+
+    def attempt(carry_layouts, pinned):
+        carry0 = _vary_all(p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts)
+
+        def step(carry, x):
+            outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
+            new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned), carry_layouts)
+            ys = outs[ncarry:]
+            # A partial sum per iteration is resolved there (its stacked sum is not a partial sum
+            # the next op could tell apart); split and replicated rows stack as they are.
+            ys = [(p.whole(v, lay, "a scan's output"), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in ys]
+            ys_layouts[:] = [lay for _, lay in ys]
+            return new, [v for v, _ in ys]
+
+        carry, ys = lax.scan(step, carry0, [v for v, _ in xs], length=prm["length"], reverse=prm["reverse"],
+                             unroll=prm["unroll"], _split_transpose=prm.get("_split_transpose", False))  # fmt: skip
+        ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
+        return [*zip(carry, carry_layouts), *zip(ys, ys_out)]
+
+    return _fixed_point(p, attempt, [lay for _, lay in init])
+
+
+def _while(p: Partitioner, eqn, ins):
+    prm = eqn.params
+    cj, bj, cn, bn = prm["cond_jaxpr"], prm["body_jaxpr"], prm["cond_nconsts"], prm["body_nconsts"]
+    cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
+
+    def attempt(carry_layouts, pinned):
+        carry0 = [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
+
+        def cond(c):
+            ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
+            return p.whole(pred, lay, "a while loop's condition")
+
+        def body(c):
+            outs = p.run(bj.jaxpr, bj.consts, [*bconsts, *zip(c, carry_layouts)])
+            return _vary_all(p, _fit(p, outs, carry_layouts, pinned), carry_layouts)
+
+        out = lax.while_loop(cond, body, _vary_all(p, carry0, carry_layouts))
+        return list(zip(out, carry_layouts, strict=True))
+
+    return _fixed_point(p, attempt, [lay for _, lay in init])
+
+
+def _vary_all(p: Partitioner, vals, layouts):
+    """Split and partial carries differ per replica: type them so from the start."""
+    return [p.vary(v) if lay is not REPLICATED else v for v, lay in zip(vals, layouts, strict=True)]
+
+
+def _cond(p: Partitioner, eqn, ins):
+    (index, il), *ops = ins
+    index = p.whole(index, il, "a cond's predicate")
+    branches = eqn.params["branches"]
+
+    def attempt(out_layouts, pinned):
+        def make(br):
+            def fn(*vals):
+                outs = p.run(br.jaxpr, br.consts, list(zip(vals, [lay for _, lay in ops], strict=True)))
+                return _vary_all(p, _fit(p, outs, out_layouts, pinned), out_layouts)
+
+            return fn
+
+        outs = lax.switch(index, [make(br) for br in branches], *[v for v, _ in ops])
+        return list(zip(outs, out_layouts, strict=True))
+
+    return _fixed_point(p, attempt, [REPLICATED] * len(eqn.outvars))
+
+
+_CONTROL = {
+    "jit": _inline("jaxpr"),
+    "pjit": _inline("jaxpr"),
+    "closed_call": _inline("call_jaxpr"),
+    "core_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_vjp_call": _inline("call_jaxpr"),
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}

@@ -1,0 +1,1 @@
+"""The training layer: trainer loop, data, checkpoints, eval, MLPerf logs, several hosts, precision."""
