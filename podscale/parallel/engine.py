@@ -1,35 +1,25 @@
-"""Data parallelism of an unmodified single-device training step.
+"""Data parallelism of an unmodified single-device training step, exact by construction.
 
-The user writes ``step(state, batch) -> (new_state, metrics)`` for one device: ``jax.grad`` of a
-loss that is a *mean over its batch*, an optax update, no collectives. ``data_parallel`` runs it
-under ``shard_map`` with the state replicated and the batch split over every mesh axis.
+The user writes ``step(state, batch) -> (new_state, metrics)`` for one device, as if the whole
+global batch were there: ``jax.grad`` of any loss (a mean, a sum, a mean over the non-padding
+tokens), any optax optimizer, dropout, scans, no collectives. That program *is* the specification.
+podscale traces it once at the global batch shape (``jax.make_jaxpr``, loops kept as loops) and
+partitions the traced program over the data axes (:mod:`podscale.parallel.partition`): inside a
+``shard_map`` that is manual over those axes, every value carries a layout (replicated, split
+along a dimension, or a partial sum), a reduction over the split batch leaves a partial sum, and a
+partial sum is resolved by one ``psum`` as late as possible. Nothing is rescaled, so the new state
+is what one device computes on the whole batch, up to float summation order.
 
-How the gradient becomes the global-batch gradient. With ``check_vma=True``, a replicated value
-(a parameter) that meets per-replica data is implicitly cast to "varying", and the transpose of
-that cast, i.e. the gradient with respect to the replicated value, is a ``psum_invariant`` over
-the mesh axes: the *sum* of the replicas' local gradients. For a mean loss the single-device
-gradient on the whole batch is the *mean* of those local gradients, so podscale traces the step
-and rewrites every ``psum_invariant`` into a sum divided by the number of replicas it spans
-(``_interpret.evaluate``). That is the only change; the optimizer then runs on identical values
-on every replica, and the new state is replicated by construction.
-
-Two kinds of values come out of a replica different from its peers, and both are averaged:
-  * state leaves computed from the local batch without a gradient, such as batch-norm running
-    statistics: each replica normalises with its *own* batch statistics (as data-parallel
-    training does in practice), and the running averages are then averaged over replicas;
-  * metrics, which are means over the local batch; their replica average is the global mean.
-An integer that differs across replicas cannot be averaged and is an error naming its path.
-
-``weight_update="sharded"`` replays the same trace with :mod:`podscale.weight_update`: the
-gradient sums become a fused reduce-scatter, the update runs on 1/N shards, the optimizer state
-stays sharded between steps (:mod:`podscale.state_layout`), and the new weights are all-gathered.
-``weight_update="replicated"`` (the default) runs the same machinery with nothing sharded: the
-gradient sums become one fused all-reduce.
+The per-replica program that comes out is then replayed by :mod:`podscale.parallel.weight_update`:
+its sums are deferred and fused into buckets, summed 1-D or 2-D (:mod:`podscale.parallel.gradsum`),
+and with ``weight_update="sharded"`` reduce-scattered so that the update runs on 1/N chunks, the
+optimizer state stays sharded between steps (:mod:`podscale.parallel.state_layout`), and the new
+weights are all-gathered.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +29,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import _interpret
-from podscale.parallel import state_layout
+from podscale.parallel import _interpret, state_layout
 from podscale.parallel.gradsum import make_grad_sum
-from podscale.parallel.mesh import replica_count
-from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE, Layout, Rewriter, Sharded, Trace, forward_used, gather
+from podscale.parallel.mesh import BN_GROUP, replica_count
+from podscale.parallel.partition import REPLICATED, Partitioner, Split
+from podscale.parallel.weight_update import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MIN_SHARD_SIZE,
+    Layout,
+    Rewriter,
+    Sharded,
+    Trace,
+    forward_used,
+    gather,
+)
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
-GRAD_SUM = _interpret.GRAD_SUM
 WEIGHT_UPDATES = ("replicated", "sharded")
 
 
@@ -55,34 +53,63 @@ def _path(path) -> str:
     return jax.tree_util.keystr(path)
 
 
-def _mean_rule(mesh: Mesh):
-    def rule(eqn, invals):
-        outs = eqn.primitive.bind(*invals, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        if not _interpret.is_grad_sum(eqn, mesh.axis_names):
-            return outs
-        n = math.prod(mesh.shape[a] for a in eqn.params["axes"])
-        return [o / jnp.asarray(n, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else o for o in outs]
-
-    return rule
+def _leaf_shape(x) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if not hasattr(x, "dtype"):  # a Python scalar (flax TrainState.create's step), as jit sees it
+        x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
 
 
 def _shapes(tree):
-    """``jax.ShapeDtypeStruct`` leaves for a tree of arrays or shape structs."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    """``jax.ShapeDtypeStruct`` leaves for a tree of arrays, Python scalars or shape structs."""
+    return jax.tree.map(_leaf_shape, tree)
 
 
-def _replica_mean(kind: str, axes: tuple[str, ...], path, x):
-    varying = tuple(a for a in axes if a in _interpret.varying_axes(jax.typeof(x)))
-    if not varying:
-        return x
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
+def as_arrays(tree):
+    """Python scalars (a flax ``TrainState``'s ``step``) as arrays, as ``jax.jit`` would take them."""
+    return jax.tree.map(lambda x: x if hasattr(x, "dtype") else jnp.asarray(x), tree)
+
+
+@dataclasses.dataclass
+class GlobalTrace:
+    """The user's step traced at the global batch shape: the specification podscale partitions."""
+
+    closed: Any
+    out_tree: Any
+    state_tree: Any
+    n_state: int
+
+
+def trace_global(step: Step, state, batch, group_axis: str | None = None) -> GlobalTrace:
+    """Traces ``step`` at the global shapes, with nested ``jit``s and loops kept. With batch norm
+    over groups of replicas, the model's ``group_axis`` is bound with size 1 (one device)."""
+    axis_env = [(group_axis, 1)] if group_axis else None
+    try:
+        closed, out_shape = jax.make_jaxpr(step, return_shape=True, axis_env=axis_env)(state, batch)
+    except NameError as e:
+        if "axis name" not in str(e):
+            raise
         raise ValueError(
-            f"{kind}{_path(path)} ({x.dtype}{list(x.shape)}) differs across replicas and is not a "
-            "float, so podscale cannot average it. Compute it without the batch, or return it "
-            "as a float mean."
-        )
-    return jax.lax.pmean(x, varying)
+            f"the step calls a collective over a named axis ({e}). podscale runs the step as written for one "
+            "device on the whole global batch and sums gradients itself: remove lax.pmean/psum/all_gather from "
+            "the step (a mean over the batch is jnp.mean)."
+        ) from None
+    return GlobalTrace(closed, jax.tree.structure(out_shape), jax.tree.structure(state), len(jax.tree.leaves(state)))
+
+
+def _whole(kind: str, path, x):
+    if _interpret.varying_axes(jax.typeof(x)):
+        raise AssertionError(f"podscale left {kind}{_path(path)} per replica; please report this with the step")
+    return x
+
+
+def _as_leaf(x, leaf, path):
+    """A new state leaf in its stored type: a step may return a Python-int ``step`` + 1 (weakly
+    typed) where the state held an int32."""
+    if hasattr(x, "dtype") and x.dtype != leaf.dtype and np.shape(x) == leaf.shape:
+        return x.astype(leaf.dtype)
+    return x
 
 
 class DataParallelStep:
@@ -110,6 +137,7 @@ class DataParallelStep:
         self.grad_sum = make_grad_sum(mesh, grad_sum, grad_sum_chunks, grad_sum_dtype, axis_costs, nbytes=bucket_bytes)
         self.layout: state_layout.StateLayout | None = None
         self.trace: Trace | None = None
+        self._global: tuple | None = None
         self._jitted = None
 
     @property
@@ -125,6 +153,11 @@ class DataParallelStep:
         return tuple(self.mesh.axis_names)
 
     @property
+    def group_axis(self) -> str | None:
+        """The mesh axis of batch-norm groups, when ``make_mesh(bn_group_size=k)`` made one."""
+        return BN_GROUP if BN_GROUP in self.mesh.axis_names else None
+
+    @property
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.axes))
 
@@ -135,8 +168,9 @@ class DataParallelStep:
 
     # -- preparing the layout ---------------------------------------------------------------
     def prepare(self, state, batch=None) -> state_layout.StateLayout:
-        """Decides each state leaf's layout from the traced step. Needs a (global) batch example
-        (arrays or ``jax.ShapeDtypeStruct``) for the sharded update; idempotent."""
+        """Traces the step at the global shapes and decides each state leaf's layout. Needs a
+        (global) batch example (arrays or ``jax.ShapeDtypeStruct``) for the sharded update;
+        idempotent."""
         abstract = _shapes(state)
         if self.layout is not None:
             self.layout.check(abstract)
@@ -155,7 +189,7 @@ class DataParallelStep:
         return self.layout
 
     def plan(self, state=None, batch=None):
-        """What the step does, before running it: see :class:`podscale.plan.Plan`.
+        """What the step does, before running it: see :class:`podscale.parallel.plan.Plan`.
 
         ``state`` (user layout) and ``batch`` may be arrays or ``ShapeDtypeStruct``; they can be
         left out once the step has been prepared and traced.
@@ -170,48 +204,76 @@ class DataParallelStep:
             self.lower(self.layout.stored_shapes(), _shapes(batch))
         return make_plan(self)
 
+    def global_trace(self, abstract_state, batch) -> GlobalTrace:
+        key = (jax.tree.structure(abstract_state), tuple(jax.tree.leaves(abstract_state)),
+               jax.tree.structure(batch), tuple(jax.tree.leaves(_shapes(batch))))  # fmt: skip
+        if self._global is None or self._global[0] != key:
+            self._global = (key, trace_global(self.step, abstract_state, _shapes(batch), self.group_axis))
+        return self._global[1]
+
+    def _local(self, gt: GlobalTrace, state_leaves, batch_leaves) -> tuple[Any, Partitioner]:
+        """The per-replica program of the global trace: a closed jaxpr, made inside the
+        ``shard_map`` (its inputs typed per replica), with every output whole."""
+        group = self.group_axis
+        part = Partitioner(self.axes, self.replicas, group, self.mesh.shape[group] if group else 1)
+
+        def local(state_leaves, batch_leaves):
+            ins = [(x, REPLICATED) for x in state_leaves] + [(x, Split(0)) for x in batch_leaves]
+            outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins)
+            return [part.whole(v, lay, "an output of the step") for v, lay in outs]
+
+        return jax.make_jaxpr(local)(state_leaves, batch_leaves), part
+
     def _forward_inputs(self, abstract_state, batch) -> set[int]:
         found: list[set[int]] = []
-        n_state = len(jax.tree.leaves(abstract_state))
+        gt = self.global_trace(abstract_state, batch)
+        state_leaves = jax.tree.leaves(abstract_state)
 
-        def probe(state, batch):
-            closed, _ = _interpret.trace(self.step, state, batch)
+        def probe(batch):
+            closed, _ = self._local(gt, state_leaves, jax.tree.leaves(batch))
             used = forward_used(closed.jaxpr)
-            found.append({i for i, v in enumerate(closed.jaxpr.invars[:n_state]) if v in used})
+            found.append({i for i, v in enumerate(closed.jaxpr.invars[: gt.n_state]) if v in used})
             return jnp.zeros(())
 
-        mapped = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(), P(self.axes)), out_specs=P())
-        jax.eval_shape(mapped, abstract_state, _shapes(batch))
+        mapped = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(self.axes),), out_specs=P())
+        jax.eval_shape(mapped, _shapes(batch))
         return found[0]
 
     # -- the step ---------------------------------------------------------------------------
-    def _build(self):
+    def _build(self, batch):
         layout = self.layout
         axes = self.axes
         chunks = Layout(self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
         abstract_state = jax.tree.unflatten(
-            layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+            layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves]
         )
+        gt = self.global_trace(abstract_state, batch)
 
         def body(stored, batch):
             trace = Trace()
-            rewriter = Rewriter(chunks, trace, _mean_rule(self.mesh))
-            closed, out_tree = _interpret.trace(self.step, abstract_state, batch)
+            closed, part = self._local(gt, jax.tree.leaves(abstract_state), jax.tree.leaves(batch))
+            rewriter = Rewriter(chunks, trace)
             args = [Sharded(x, leaf.shape) if leaf.sharded else x for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)]
             outs = rewriter.run(closed, [*args, *jax.tree.leaves(batch)])
             outs = [rewriter.resolve(o) for o in outs]
             try:
-                new_state, metrics = jax.tree.unflatten(out_tree, outs)
+                new_state, metrics = jax.tree.unflatten(gt.out_tree, outs)
             except (TypeError, ValueError):
                 raise TypeError("the step must return a pair (new_state, metrics)") from None
             layout.check(new_state, "the step's new_state")
+            trace.whole_ops = list(part.whole_ops)
             new_state = self._finish_state(chunks, trace, new_state)
             pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))
             metrics = jax.tree.unflatten(
                 jax.tree.structure(metrics, is_leaf=lambda x: isinstance(x, Sharded)),
-                self._finish_full(chunks, trace, pairs, "metrics", "metrics"),
+                self._finish_full(chunks, trace, pairs, "metrics"),
             )
             self.trace = trace
+            if self.strict and (trace.gathered_ops or trace.whole_ops):
+                raise ValueError(
+                    "strict=True: refused before running; these ops would run on whole (gathered) values, "
+                    f"not on shards: {[*trace.whole_ops, *trace.gathered_ops]}. Drop strict to run them so."
+                )
             return new_state, metrics
 
         specs = layout.specs()
@@ -223,31 +285,32 @@ class DataParallelStep:
             donate_argnums=(0,) if self.donate_state else (),
         )
 
-    def _finish_full(self, chunks, trace, pairs, kind, why) -> list:
+    def _finish_full(self, chunks, trace, pairs, kind) -> list:
         """Values that must come out whole, as ``(path, value)`` pairs: sharded ones are
-        all-gathered (fused), per-replica ones averaged."""
+        all-gathered (fused)."""
         leaves = [v for _, v in pairs]
         shards = [i for i, v in enumerate(leaves) if isinstance(v, Sharded)]
+        why = "updated weights" if kind == "new_state" else kind
         for i, g in zip(shards, gather(chunks, [leaves[i] for i in shards], trace, why) if shards else [], strict=True):
             leaves[i] = g
-        return [_replica_mean(kind, self.axes, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
+        return [_whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
 
     def _finish_state(self, chunks, trace, new_state):
         layout = self.layout
         paths_leaves = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
         whole = [(p, v) for (p, v), leaf in zip(paths_leaves, layout.leaves, strict=True) if not leaf.sharded]
-        whole_done = iter(self._finish_full(chunks, trace, whole, "new_state", "updated weights"))
+        whole_done = iter(self._finish_full(chunks, trace, whole, "new_state"))
         out = []
         for (path, v), leaf in zip(paths_leaves, layout.leaves, strict=True):
             if not leaf.sharded:
-                out.append(next(whole_done))
+                out.append(_as_leaf(next(whole_done), leaf, path))
                 continue
             if isinstance(v, Sharded) and v.shape == leaf.shape:
                 out.append(v.shard.astype(leaf.dtype))
                 continue
             if isinstance(v, Sharded):
                 v = gather(chunks, [v], trace, f"new_state{_path(path)} changed shape")[0]
-            v = _replica_mean("new_state", self.axes, path, v)
+            v = _whole("new_state", path, v)
             trace.gathered_ops.append(f"new_state{_path(path)} computed whole, then sliced")
             out.append(chunks.slice(jnp.asarray(v, leaf.dtype)).shard)
         return jax.tree.unflatten(layout.treedef, out)
@@ -256,16 +319,26 @@ class DataParallelStep:
         if self.layout is None:
             self.prepare(state, batch)
         if self._jitted is None:
-            self._jitted = self._build()
+            self._jitted = self._build(batch)
         return self._jitted
 
     def check_batch(self, batch) -> None:
         """Raises a ``ValueError`` naming the leaf when the replicas cannot split ``batch``."""
         n = self.replicas
+        first = None
         for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
             shape = np.shape(leaf)
             if not shape:
                 raise ValueError(f"batch{_path(path)} is a scalar; every batch leaf needs a leading batch dimension")
+            if first is None:
+                first = (path, shape)
+            elif shape[0] != first[1][0]:
+                raise ValueError(
+                    f"batch{_path(path)} has {shape[0]} rows (shape {list(shape)}) but batch{_path(first[0])} has "
+                    f"{first[1][0]} (shape {list(first[1])}): every batch leaf needs the same leading batch size, "
+                    "since podscale splits the rows of all of them alike. Pass per-batch constants in the state "
+                    "or as a leaf with one row per example."
+                )
             if shape[0] % n:
                 raise ValueError(
                     f"batch{_path(path)} has global batch size {shape[0]} (shape {list(shape)}), which the "
@@ -277,10 +350,7 @@ class DataParallelStep:
         self.check_batch(batch)
         if self.layout is None:
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
-        new_state, metrics = self._compiled(state, batch)(state, batch)
-        if self.strict and self.trace and self.trace.gathered_ops:
-            raise ValueError(f"strict=True: these ops could not run on shards: {self.trace.gathered_ops}")
-        return new_state, metrics
+        return self._compiled(state, batch)(state, batch)
 
     def lower(self, state, batch):
         """Lowers the step for a stored ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``)."""
@@ -295,6 +365,7 @@ class DataParallelStep:
         seeded init). The sharded weight update needs an example global ``batch`` (see
         :meth:`prepare`).
         """
+        state = as_arrays(state)
         return self.prepare(state, batch).place(state)
 
     def gather_state(self, state):

@@ -24,6 +24,7 @@ comes out as on one device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
+from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr; no public name
 from jax.extend import core
 
 # -- layouts ---------------------------------------------------------------------------------
@@ -58,6 +61,9 @@ class _Named:
 
 REPLICATED = _Named("replicated")
 PARTIAL = _Named("partial")
+GROUP = _Named("group")
+"""Batch norm over groups of replicas (opt-in): a whole value that is the same within a group
+and differs between groups (the group's statistics). It computes like a replicated value."""
 
 Layout = Any  # REPLICATED | PARTIAL | Split
 
@@ -113,11 +119,18 @@ def _is_float(dtype) -> bool:
 class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the module docstring."""
 
-    def __init__(self, axes: Sequence[str], n: int):
+    def __init__(self, axes: Sequence[str], n: int, group_axis: str | None = None, group_size: int = 1):
         self.axes, self.n = tuple(axes), n
+        self.group_axis, self.group_size = group_axis, group_size
+        """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
+        step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
+        self._feeds_group_sum: set = set()
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
         self.resolved: list[str] = []
+        self._memo: dict[tuple, tuple[Any, Any]] = {}
+        """Conversions already made, by (id of the local value, source, destination): a partial
+        sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
 
     # -- conversions ---------------------------------------------------------------------------
     def index(self):
@@ -132,34 +145,67 @@ class Partitioner:
 
     def slice_rows(self, x, dim: int):
         """A whole value's block of ``dim`` on this replica (no communication)."""
+        return self.convert(x, REPLICATED, Split(dim))
+
+    def _slice_rows(self, x, dim: int):
         size = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
 
     def whole(self, x, layout: Layout, why: str = ""):
         """The whole value, the same on every replica."""
+        return self.convert(x, layout, REPLICATED, why)
+
+    def _whole(self, x, layout: Layout, why: str = ""):
         if layout is REPLICATED:
             return x
+        if layout is GROUP:  # the groups' values averaged (their running statistics, say)
+            return lax.pmean(x, self.axes)
         if layout is PARTIAL:
             if why:
                 self.resolved.append(why)
             return lax.psum(x, self.axes)
-        return lax.all_gather(x, self.axes, axis=layout.dim, tiled=True)
+        return all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
 
     def convert(self, x, src: Layout, dst: Layout, why: str = ""):
         if src == dst:
             return x
+        key = (id(x), src, dst)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = self._convert(x, src, dst, why)
+        self._memo[key] = (x, out)  # holds x, so its id is not reused
+        return out
+
+    def _convert(self, x, src: Layout, dst: Layout, why: str):
+        if dst is GROUP:
+            return x if src is REPLICATED else self.whole(x, src, why)
+        if src is GROUP and dst is REPLICATED:
+            return self._whole(x, src, why)
+        if src is GROUP:
+            src = REPLICATED  # a group's whole value: sliced or masked like a replicated one
         if dst is REPLICATED:
-            return self.whole(x, src, why)
+            return self._whole(x, src, why)
         if src is not REPLICATED:
             x = self.whole(x, src, why)
         if dst is PARTIAL:  # the whole value on replica 0, zeros elsewhere: it sums to itself
             return jnp.where(self.index() == 0, x, jnp.zeros_like(x))
-        return self.slice_rows(x, dst.dim)
+        return self._slice_rows(x, dst.dim)
 
     def splittable(self, shape, dim: int) -> bool:
         return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] > 0
 
     # -- evaluation ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """The body of a loop, a branch or a remat is a new trace: conversions made outside it
+        are not reused inside, nor the other way round."""
+        saved, self._memo = self._memo, {}
+        try:
+            yield
+        finally:
+            self._memo = saved
+
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         env: dict[Any, tuple[Any, Layout]] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
@@ -172,6 +218,8 @@ class Partitioner:
                 return (var.val, REPLICATED)
             return env[var]
 
+        if self.group_axis is not None:
+            self._feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             outs = self.equation(eqn, ins)
@@ -182,6 +230,22 @@ class Partitioner:
     def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
         name = eqn.primitive.name
         layouts = [lay for _, lay in ins]
+        if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
+            return [self.group_sum(v, lay) for v, lay in ins]
+        if GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts):
+            # A partial sum times a group's value: the group's share of the sum over the groups
+            # of (group sum x group value), as batch norm over each group's rows gives.
+            return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
+        if GROUP in layouts and name not in _CONTROL:
+            # Computes like a replicated value; what comes out whole is the group's.
+            outs = self.equation(eqn, [(v, REPLICATED if lay is GROUP else lay) for v, lay in ins])
+            return [(v, GROUP if lay is REPLICATED else lay) for v, lay in outs]
+        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
+            # On its way to the model's group sum: linear ops keep the partial sum.
+            if name in ("div", "mul") and layouts[1] is REPLICATED or (
+                name == "mul" and layouts[0] is REPLICATED
+            ) or name in ("stack", "concatenate") and all(lay is PARTIAL for lay in layouts):
+                return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in _CONTROL:
             return _CONTROL[name](self, eqn, ins)
         if all(lay is REPLICATED for lay in layouts):
@@ -204,6 +268,17 @@ class Partitioner:
             return out
         return self.fallback(eqn, ins)
 
+    def group_sum(self, v, lay):
+        """The model's sum over its batch-norm group, in a program traced with the group axis of
+        size 1: a partial sum (the replica's share of a statistic over the whole batch, divided by
+        the whole batch's count) summed over the group, times the number of groups, is the
+        statistic over the group's rows."""
+        if lay is PARTIAL:
+            groups = self.n // self.group_size
+            total = lax.psum(v, self.group_axis)
+            return (total * jnp.asarray(groups, total.dtype), GROUP)
+        return (v, lay)  # already whole: a sum over one member
+
     def fallback(self, eqn, ins):
         shapes = [list(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
         where = _source(eqn)
@@ -217,8 +292,8 @@ class Partitioner:
         params = eqn.primitive.get_bind_params(params)
         if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
             vals = [self.vary(v) for v in vals]
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*vals, **params)
+        # Not under ``eqn.ctx``: that context is the global trace's, outside the shard_map.
+        outs = eqn.primitive.bind(*vals, **params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
     # -- partial sums ----------------------------------------------------------------------------
@@ -241,13 +316,44 @@ class Partitioner:
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "concatenate" and all(lay is PARTIAL for lay in layouts):
+        if name in ("concatenate", "stack") and all(lay is PARTIAL for lay in layouts):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "scatter-add" and layouts[1] is REPLICATED:
             operand = self.convert(vals[0], layouts[0], PARTIAL)
             updates = self.convert(vals[2], layouts[2], PARTIAL)
             return [(o, PARTIAL) for o in self.bind(eqn, [operand, vals[1], updates])]
         return None
+
+
+def _linear_in_partial(eqn, layouts) -> bool:
+    """Whether ``eqn`` is linear in its one partial operand, the others whole."""
+    if layouts.count(PARTIAL) != 1 or any(isinstance(lay, Split) for lay in layouts):
+        return False
+    name = eqn.primitive.name
+    if name in ("mul", "dot_general", "conv_general_dilated", "neg", "convert_element_type", *_LINEAR_UNARY):
+        return True
+    return name == "div" and layouts[0] is PARTIAL
+
+
+_GROUP_FEEDERS = frozenset(
+    "div mul stack concatenate reshape broadcast_in_dim convert_element_type squeeze slice transpose neg add add_any sub "
+    "reduce_sum pad".split()
+)
+
+
+def _feeding_group_sums(jaxpr, axis: str) -> set:
+    """ids of the equations whose results reach a ``psum`` over ``axis`` only through scalings
+    and shape ops (a mean's division by its count, flax's stacking of mean and mean square)."""
+    found: set = set()
+    wanted: set = set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name == "psum" and set(eqn.params["axes"]) == {axis}:
+            wanted.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+            continue
+        if eqn.primitive.name in _GROUP_FEEDERS and any(v in wanted for v in eqn.outvars):
+            found.add(id(eqn))
+            wanted.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    return found
 
 
 def _vma(x) -> frozenset:
@@ -617,6 +723,20 @@ def _concatenate(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, vals)[0], Split(dim))]
 
 
+def _stack(p: Partitioner, eqn, ins):
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        if not (isinstance(lay, Split) or p.splittable(_global_shape(var), dim)):
+            return None
+        vals.append(p.convert(v, lay, Split(dim)))
+    axis = eqn.params["axis"]
+    return [(p.bind(eqn, vals)[0], Split(dim + 1 if axis <= dim else dim))]
+
+
 def _rev(p: Partitioner, eqn, ins):
     (v, lay), = ins
     if lay.dim in eqn.params["dimensions"]:
@@ -666,6 +786,7 @@ _RULES = {
     "pad": _pad,
     "concatenate": _concatenate,
     "rev": _rev,
+    "stack": _stack,
     "split": _split_op,
     "optimization_barrier": _optimization_barrier,
 }
@@ -689,19 +810,33 @@ def _inline(param: str):
 def _remat(p: Partitioner, eqn, ins):
     if all(lay is REPLICATED for _, lay in ins):
         return [(o, REPLICATED) for o in p.bind(eqn, [v for v, _ in ins])]
-    # Rebuilt, not inlined: the recomputation keeps its barrier (and so its memory saving).
-    jaxpr = eqn.params["jaxpr"]
+    # Rebuilt with the same params, not inlined: the recomputation keeps its optimization
+    # barrier (and so its memory saving).
     layouts = [lay for _, lay in ins]
     found: list = []
 
+    @_scoped(p)
     def body(*vals):
-        outs = p.run(jaxpr, (), list(zip(vals, layouts, strict=True)))
+        outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
         found.append([lay for _, lay in outs])
         return [v for v, _ in outs]
 
-    fn = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
-    outs = fn(*[v for v, _ in ins])
+    vals = [v for v, _ in ins]
+    closed = jax.make_jaxpr(body)(*vals)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    outs = eqn.primitive.bind(*closed.consts, *vals, **dict(eqn.params, jaxpr=jaxpr))
     return list(zip(outs, found[-1], strict=True))
+
+
+def _scoped(p: Partitioner):
+    def wrap(fn):
+        def inner(*args):
+            with p.scope():
+                return fn(*args)
+
+        return inner
+
+    return wrap
 
 
 def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
@@ -748,6 +883,7 @@ def _scan(p: Partitioner, eqn, ins):
     def attempt(carry_layouts, pinned):
         carry0 = _vary_all(p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts)
 
+        @_scoped(p)
         def step(carry, x):
             outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
             new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned), carry_layouts)
@@ -774,10 +910,12 @@ def _while(p: Partitioner, eqn, ins):
     def attempt(carry_layouts, pinned):
         carry0 = [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
 
+        @_scoped(p)
         def cond(c):
             ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
-            return p.whole(pred, lay, "a while loop's condition")
+            return p._whole(pred, lay, "a while loop's condition")
 
+        @_scoped(p)
         def body(c):
             outs = p.run(bj.jaxpr, bj.consts, [*bconsts, *zip(c, carry_layouts)])
             return _vary_all(p, _fit(p, outs, carry_layouts, pinned), carry_layouts)
@@ -800,6 +938,7 @@ def _cond(p: Partitioner, eqn, ins):
 
     def attempt(out_layouts, pinned):
         def make(br):
+            @_scoped(p)
             def fn(*vals):
                 outs = p.run(br.jaxpr, br.consts, list(zip(vals, [lay for _, lay in ops], strict=True)))
                 return _vary_all(p, _fit(p, outs, out_layouts, pinned), out_layouts)

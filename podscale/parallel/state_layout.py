@@ -32,17 +32,29 @@ class LeafLayout:
     padding: int = 0
     weight: bool = False
     """Read by the forward pass (kept whole for it); otherwise optimizer or other state."""
+    weak_type: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * self.itemsize
 
     @property
     def padding_bytes(self) -> int:
-        return self.padding * np.dtype(self.dtype).itemsize
+        return self.padding * self.itemsize
 
     def bytes_per_device(self) -> int:
-        return self.shard_len * np.dtype(self.dtype).itemsize if self.sharded else self.bytes
+        return self.shard_len * self.itemsize if self.sharded else self.bytes
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element; a typed PRNG key counts its key data (two uint32 for threefry)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return math.prod(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=dtype._impl))).shape) * 4
+    return np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +86,7 @@ class StateLayout:
     def stored_shapes(self):
         def one(leaf):
             shape = (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
-            return jax.ShapeDtypeStruct(shape, leaf.dtype)
+            return jax.ShapeDtypeStruct(shape, leaf.dtype, weak_type=leaf.weak_type)
 
         return jax.tree.unflatten(self.treedef, [one(leaf) for leaf in self.leaves])
 
@@ -164,7 +176,8 @@ def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: i
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype
         size = math.prod(shape)
-        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype, weight=i in (forward_inputs or ()))
+        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype, weight=i in (forward_inputs or ()),
+                  weak_type=bool(getattr(x, "weak_type", False)))  # fmt: skip
         if not shard:
             leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
         elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

@@ -162,7 +162,7 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
-        total = layout.grad_sum.all_reduce(buffer, phases) / jnp.asarray(layout.n, buffer.dtype)
+        total = layout.grad_sum.all_reduce(buffer, phases)
         _record(trace, phases, len(values), "gradient sum")
         out, offset = [], 0
         for v, r in zip(values, rows, strict=True):
@@ -170,7 +170,6 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
             offset += r.shape[1]
         return out
     local = layout.grad_sum.reduce_scatter(buffer, phases)
-    local = local / jnp.asarray(layout.n, local.dtype)
     _record(trace, phases, len(values), "gradient sum")
     out, offset = [], 0
     for v, r in zip(values, rows, strict=True):
@@ -183,7 +182,7 @@ def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str) -> li
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
     phases: list[PhaseRecord] = []
-    total = layout.grad_sum.all_reduce(buffer, phases) / jnp.asarray(layout.n, buffer.dtype)
+    total = layout.grad_sum.all_reduce(buffer, phases)
     _record(trace, phases, len(values), why)
     out, offset = [], 0
     for v in values:
@@ -300,16 +299,14 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
 class Rewriter:
     """Replays a traced step with sharded layouts; see the module docstring."""
 
-    def __init__(self, layout: Layout, trace: Trace, grad_mean_rule):
-        self.layout, self.trace, self.grad_mean_rule = layout, trace, grad_mean_rule
+    def __init__(self, layout: Layout, trace: Trace):
+        self.layout, self.trace = layout, trace
         self.fuser = _Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
-        self.partial_uses: dict = {}  # see _interpret.terminal_partial_sum_uses
 
     def run(self, closed, args) -> list:
         """Evaluates a traced step (the top-level jaxpr)."""
         self.forward = forward_used(closed.jaxpr)
-        self.partial_uses = _interpret.terminal_partial_sum_uses(closed.jaxpr, self.layout.axes)
         return self.evaluate(closed.jaxpr, closed.consts, args)
 
     # -- reading values -------------------------------------------------------------------
@@ -350,13 +347,9 @@ class Rewriter:
             todo = blocked
         return [read(v) for v in jaxpr.outvars]
 
-    def _read(self, eqn, var, read):
-        value = read(var)
-        axes = self.partial_uses.get((id(eqn), var)) if not isinstance(var, core.Literal) else None
-        if axes is None:
-            return value
-        value = self.resolve(value)  # one step of a gradient's sum over the replicas: a mean
-        return value / jnp.asarray(math.prod(lax.axis_size(a) for a in axes), value.dtype)
+    @staticmethod
+    def _read(eqn, var, read):
+        return read(var)
 
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
@@ -437,13 +430,11 @@ class Rewriter:
 
     def bind(self, eqn, vals) -> list:
         if _interpret.contains_any(eqn, {GRAD_SUM}):
-            # Control flow holding a gradient sum (a scan over microbatches, nn.scan): the sums
-            # inside stay all-reduces (as in the replicated step), the results are full values.
-            outs = _interpret.rebuild(eqn, vals, {GRAD_SUM: self.grad_mean_rule})
+            # Control flow that resolves a partial sum inside (a value that each iteration needs
+            # whole): those sums stay all-reduces in the loop, the results are full values.
             self.trace.collectives.append(
-                Collective("all-reduce", self.layout.axes, 0, 0, f"gradient sum inside {eqn.primitive.name}")
+                Collective("all-reduce", self.layout.axes, 0, 0, f"sum inside {eqn.primitive.name}")
             )
-            return outs
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
         return list(outs) if eqn.primitive.multiple_results else [outs]
