@@ -13,8 +13,16 @@ FMA_OFF = "--xla_cpu_max_isa" in os.environ.get("XLA_FLAGS", "")
 EXACT = 0.0 if FMA_OFF else 1e-7
 
 
+def _plain(x):
+    """Typed PRNG keys compare by their key data."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
 def max_abs_diff(a, b) -> float:
-    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))), a, b)
+    a, b = jax.tree.map(_plain, a), jax.tree.map(_plain, b)
+    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)), a, b)
     return max(jax.tree.leaves(diffs), default=0.0)
 
 
@@ -28,7 +36,7 @@ def run_single(step, state, batches):
 
 
 def run_parallel(dp, state, batches):
-    state = dp.place_state(jax.device_get(state))
+    state = dp.place_state(jax.device_get(state), batches[0] if dp.layout is None else None)
     metrics = None
     for batch in batches:
         state, metrics = dp(state, batch)

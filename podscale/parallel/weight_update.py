@@ -331,7 +331,7 @@ class Rewriter:
             blocked, blocked_vars = [], set()
             for eqn in todo:
                 deps = [v for v in eqn.invars if not isinstance(v, core.Literal)]
-                if any(v in blocked_vars for v in deps) or (eqn.effects and blocked):
+                if any(v in blocked_vars for v in deps) or (_ordered(eqn) and blocked):
                     wait = True
                 else:
                     invals = [self._read(eqn, v, read) for v in eqn.invars]
@@ -482,6 +482,12 @@ class Rewriter:
             partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
             return [self.fuser.add(partial, kind)]  # fused with the other partials when read
         return None
+
+
+def _ordered(eqn) -> bool:
+    """Whether ``eqn`` has an effect that fixes its order (a callback, a print); a collective's
+    named-axis effect does not."""
+    return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
 
 
 def forward_used(jaxpr) -> set:

@@ -1,0 +1,333 @@
+"""The single-device step on the global batch is the specification: steps that are not a plain
+batch-mean loss, and forms JAX programs take, each checked against one device."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from helpers import max_abs_diff, run_parallel, run_single
+
+from podscale import data_parallel, make_mesh
+
+TOL = 1e-6
+
+
+def _rel(a, b) -> float:
+    scale = max(max(float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0)) for x in jax.tree.leaves(jax.tree.map(_keyless, b))), 1e-30)
+    return max_abs_diff(a, b) / scale
+
+
+def _keyless(x):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def _data(i, n=32, d=6, classes=4, pad_every=3):
+    k = jax.random.fold_in(jax.random.key(7), i)
+    kx, ky = jax.random.split(k)
+    return {
+        "x": jax.random.normal(kx, (n, d)),
+        "y": jax.random.randint(ky, (n,), 0, classes),
+        "mask": (jnp.arange(n) % pad_every != 0).astype(jnp.float32),  # padding rows weigh 0
+    }
+
+
+def _params(d=6, h=16, classes=4):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (d, h)) * 0.5, "w2": jax.random.normal(k2, (h, classes)) * 0.5}
+
+
+def _logits(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def _count_normalised_loss(p, b):
+    """Cross-entropy over the non-padding rows divided by their number (flax's examples)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(_logits(p, b["x"]), b["y"])
+    return jnp.sum(ce * b["mask"]) / jnp.sum(b["mask"])
+
+
+def _sgd_step(loss_fn, lr=0.1):
+    def step(params, batch):
+        loss, g = jax.value_and_grad(loss_fn)(params, batch)
+        return jax.tree.map(lambda p, g: p - lr * g, params, g), {"loss": loss}
+
+    return step
+
+
+def _check(step, state, n_steps=4, mesh=None, **kw):
+    batches = [_data(i) for i in range(n_steps)]
+    ref, ref_m = run_single(step, state, batches)
+    par, par_m = run_parallel(data_parallel(step, mesh or make_mesh(), **kw), state, batches)
+    assert _rel(par, ref) <= TOL, _rel(par, ref)
+    assert max_abs_diff(ref, state) > 1e-4  # the step learned something
+    return par_m, ref_m
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_a_loss_normalised_by_a_count_from_the_batch(weight_update):
+    _check(_sgd_step(_count_normalised_loss), _params(), weight_update=weight_update, min_shard_size=1)
+
+
+def test_a_sum_loss():
+    def loss(p, b):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(_logits(p, b["x"]), b["y"]))
+
+    _check(_sgd_step(loss, lr=0.005), _params())
+
+
+def test_per_example_clipped_gradients():
+    """vmap of grad, each example's gradient clipped to norm 1, then summed (DP-SGD's core)."""
+
+    def step(params, batch):
+        def one(p, x, y):
+            return optax.softmax_cross_entropy_with_integer_labels(_logits(p, x[None]), y[None])[0]
+
+        per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, batch["x"], batch["y"])
+        norms = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree.leaves(per)))
+        scale = jnp.minimum(1.0, 1.0 / (norms + 1e-6))
+        g = jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1) / batch["x"].shape[0], per)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, g), {"clipped": jnp.mean(scale < 1)}
+
+    _check(step, _params())
+
+
+def test_dpsgd_from_optax_contrib():
+    tx = optax.contrib.dpsgd(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+
+    def step(state, batch):
+        params, opt = state
+
+        def one(p, x, y):
+            return optax.softmax_cross_entropy_with_integer_labels(_logits(p, x[None]), y[None])[0]
+
+        per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, batch["x"], batch["y"])
+        updates, opt = tx.update(per, opt, params)
+        return (optax.apply_updates(params, updates), opt), {}
+
+    params = _params()
+    _check(step, (params, tx.init(params)))
+
+
+def test_an_optimizer_reading_the_loss():
+    tx = optax.polyak_sgd(max_learning_rate=0.5)
+
+    def step(state, batch):
+        params, opt = state
+        loss, g = jax.value_and_grad(_count_normalised_loss)(params, batch)
+        updates, opt = tx.update(g, opt, params, value=loss)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+    params = _params()
+    _check(step, (params, tx.init(params)))
+
+
+def test_a_flax_train_state_with_its_python_int_step():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.tanh(nn.Dense(16)(x)))
+
+    model = MLP()
+    ts = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), jnp.ones((1, 6)))["params"], tx=optax.adam(1e-2)
+    )
+    assert isinstance(ts.step, int)
+
+    def step(state, batch):
+        def loss(p):
+            ce = optax.softmax_cross_entropy_with_integer_labels(state.apply_fn({"params": p}, batch["x"]), batch["y"])
+            return jnp.sum(ce * batch["mask"]) / jnp.sum(batch["mask"])
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    batches = [_data(i) for i in range(4)]
+    ref, _ = run_single(step, ts, batches)
+    for weight_update in ("replicated", "sharded"):
+        dp = data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1)
+        placed = dp.place_state(ts, batches[0])
+        for b in batches:
+            placed, _ = dp(placed, b)
+        assert int(placed.step) == 4
+        assert _rel(dp.gather_state(placed).params, ref.params) <= TOL
+
+
+def test_a_flax_nnx_optimizer_step():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(6, 16, rngs=rngs)
+            self.b = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss(m):
+            ce = optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"])
+            return jnp.sum(ce * batch["mask"]) / jnp.sum(batch["mask"])
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), {"loss": value}
+
+    _check(step, state)
+
+
+def test_typed_prng_keys_in_the_state_and_plan():
+    def step(state, batch):
+        key, sub = jax.random.split(state["key"])
+        noise = jax.random.normal(sub, state["w"].shape) * 1e-3
+        g = jax.grad(lambda w: _count_normalised_loss({"w1": w, "w2": state["w2"]}, batch))(state["w"])
+        return {"key": key, "w": state["w"] - 0.1 * g + noise, "w2": state["w2"]}, {}
+
+    p = _params()
+    state = {"key": jax.random.key(3), "w": p["w1"], "w2": p["w2"]}
+    _check(step, state)
+    dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=1)
+    plan = dp.plan(state, _data(0))
+    assert any(leaf["path"] == "['key']" and not leaf["sharded"] for leaf in plan.leaves)
+
+
+class _DropoutNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, key):
+        h = nn.Dropout(0.5, deterministic=False)(nn.Dense(16)(x), rng=key)
+        return nn.Dense(4)(jnp.tanh(h)), h
+
+
+def test_dropout_masks_equal_one_devices():
+    model = _DropoutNet()
+    params = model.init(jax.random.key(0), jnp.ones((1, 6)), jax.random.key(1))["params"]
+
+    def step(state, batch):
+        params, key = state
+        key, sub = jax.random.split(key)
+
+        def loss(p):
+            out, h = model.apply({"params": p}, batch["x"], sub)
+            ce = optax.softmax_cross_entropy_with_integer_labels(out, batch["y"])
+            return jnp.mean(ce), h
+
+        (value, h), g = jax.value_and_grad(loss, has_aux=True)(params)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, params, g), key), {"dropped": h == 0}
+
+    par_m, ref_m = _check(step, (params, jax.random.key(5)))
+    np.testing.assert_array_equal(par_m["dropped"], ref_m["dropped"])  # the same mask, row for row
+    assert 0.3 < float(np.mean(ref_m["dropped"])) < 0.7
+
+
+def test_nn_scan_layers():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(16)(h)) + h, None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16)(x)
+            h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(h, None)
+            return nn.Dense(4)(h)
+
+    model = Stack()
+    params = model.init(jax.random.key(0), jnp.ones((1, 6)))["params"]
+
+    def loss(p, b):
+        ce = optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, b["x"]), b["y"])
+        return jnp.sum(ce * b["mask"]) / jnp.sum(b["mask"])
+
+    _check(_sgd_step(loss), params)
+
+
+def test_an_rnn_over_time_sums_each_weights_gradient_once():
+    """A recurrent kernel used at every time step: one sum for its gradient, after the loop."""
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"wx": jax.random.normal(k[0], (6, 8)) * 0.3, "wh": jax.random.normal(k[1], (8, 8)) * 0.3,
+              "out": jax.random.normal(k[2], (8, 4)) * 0.3}  # fmt: skip
+
+    def loss(p, b):
+        xs = jnp.stack([b["x"] * (t + 1) / 5 for t in range(5)])  # [time, batch, features]
+
+        def cell(h, x):
+            h = jnp.tanh(x @ p["wx"] + h @ p["wh"])
+            return h, h
+
+        h, _ = jax.lax.scan(cell, jnp.zeros((b["x"].shape[0], 8)), xs)
+        ce = optax.softmax_cross_entropy_with_integer_labels(h @ p["out"], b["y"])
+        return jnp.sum(ce * b["mask"]) / jnp.sum(b["mask"])
+
+    step = _sgd_step(loss)
+    _check(step, params)
+    dp = data_parallel(step, make_mesh())
+    text = dp.lower(dp.place_state(params), _data(0)).compile().as_text()
+    assert "while" in text  # the scan stays a loop
+    gradient_sums = [c for c in dp.trace.collectives if c.why.startswith("gradient sum")]
+    assert sum(c.tensors for c in gradient_sums) <= 4  # wx, wh, out and the loss's sums, each once
+
+
+def test_a_step_that_calls_pmean_is_refused_before_running():
+    def step(params, batch):
+        g = jax.grad(_count_normalised_loss)(params, batch)
+        g = jax.lax.pmean(g, "data")
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), {}
+
+    dp = data_parallel(step, make_mesh())
+    with pytest.raises(ValueError, match="collective over a named axis.*remove lax.pmean"):
+        dp.place_state(_params(), _data(0))
+
+
+def test_ragged_batch_leaves_are_refused():
+    dp = data_parallel(_sgd_step(_count_normalised_loss), make_mesh())
+    batch = dict(_data(0), extra=jnp.ones((8, 2)))
+    with pytest.raises(ValueError, match=r"batch\['extra'\] has 8.*same leading batch size"):
+        dp.place_state(_params(), batch)
+
+
+def test_a_per_example_metric_comes_back_whole():
+    def step(params, batch):
+        return params, {"probs": jax.nn.softmax(_logits(params, batch["x"]))}
+
+    dp = data_parallel(step, make_mesh())
+    _, metrics = dp(dp.place_state(_params()), _data(0))
+    ref = jax.nn.softmax(_logits(_params(), _data(0)["x"]))
+    assert metrics["probs"].shape == (32, 4)
+    np.testing.assert_allclose(metrics["probs"], ref, rtol=1e-6)
+
+
+def test_the_step_that_used_to_hang():
+    """A nonlinear function of the whole gradient (its squared norm) in the update."""
+
+    def step(w, batch):
+        g = jax.grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g - 0.01 * jnp.sum(g.reshape(-1) ** 2), {}
+
+    w = jax.random.normal(jax.random.key(0), (6, 3)) * 0.3
+    _check(step, w)
+
+
+def test_strict_refuses_before_running_and_keeps_the_state():
+    def step(params, batch):
+        order = jnp.argsort(batch["x"][:, 0])  # a sort over the batch: whole values
+        g = jax.grad(_count_normalised_loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), {"first": order[0]}
+
+    dp = data_parallel(step, make_mesh(), strict=True)
+    state = dp.place_state(_params(), _data(0))
+    with pytest.raises(ValueError, match="strict=True: refused before running.*sort"):
+        dp(state, _data(0))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # not donated away
+    relaxed = data_parallel(step, make_mesh())
+    relaxed(relaxed.place_state(_params()), _data(0))
+    assert any("sort" in op for op in relaxed.trace.whole_ops)
