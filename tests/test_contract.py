@@ -1,0 +1,172 @@
+"""One contract over strategy x optimizer x mesh: every alias of ``optax`` and ``optax.contrib``
+that builds from a learning rate, replicated and sharded update, on 8 replicas and on a 4x2
+mesh, equals the single-device step on the whole batch after 20 steps, within 1e-6 relative.
+
+The loss is a cross-entropy over the non-padding rows divided by their count, so the data-parallel
+rule "mean of per-replica gradients" would fail it; optimizers that take extra arguments get the
+loss value, the gradient and the loss function, as their docs ask. Not bit-identical: the gradient
+of the whole batch is summed in a different order (per replica, then across replicas). Each case
+runs under a timeout, so a hang is a failure.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+from helpers import run_parallel, run_single
+
+from podscale import data_parallel, make_mesh
+
+STEPS = 20
+TOL = 1e-6
+
+SENSITIVE = {
+    # The update is a discontinuous function of the gradient's last bits: a different summation
+    # order (one device's single dot against per-replica sums) changes a discrete decision. Measured
+    # at 9cf3415+ (this file's first version): relative difference after 20 steps.
+    "optax.lbfgs": "the zoom line search's accept/reject decisions diverge (1e-7 per step, then 3.0)",
+    "optax.contrib.galore": "the SVD basis of the gradient changes with its last bits (4.5e-3 after one step on 2 "
+    "replicas; exact on 1)",
+}
+LOOSER = {
+    # Updates that divide by a running difference of gradients amplify the summation-order difference.
+    "optax.contrib.acprop": 1e-5,  # measured 6.4e-6
+    "optax.contrib.sophia": 1e-5,  # measured 1.3e-6
+}
+
+
+def _aliases() -> list[str]:
+    names = []
+    for module, prefix in ((optax, "optax"), (optax.contrib, "optax.contrib")):
+        for name in sorted(dir(module)):
+            fn = getattr(module, name)
+            if name.startswith("_") or not inspect.isfunction(fn):
+                continue
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                continue
+            if "learning_rate" not in params:
+                continue
+            try:
+                tx = fn(learning_rate=1e-2)
+            except TypeError:  # needs more than a learning rate (dpsgd, schedule_free): tested apart
+                continue
+            if isinstance(tx, optax.GradientTransformation):
+                names.append(f"{prefix}.{name}")
+    return names
+
+
+ALIASES = _aliases()
+
+
+def _build(name: str):
+    module = optax.contrib if name.startswith("optax.contrib.") else optax
+    return getattr(module, name.rsplit(".", 1)[1])(learning_rate=1e-2)
+
+
+def _data(i, n=32):
+    kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(11), i))
+    return {"x": jax.random.normal(kx, (n, 8)), "y": jax.random.randint(ky, (n,), 0, 4),
+            "mask": (jnp.arange(n) % 4 != 1).astype(jnp.float32)}  # fmt: skip
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (8, 32)) * 0.4, "b1": jnp.zeros(32), "w2": jax.random.normal(k2, (32, 4)) * 0.4}
+
+
+def _step(tx, name=""):
+    def step(state, batch):
+        params, opt = state
+
+        def loss_fn(p):
+            logits = jnp.tanh(batch["x"] @ p["w1"] + p["b1"]) @ p["w2"]
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return jnp.sum(ce * batch["mask"]) / jnp.sum(batch["mask"])
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        extra = {}
+        if isinstance(tx, optax.GradientTransformationExtraArgs):
+            extra = {"value": loss, "grad": grads, "value_fn": loss_fn}
+            if "sophia" in name:  # sophia asks for the objective under its own name
+                extra = {"obj_fn": loss_fn}
+        updates, opt = tx.update(grads, opt, params, **extra)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+    return step
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(name):
+    if name not in _REFERENCE:
+        tx = _build(name)
+        params = _params()
+        state = (params, tx.init(params))
+        _REFERENCE[name] = (state, run_single(_step(tx, name), state, [_data(i) for i in range(STEPS)])[0])
+    return _REFERENCE[name]
+
+
+def _relative(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if isinstance(y, jax.Array) and jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.size:
+            worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-12))
+    return worst
+
+
+def _case(name, weight_update, mesh_shape):
+    if name in SENSITIVE:
+        pytest.xfail(SENSITIVE[name])
+    state, ref = _reference(name)
+    tx = _build(name)
+    dp = data_parallel(_step(tx, name), make_mesh(mesh_shape), weight_update=weight_update, min_shard_size=64)
+    par, _ = run_parallel(dp, state, [_data(i) for i in range(STEPS)])
+    params_moved = _relative(ref[0], state[0])
+    assert params_moved > 1e-3, f"{name} did not train: the check would be empty"
+    tol = LOOSER.get(name, TOL)
+    assert _relative(par, ref) <= tol, f"{name}: {_relative(par, ref):.2e} relative off one device"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("name", ALIASES)
+def test_every_optax_alias_equals_one_device_on_8_replicas(name, weight_update):
+    _case(name, weight_update, None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("name", ALIASES)
+def test_every_optax_alias_equals_one_device_on_a_4x2_mesh(name, weight_update):
+    _case(name, weight_update, (4, 2))
+
+
+def test_the_grid_covers_the_optimizers_users_reach_for():
+    for name in ("optax.adam", "optax.adamw", "optax.lamb", "optax.lars", "optax.lbfgs", "optax.adafactor",
+                 "optax.contrib.prodigy", "optax.contrib.dadapt_adamw", "optax.contrib.momo", "optax.contrib.muon"):  # fmt: skip
+        assert name in ALIASES
+    assert len(ALIASES) >= 40
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_reduce_on_plateau_reads_the_loss_like_one_device(weight_update):
+    tx = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=2, factor=0.5))
+    params = _params()
+    state = (params, tx.init(params))
+    batches = [_data(i) for i in range(STEPS)]
+    ref, _ = run_single(_step(tx), state, batches)
+    dp = data_parallel(_step(tx), make_mesh(), weight_update=weight_update, min_shard_size=64)
+    par, _ = run_parallel(dp, state, batches)
+    assert _relative(par, ref) <= TOL
