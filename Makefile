@@ -16,6 +16,8 @@ demo: $(BIN)/.installed
 	  --batch-size 128 --steps 600 --eval-every 25 --target 0.97 --replicas 8
 
 test: $(BIN)/.installed
+	$(BIN)/ruff check podscale tests
+	$(BIN)/ruff format --check podscale tests
 	$(BIN)/python -m pytest -q
 
 clean:

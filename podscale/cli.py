@@ -8,9 +8,9 @@ import json
 import os
 import sys
 
+from podscale.parallel.mesh import parse_shape
 from podscale.train import distributed
 from podscale.train.checkpoint import CheckpointError
-from podscale.parallel.mesh import parse_shape
 
 
 def _train_parser(sub) -> None:
@@ -18,26 +18,60 @@ def _train_parser(sub) -> None:
 
     p = sub.add_parser("train", help="train a model data-parallel on all devices")
     defaults = TrainConfig()
-    p.add_argument("--model", default=defaults.model,
-                   help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt")
+    p.add_argument(
+        "--model",
+        default=defaults.model,
+        help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt",
+    )
     p.add_argument("--config", default=None, help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size)")
     p.add_argument("--data", default=None, help="digits or synthetic (default); MLPerf workloads bring their own")
-    p.add_argument("--optimizer", default=None,
-                   help="sgd, momentum, adam (default), adamw, lamb, lars, ...; MLPerf workloads default to their recipe")
-    p.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; MLPerf workloads: the recipe's peak")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="global batch size over all replicas (default 64, or the workload config's)")
-    p.add_argument("--grad-sum", default="1d", choices=["1d", "2d"],
-                   help="2d: on a 2-D --mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back")
-    p.add_argument("--grad-sum-chunks", type=int, default=None, help="pipelined chunks per fused buffer with --grad-sum 2d (default 4)")
-    p.add_argument("--grad-sum-dtype", default=None, choices=["float32", "bfloat16"], help="sum gradients in this dtype (opt-in)")
-    p.add_argument("--axis-costs", default=None,
-                   help="which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        help="sgd, momentum, adam (default), adamw, lamb, lars, ...; MLPerf workloads default to their recipe",
+    )
+    p.add_argument(
+        "--learning-rate", type=float, default=None, help="default 1e-3; MLPerf workloads: the recipe's peak"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch size over all replicas (default 64, or the workload config's)",
+    )
+    p.add_argument(
+        "--grad-sum",
+        default="1d",
+        choices=["1d", "2d"],
+        help="2d: on a 2-D --mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back",
+    )
+    p.add_argument(
+        "--grad-sum-chunks",
+        type=int,
+        default=None,
+        help="pipelined chunks per fused buffer with --grad-sum 2d (default 4)",
+    )
+    p.add_argument(
+        "--grad-sum-dtype", default=None, choices=["float32", "bfloat16"], help="sum gradients in this dtype (opt-in)"
+    )
+    p.add_argument(
+        "--axis-costs",
+        default=None,
+        help="which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)",
+    )
     p.add_argument("--bucket-bytes", type=int, default=None, help="size of the fused gradient buffers (default 16 MiB)")
-    p.add_argument("--precision", default=defaults.precision, choices=["bf16", "float32"],
-                   help="MLPerf workloads: bf16 compute with float32 state (default), or float32 throughout")
-    p.add_argument("--bn-group-size", type=int, default=1,
-                   help="average batch-norm statistics over groups of this many neighbouring replicas")
+    p.add_argument(
+        "--precision",
+        default=defaults.precision,
+        choices=["bf16", "float32"],
+        help="MLPerf workloads: bf16 compute with float32 state (default), or float32 throughout",
+    )
+    p.add_argument(
+        "--bn-group-size",
+        type=int,
+        default=1,
+        help="average batch-norm statistics over groups of this many neighbouring replicas",
+    )
     p.add_argument("--mllog", default=None, help="MLPerf-format log file (default: WORKDIR/mllog.txt)")
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
@@ -46,22 +80,40 @@ def _train_parser(sub) -> None:
     p.add_argument("--workdir", default=None, help="checkpoints and metrics.jsonl go here")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--target", type=float, default=None,
-                   help="held-out metric (accuracy; exact_match or mlm_accuracy for workloads) to stop at; reports time to target")
-    p.add_argument("--weight-update", default="replicated", choices=["replicated", "sharded"],
-                   help="sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state")
-    p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="held-out metric (accuracy; exact_match or mlm_accuracy for workloads) to stop at; reports time to target",
+    )
+    p.add_argument(
+        "--weight-update",
+        default="replicated",
+        choices=["replicated", "sharded"],
+        help="sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state",
+    )
+    p.add_argument(
+        "--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)"
+    )
     p.add_argument("--metrics-file", default=None, help="JSON-lines metrics (default: WORKDIR/metrics.jsonl)")
     p.add_argument("--export", default=None, help="write the final parameters to this .npz file")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     g = p.add_argument_group("devices and processes")
-    g.add_argument("--replicas", type=int, default=None,
-                   help=f"total replicas; on CPU this many devices are simulated (default {distributed.DEFAULT_CPU_REPLICAS} on CPU, all devices elsewhere)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help=f"total replicas; on CPU this many devices are simulated (default {distributed.DEFAULT_CPU_REPLICAS} on CPU, all devices elsewhere)",
+    )
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
-    g.add_argument("--distributed-auto", action="store_true", help="let jax.distributed.initialize() detect the cluster (SLURM, TPU pods)")
+    g.add_argument(
+        "--distributed-auto",
+        action="store_true",
+        help="let jax.distributed.initialize() detect the cluster (SLURM, TPU pods)",
+    )
     g.add_argument("--heartbeat-timeout", type=int, default=30, help="seconds before a silent peer is declared dead")
 
 
@@ -74,10 +126,12 @@ def _run_train(args) -> int:
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
     spec = distributed.ClusterSpec.from_env(
-        coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-        process_id=args.process_id, auto=args.distributed_auto or None,
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        auto=args.distributed_auto or None,
         heartbeat_timeout_s=args.heartbeat_timeout,
-    )  # fmt: skip
+    )
     distributed.setup(args.replicas, spec)
 
     import jax
@@ -96,14 +150,19 @@ def _run_train(args) -> int:
                 file=sys.stderr if args.json else sys.stdout,
             )
         elif summary["target"] is not None:
-            print(f"target {summary['target']} not reached in {summary['steps']} steps (held-out {summary['eval_metric']} {summary['eval_value']})", file=sys.stderr)
+            print(
+                f"target {summary['target']} not reached in {summary['steps']} steps (held-out {summary['eval_metric']} {summary['eval_value']})",
+                file=sys.stderr,
+            )
         if args.json:
             print(json.dumps(summary), file=out, flush=True)
         else:
             ev = summary["eval_value"]
             eps = summary["examples_per_s"]
-            print(f"steps {summary['steps']}  final train loss {summary['final_train_loss']}  held-out {summary['eval_metric']} "
-                  f"{ev if ev is None else round(ev, 4)}  {eps and round(eps)} examples/s on {summary['replicas']} replicas")
+            print(
+                f"steps {summary['steps']}  final train loss {summary['final_train_loss']}  held-out {summary['eval_metric']} "
+                f"{ev if ev is None else round(ev, 4)}  {eps and round(eps)} examples/s on {summary['replicas']} replicas"
+            )
     return 0 if summary["target"] is None or summary["time_to_target_s"] is not None else 1
 
 
@@ -132,18 +191,24 @@ def _run_plan(args) -> int:
 
     import jax
 
-    from podscale import make_mesh
-    from podscale import data_parallel
+    from podscale import data_parallel, make_mesh
     from podscale.parallel.gradsum import parse_axis_costs
-    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.parallel.weight_update import DEFAULT_MIN_SHARD_SIZE
+    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
     task = make_task(args.model, args.data, config=args.config)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
-    dp = data_parallel(make_train_step(task, tx), make_mesh(args.mesh), weight_update=args.weight_update,
-                       min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE, strict=args.strict,
-                       grad_sum=args.grad_sum, grad_sum_chunks=args.grad_sum_chunks, grad_sum_dtype=args.grad_sum_dtype,
-                       axis_costs=parse_axis_costs(args.axis_costs))  # fmt: skip
+    dp = data_parallel(
+        make_train_step(task, tx),
+        make_mesh(args.mesh),
+        weight_update=args.weight_update,
+        min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE,
+        strict=args.strict,
+        grad_sum=args.grad_sum,
+        grad_sum_chunks=args.grad_sum_chunks,
+        grad_sum_dtype=args.grad_sum_dtype,
+        axis_costs=parse_axis_costs(args.axis_costs),
+    )
     plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))
     if args.strict and plan.gathered_ops:
         raise ValueError(f"--strict: these ops of the update cannot run on shards: {', '.join(plan.gathered_ops)}")
@@ -164,30 +229,57 @@ def _run_models(args) -> int:
     for name in workloads.NAMES:
         w = workloads.get(name)
         full, tiny = w.param_count("full"), w.param_count("tiny")
-        rows.append({
-            "name": name, "description": w.description, "params_full": full, "params_tiny": tiny,
-            "reference_params": w.reference.params, "reference_source": w.reference.source,
-            "relative_difference": (full - w.reference.params) / w.reference.params,
-            "global_batch": w.configs["full"].global_batch, "per_core_batch": w.configs["full"].per_core_batch,
-            "hyperparameters_source": w.configs["full"].source, "eval_metric": w.eval_metric,
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "description": w.description,
+                "params_full": full,
+                "params_tiny": tiny,
+                "reference_params": w.reference.params,
+                "reference_source": w.reference.source,
+                "relative_difference": (full - w.reference.params) / w.reference.params,
+                "global_batch": w.configs["full"].global_batch,
+                "per_core_batch": w.configs["full"].per_core_batch,
+                "hyperparameters_source": w.configs["full"].source,
+                "eval_metric": w.eval_metric,
+            }
+        )
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = Table("model", "params (full)", "published", "diff", "params (tiny)", "MLPerf batch (per core)", "metric",
-                  title="MLPerf reference workloads (podscale train --model NAME --config full|tiny)")  # fmt: skip
+    table = Table(
+        "model",
+        "params (full)",
+        "published",
+        "diff",
+        "params (tiny)",
+        "MLPerf batch (per core)",
+        "metric",
+        title="MLPerf reference workloads (podscale train --model NAME --config full|tiny)",
+    )
     for r in rows:
-        table.add_row(r["name"], f"{r['params_full']:,}", f"{r['reference_params']:,}", f"{r['relative_difference']:+.1%}",
-                      f"{r['params_tiny']:,}", f"{r['global_batch']:,} ({r['per_core_batch']})", r["eval_metric"])  # fmt: skip
+        table.add_row(
+            r["name"],
+            f"{r['params_full']:,}",
+            f"{r['reference_params']:,}",
+            f"{r['relative_difference']:+.1%}",
+            f"{r['params_tiny']:,}",
+            f"{r['global_batch']:,} ({r['per_core_batch']})",
+            r["eval_metric"],
+        )
     console = Console()
     console.print(table)
     for r in rows:
-        console.print(f"[bold]{r['name']}[/]: {r['description']}\n  parameters: {r['reference_source']}\n  recipe: {r['hyperparameters_source']}")
+        console.print(
+            f"[bold]{r['name']}[/]: {r['description']}\n  parameters: {r['reference_source']}\n  recipe: {r['hyperparameters_source']}"
+        )
     return 0
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D)")
+    p = sub.add_parser(
+        "bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D)"
+    )
     p.add_argument("which", choices=["wus", "gradsum"])
     p.add_argument("--sizes", default="1,16,128", help="gradsum: gradient sizes in MiB per device")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
@@ -213,13 +305,29 @@ def _run_bench(args) -> int:
         print(json.dumps(result))
         return 0
     cfg = result.pop("config")
-    table = Table("optimizer", "variant", "step s", "update s", "peak MiB/device", "collectives (KiB/device)", "max |dparam|",
-                  title=f"weight update, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas")  # fmt: skip
+    table = Table(
+        "optimizer",
+        "variant",
+        "step s",
+        "update s",
+        "peak MiB/device",
+        "collectives (KiB/device)",
+        "max |dparam|",
+        title=f"weight update, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
+    )
     for opt, per in result.items():
         for variant, r in per.items():
             coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
             peak = r["peak_bytes_per_device"]
-            table.add_row(opt, variant, f"{r['step_s']:.3f}", f"{r['update_s']:.3f}", f"{peak / 2**20:.1f}" if peak else "-", coll, f"{r['max_abs_param_diff']:.2e}")
+            table.add_row(
+                opt,
+                variant,
+                f"{r['step_s']:.3f}",
+                f"{r['update_s']:.3f}",
+                f"{peak / 2**20:.1f}" if peak else "-",
+                coll,
+                f"{r['max_abs_param_diff']:.2e}",
+            )
     Console().print(table)
     return 0
 
@@ -238,13 +346,27 @@ def _run_bench_gradsum(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    table = Table("gradient", "variant", "median s", "vs 1d", "bytes sent per device, per axis (ring)", "max |error|",
-                  title="gradient summation on 8 CPU devices")  # fmt: skip
+    table = Table(
+        "gradient",
+        "variant",
+        "median s",
+        "vs 1d",
+        "bytes sent per device, per axis (ring)",
+        "max |error|",
+        title="gradient summation on 8 CPU devices",
+    )
     for size, per in result.items():
         base = per.get("1d", {}).get("median_s")
         for name, r in per.items():
             axes = ", ".join(f"{a}: {b / 2**20:,.2f} MiB" for a, b in r["bytes_per_axis"].items())
-            table.add_row(size, name, f"{r['median_s']:.4f}", f"{r['median_s'] / base:.2f}x" if base else "-", axes, f"{r['max_abs_error']:.1e}")
+            table.add_row(
+                size,
+                name,
+                f"{r['median_s']:.4f}",
+                f"{r['median_s'] / base:.2f}x" if base else "-",
+                axes,
+                f"{r['max_abs_error']:.1e}",
+            )
     Console().print(table)
     return 0
 

@@ -22,7 +22,9 @@ def _plain(x):
 
 def max_abs_diff(a, b) -> float:
     a, b = jax.tree.map(_plain, a), jax.tree.map(_plain, b)
-    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)), a, b)
+    diffs = jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)), a, b
+    )
     return max(jax.tree.leaves(diffs), default=0.0)
 
 

@@ -10,7 +10,11 @@ def test_hlo_collectives_reads_kinds_and_bytes():
   %ag = (f32[8,16]{1,0}, /*index=1*/bf16[4]{0}) all-gather(f32[1,16]{1,0} %a, bf16[1]{0} %b), dimensions={0}
   %ags = (f32[2]{0}, f32[16]{0}) all-gather-start(f32[2]{0} %c), dimensions={0}
 """
-    assert hlo_collectives(hlo) == {"all-reduce": 4096, "reduce-scatter": 512, "all-gather": 8 * 16 * 4 + 4 * 2 + 16 * 4}
+    assert hlo_collectives(hlo) == {
+        "all-reduce": 4096,
+        "reduce-scatter": 512,
+        "all-gather": 8 * 16 * 4 + 4 * 2 + 16 * 4,
+    }
 
 
 @pytest.mark.slow

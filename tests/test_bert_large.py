@@ -65,11 +65,11 @@ def test_mlm_head_is_tied_to_the_word_embeddings():
     params = variables["params"]
     table = params["word_embeddings"]["embedding"]
     assert table.shape == (cfg.vocab_size, cfg.hidden)
-    with_vocab = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if cfg.vocab_size in x.shape]
+    with_vocab = [
+        jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params) if cfg.vocab_size in x.shape
+    ]
     assert with_vocab == ["['mlm_bias']", "['word_embeddings']['embedding']"]
-    capture = jax.jit(
-        lambda v, t, p: model.apply(v, t, p, capture_intermediates=lambda mdl, _: mdl.name == "mlm_norm")
-    )
+    capture = jax.jit(lambda v, t, p: model.apply(v, t, p, capture_intermediates=lambda mdl, _: mdl.name == "mlm_norm"))
     logits, inter = capture(variables, batch["tokens"], batch["positions"])
     hidden = inter["intermediates"]["mlm_norm"]["__call__"][0]
     expected = np.asarray(hidden) @ np.asarray(table).T + np.asarray(params["mlm_bias"])
@@ -80,7 +80,11 @@ def test_metrics_are_the_masked_token_accuracy_and_cross_entropy():
     model, variables, batch = _variables()
     logits = np.asarray(jax.jit(model.apply)(variables, batch["tokens"], batch["positions"]), np.float64)
     targets = batch["targets"]
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
     loss = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0].mean(1)
     accuracy = (logits.argmax(-1) == targets).mean(1)
     metrics = jax.jit(lambda v, b: bert.eval_metrics(model, v, b))(variables, batch)

@@ -44,8 +44,10 @@ def _params(path):
         (["--model", "resnet50"], "model 'resnet50' needs --config; choose one of: full, tiny"),
         (["--model", "resnet50", "--config", "full"], "does not ship with podscale"),
         (["--bn-group-size", "3"], "bn_group_size=3 must be a positive divisor of the last mesh dimension"),
-        (["--replicas", "6", "--num-processes", "4", "--coordinator-address", "127.0.0.1:1", "--process-id", "0"],
-         "--replicas 6 is not divisible by the 4 processes"),
+        (
+            ["--replicas", "6", "--num-processes", "4", "--coordinator-address", "127.0.0.1:1", "--process-id", "0"],
+            "--replicas 6 is not divisible by the 4 processes",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):
@@ -71,8 +73,26 @@ def test_two_processes_print_the_same_final_loss_as_one(tmp_path):
     one, two, _ = _one_and_two_processes(tmp_path, "--model", "transformer", "--steps", "20")
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
     # The sharded weight update across two processes (reduce-scatter and all-gather over gloo).
-    sharded = _summary(_run("launch", "--processes", "2", "--", *PODSCALE, "train", "--model", "transformer",
-                            "--steps", "20", "--replicas", "8", "--weight-update", "sharded", "--json", "--no-progress"))  # fmt: skip
+    sharded = _summary(
+        _run(
+            "launch",
+            "--processes",
+            "2",
+            "--",
+            *PODSCALE,
+            "train",
+            "--model",
+            "transformer",
+            "--steps",
+            "20",
+            "--replicas",
+            "8",
+            "--weight-update",
+            "sharded",
+            "--json",
+            "--no-progress",
+        )
+    )
     assert sharded["processes"] == 2
     assert sharded["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
 
@@ -93,8 +113,20 @@ def test_two_processes_reach_the_same_parameters_as_one(tmp_path):
 
 def test_kill_and_resume_is_bit_identical(tmp_path):
     """SIGKILL at a random step, then --resume: the final parameters equal an uninterrupted run's."""
-    common = ["train", "--model", "resnet", "--data", "digits", "--batch-size", "64", "--steps", "40",
-              "--checkpoint-every", "4", "--no-progress"]  # fmt: skip
+    common = [
+        "train",
+        "--model",
+        "resnet",
+        "--data",
+        "digits",
+        "--batch-size",
+        "64",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "4",
+        "--no-progress",
+    ]
     _run(*common, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
 
     kill_after = random.Random().randint(6, 30)
@@ -109,8 +141,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed (step {kill_after})"
-    resumed = _summary(_run(*common, "--workdir", str(workdir), "--resume", "--json",
-                            "--export", str(tmp_path / "resumed.npz")))  # fmt: skip
+    resumed = _summary(
+        _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
+    )
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= kill_after + 1
     a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
     assert a.keys() == b.keys()
@@ -171,16 +204,54 @@ def test_plan_strict_fails_on_ops_that_cannot_run_on_shards():
 
 def test_sharded_checkpoints_move_between_replica_counts(tmp_path):
     """8 -> 4 -> 2 -> 8 replicas through checkpoints ends where an unmoved 8-replica run ends."""
-    common = ["train", "--model", "mlp", "--optimizer", "momentum", "--learning-rate", "0.05", "--batch-size", "32",
-              "--weight-update", "sharded", "--checkpoint-every", "2", "--no-progress", "--json"]  # fmt: skip
-    whole = _summary(_run(*common, "--replicas", "8", "--steps", "8", "--workdir", str(tmp_path / "w"),
-                          "--export", str(tmp_path / "whole.npz")))  # fmt: skip
+    common = [
+        "train",
+        "--model",
+        "mlp",
+        "--optimizer",
+        "momentum",
+        "--learning-rate",
+        "0.05",
+        "--batch-size",
+        "32",
+        "--weight-update",
+        "sharded",
+        "--checkpoint-every",
+        "2",
+        "--no-progress",
+        "--json",
+    ]
+    whole = _summary(
+        _run(
+            *common,
+            "--replicas",
+            "8",
+            "--steps",
+            "8",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--export",
+            str(tmp_path / "whole.npz"),
+        )
+    )
     moved = tmp_path / "m"
     _run(*common, "--replicas", "8", "--steps", "2", "--workdir", str(moved))
     _run(*common, "--replicas", "4", "--steps", "4", "--workdir", str(moved), "--resume")
     _run(*common, "--replicas", "2", "--steps", "6", "--workdir", str(moved), "--resume")
-    last = _summary(_run(*common, "--replicas", "8", "--steps", "8", "--workdir", str(moved), "--resume",
-                         "--export", str(tmp_path / "moved.npz")))  # fmt: skip
+    last = _summary(
+        _run(
+            *common,
+            "--replicas",
+            "8",
+            "--steps",
+            "8",
+            "--workdir",
+            str(moved),
+            "--resume",
+            "--export",
+            str(tmp_path / "moved.npz"),
+        )
+    )
     assert last["resumed_from"] == 6 and last["steps"] == whole["steps"] == 8
     a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "moved.npz")
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
@@ -194,11 +265,28 @@ def test_2d_gradient_sum_trains_like_1d_and_the_plan_shows_both_axes(tmp_path):
     np.testing.assert_allclose(two["final_train_loss"], one["final_train_loss"], rtol=1e-6)
     a, b = _params(tmp_path / "1d.npz"), _params(tmp_path / "2d.npz")
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
-    plan = json.loads(_run("plan", "--model", "mlp", "--mesh", "4x2", "--grad-sum", "2d", "--axis-costs",
-                           "x=1e9:1e-5,y=1e11:1e-6", "--json").stdout)  # fmt: skip
+    plan = json.loads(
+        _run(
+            "plan",
+            "--model",
+            "mlp",
+            "--mesh",
+            "4x2",
+            "--grad-sum",
+            "2d",
+            "--axis-costs",
+            "x=1e9:1e-5,y=1e11:1e-6",
+            "--json",
+        ).stdout
+    )
     assert plan["grad_sum"]["order"] == ["y", "x"] and "y first" in plan["grad_sum"]["reason"]
     kinds = {(c["kind"], tuple(c["axes"])) for c in plan["collectives"]}
-    assert {("reduce-scatter", ("y",)), ("reduce-scatter", ("x",)), ("all-gather", ("x",)), ("all-gather", ("y",))} <= kinds
+    assert {
+        ("reduce-scatter", ("y",)),
+        ("reduce-scatter", ("x",)),
+        ("all-gather", ("x",)),
+        ("all-gather", ("y",)),
+    } <= kinds
 
 
 def test_bench_gradsum_reports_every_variant():
@@ -218,8 +306,24 @@ def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
     from podscale.train import mlperf_log
 
     log = tmp_path / "mllog.txt"
-    proc = _run("train", "--model", "resnet50", "--config", "tiny", "--steps", "200", "--eval-every", "25",
-                "--target", "0.97", "--mllog", str(log), "--json", "--no-progress", timeout=600)  # fmt: skip
+    proc = _run(
+        "train",
+        "--model",
+        "resnet50",
+        "--config",
+        "tiny",
+        "--steps",
+        "200",
+        "--eval-every",
+        "25",
+        "--target",
+        "0.97",
+        "--mllog",
+        str(log),
+        "--json",
+        "--no-progress",
+        timeout=600,
+    )
     summary = _summary(proc)
     assert summary["eval_value"] >= 0.97 and summary["optimizer"] == "recipe"
     events = mlperf_log.read(str(log))

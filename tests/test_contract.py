@@ -71,8 +71,11 @@ def _build(name: str):
 
 def _data(i, n=32):
     kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(11), i))
-    return {"x": jax.random.normal(kx, (n, 8)), "y": jax.random.randint(ky, (n,), 0, 4),
-            "mask": (jnp.arange(n) % 4 != 1).astype(jnp.float32)}  # fmt: skip
+    return {
+        "x": jax.random.normal(kx, (n, 8)),
+        "y": jax.random.randint(ky, (n,), 0, 4),
+        "mask": (jnp.arange(n) % 4 != 1).astype(jnp.float32),
+    }
 
 
 def _params():
@@ -153,8 +156,18 @@ def test_every_optax_alias_equals_one_device_on_a_4x2_mesh(name, weight_update):
 
 
 def test_the_grid_covers_the_optimizers_users_reach_for():
-    for name in ("optax.adam", "optax.adamw", "optax.lamb", "optax.lars", "optax.lbfgs", "optax.adafactor",
-                 "optax.contrib.prodigy", "optax.contrib.dadapt_adamw", "optax.contrib.momo", "optax.contrib.muon"):  # fmt: skip
+    for name in (
+        "optax.adam",
+        "optax.adamw",
+        "optax.lamb",
+        "optax.lars",
+        "optax.lbfgs",
+        "optax.adafactor",
+        "optax.contrib.prodigy",
+        "optax.contrib.dadapt_adamw",
+        "optax.contrib.momo",
+        "optax.contrib.muon",
+    ):
         assert name in ALIASES
     assert len(ALIASES) >= 40
 

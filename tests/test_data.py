@@ -2,8 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from podscale import make_mesh
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh
 from podscale.train.data import Digits, Loader, SyntheticImages, SyntheticTokens, batch_indices, padded_eval_batches
 
 

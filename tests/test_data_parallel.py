@@ -8,8 +8,7 @@ import optax
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import make_mesh
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train.tasks import make_task, make_train_step
 
@@ -139,14 +138,24 @@ def _remat_step(params, batch):
 def _cond_step(params, batch):
     """The update inside lax.cond, the gradient inside a nested jit."""
     grads = jax.jit(jax.grad(_mlp_loss))(params, batch["x"], batch["y"])
-    return jax.lax.cond(jnp.all(jnp.isfinite(grads["w1"])), lambda: jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), lambda: params), {}
+    return jax.lax.cond(
+        jnp.all(jnp.isfinite(grads["w1"])),
+        lambda: jax.tree.map(lambda p, g: p - 0.1 * g, params, grads),
+        lambda: params,
+    ), {}
 
 
 @pytest.mark.parametrize("step", [_accumulating_step, _remat_step, _cond_step], ids=lambda f: f.__name__)
 def test_gradient_sums_inside_scan_remat_jit_and_cond(step):
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {"w1": jax.random.normal(k1, (6, 16)), "w2": jax.random.normal(k2, (16, 3))}
-    batches = [{"x": jax.random.normal(jax.random.fold_in(k3, i), (32, 6)), "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3))} for i in range(5)]
+    batches = [
+        {
+            "x": jax.random.normal(jax.random.fold_in(k3, i), (32, 6)),
+            "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3)),
+        }
+        for i in range(5)
+    ]
     ref, _ = run_single(step, params, batches)
     par, _ = run_parallel(data_parallel(step, make_mesh()), params, batches)
     assert max_abs_diff(ref, par) <= 1e-6
@@ -218,7 +227,9 @@ def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_b
     batch = {"x": x, "y": jnp.arange(64) % 3}
     variables = _BNNet(None).init(jax.random.key(0), x[:2], False)
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
-    dp = data_parallel(_bn_step(_BNNet(BN_GROUP), tx), make_mesh(bn_group_size=4), weight_update=weight_update, min_shard_size=1)
+    dp = data_parallel(
+        _bn_step(_BNNet(BN_GROUP), tx), make_mesh(bn_group_size=4), weight_update=weight_update, min_shard_size=1
+    )
     dp.prepare(state, batch)
     (params, stats, _), metrics = run_parallel(dp, state, [batch])
 
@@ -226,14 +237,18 @@ def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_b
     plain = _BNNet(None)
 
     def group_loss(p, rows):
-        out, upd = plain.apply({"params": p, "batch_stats": variables["batch_stats"]}, x[rows], True, mutable=["batch_stats"])
+        out, upd = plain.apply(
+            {"params": p, "batch_stats": variables["batch_stats"]}, x[rows], True, mutable=["batch_stats"]
+        )
         return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"][rows]).mean(), upd["batch_stats"]
 
     groups = [slice(0, 32), slice(32, 64)]
     ref_loss = jnp.mean(jnp.stack([group_loss(variables["params"], g)[0] for g in groups]))
     grads = jax.grad(lambda p: jnp.mean(jnp.stack([group_loss(p, g)[0] for g in groups])))(variables["params"])
     ref_params = optax.apply_updates(variables["params"], tx.update(grads, tx.init(variables["params"]))[0])
-    ref_stats = jax.tree.map(lambda *s: jnp.mean(jnp.stack(s), 0), *[group_loss(variables["params"], g)[1] for g in groups])
+    ref_stats = jax.tree.map(
+        lambda *s: jnp.mean(jnp.stack(s), 0), *[group_loss(variables["params"], g)[1] for g in groups]
+    )
     np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
     assert max_abs_diff(ref_params, params) <= 1e-6
     assert max_abs_diff(ref_stats, stats) <= 1e-6  # stored statistics: the mean over groups

@@ -3,8 +3,8 @@ import numpy as np
 import optax
 
 from podscale import distributed_eval, make_mesh
-from podscale.train.data import padded_eval_batches
 from podscale.parallel.engine import data_parallel
+from podscale.train.data import padded_eval_batches
 from podscale.train.tasks import make_eval_fn, make_task, make_train_step
 
 

@@ -17,7 +17,13 @@ TOL = 1e-6
 
 
 def _rel(a, b) -> float:
-    scale = max(max(float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0)) for x in jax.tree.leaves(jax.tree.map(_keyless, b))), 1e-30)
+    scale = max(
+        max(
+            float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))
+            for x in jax.tree.leaves(jax.tree.map(_keyless, b))
+        ),
+        1e-30,
+    )
     return max_abs_diff(a, b) / scale
 
 
@@ -254,8 +260,11 @@ def test_nn_scan_layers():
 def test_an_rnn_over_time_sums_each_weights_gradient_once():
     """A recurrent kernel used at every time step: one sum for its gradient, after the loop."""
     k = jax.random.split(jax.random.key(2), 3)
-    params = {"wx": jax.random.normal(k[0], (6, 8)) * 0.3, "wh": jax.random.normal(k[1], (8, 8)) * 0.3,
-              "out": jax.random.normal(k[2], (8, 4)) * 0.3}  # fmt: skip
+    params = {
+        "wx": jax.random.normal(k[0], (6, 8)) * 0.3,
+        "wh": jax.random.normal(k[1], (8, 8)) * 0.3,
+        "out": jax.random.normal(k[2], (8, 4)) * 0.3,
+    }
 
     def loss(p, b):
         xs = jnp.stack([b["x"] * (t + 1) / 5 for t in range(5)])  # [time, batch, features]

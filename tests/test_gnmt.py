@@ -137,7 +137,9 @@ def test_exact_match_is_every_token_of_the_greedy_decoding():
     inputs = _tokens(6, (4, SMALL.max_len))
     decoded = gnmt.greedy_decode(model, variables, inputs, SMALL.max_len)
     wrong = decoded.at[0, -1].set(jnp.where(decoded[0, -1] == 2, 3, 2))
-    metrics = jax.jit(lambda v, b: gnmt.WORKLOAD.eval_metrics(model, v, b))(variables, {"inputs": inputs, "targets": wrong})
+    metrics = jax.jit(lambda v, b: gnmt.WORKLOAD.eval_metrics(model, v, b))(
+        variables, {"inputs": inputs, "targets": wrong}
+    )
     np.testing.assert_array_equal(metrics["exact_match"], [0, 1, 1, 1])
     np.testing.assert_allclose(metrics["accuracy"], [1 - 1 / SMALL.max_len, 1, 1, 1])
 

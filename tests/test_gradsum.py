@@ -7,8 +7,7 @@ import optax
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import make_mesh
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh
 from podscale.parallel.gradsum import AxisCost, calibrate, choose_order, make_grad_sum, parse_axis_costs
 from podscale.train.tasks import make_task, make_train_step
 
@@ -33,8 +32,12 @@ def _run(setup, weight_update, mesh_shape, **kw):
 
 
 def _rel(a, b):
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))) / max(1.0, float(np.max(np.abs(x)))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))  # fmt: skip
+    return max(
+        float(
+            np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))) / max(1.0, float(np.max(np.abs(x))))
+        )
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
@@ -70,7 +73,9 @@ def test_the_cheaper_axis_goes_first_and_the_plan_says_why(setup):
     assert dp.grad_sum.order == ("y", "x")
     plan = dp.plan(state, batches[0])
     assert plan.grad_sum["order"] == ["y", "x"] and "y first" in plan.grad_sum["reason"]
-    assert any(tuple(c["axes"]) == ("y",) and c["kind"] == "reduce-scatter" and c["chunks"] == 4 for c in plan.collectives)
+    assert any(
+        tuple(c["axes"]) == ("y",) and c["kind"] == "reduce-scatter" and c["chunks"] == 4 for c in plan.collectives
+    )
     # With equal costs the order is a tie, and the mesh order stays.
     same = {a: AxisCost(1e10, 1e-6) for a in "xy"}
     order, reason = choose_order(make_mesh((4, 2)), same, 2**24)
@@ -98,13 +103,17 @@ def test_bfloat16_summation_is_opt_in_and_close(setup):
     assert 0 < max_abs_diff(full.params, low.params) <= 1e-2  # rounding of the sums, in Adam's steps
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(low.params))
     sums = [c for c in dp.trace.collectives if c.kind == "reduce-scatter"]
-    ref = [c for c in _run(setup, "replicated", (4, 2), grad_sum="2d")[1].trace.collectives if c.kind == "reduce-scatter"]
+    ref = [
+        c for c in _run(setup, "replicated", (4, 2), grad_sum="2d")[1].trace.collectives if c.kind == "reduce-scatter"
+    ]
     assert [c.bytes_per_device for c in sums] == [c.bytes_per_device // 2 for c in ref]
 
 
 def test_bad_grad_sum_settings_say_what_to_do():
     mesh8 = make_mesh()
-    with pytest.raises(ValueError, match=r"grad_sum='2d' needs a mesh with exactly two axes, got \{'data': 8\}.*--mesh 4x2"):
+    with pytest.raises(
+        ValueError, match=r"grad_sum='2d' needs a mesh with exactly two axes, got \{'data': 8\}.*--mesh 4x2"
+    ):
         make_grad_sum(mesh8, "2d")
     with pytest.raises(ValueError, match="grad_sum='ring': choose one of 1d, 2d"):
         make_grad_sum(mesh8, "ring")

@@ -43,5 +43,7 @@ def test_bn_groups_are_neighbouring_replicas_on_an_inner_axis():
 
 
 def test_bn_group_size_must_divide_the_last_mesh_dimension():
-    with pytest.raises(ValueError, match=r"bn_group_size=3 must be a positive divisor of the last mesh dimension \(data=8"):
+    with pytest.raises(
+        ValueError, match=r"bn_group_size=3 must be a positive divisor of the last mesh dimension \(data=8"
+    ):
         make_mesh(bn_group_size=3)

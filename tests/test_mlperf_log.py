@@ -10,11 +10,35 @@ from podscale.train.trainer import TrainConfig, train
 
 def test_the_trainer_logs_the_standard_keys_and_reports_time_to_target_from_the_log(tmp_path):
     path = str(tmp_path / "mllog.txt")
-    summary = train(TrainConfig(model="mlp", data="digits", learning_rate=3e-3, steps=60, eval_every=10, target=0.5, mllog=path, progress=False))
+    summary = train(
+        TrainConfig(
+            model="mlp",
+            data="digits",
+            learning_rate=3e-3,
+            steps=60,
+            eval_every=10,
+            target=0.5,
+            mllog=path,
+            progress=False,
+        )
+    )
     events = mlperf_log.read(path)
     keys = [e["key"] for e in events]
-    for key in (C.INIT_START, C.INIT_STOP, C.RUN_START, C.RUN_STOP, C.GLOBAL_BATCH_SIZE, C.SEED, C.OPT_NAME,
-                C.OPT_BASE_LR, C.TRAIN_SAMPLES, C.EVAL_SAMPLES, C.BLOCK_START, C.BLOCK_STOP, C.EVAL_ACCURACY):  # fmt: skip
+    for key in (
+        C.INIT_START,
+        C.INIT_STOP,
+        C.RUN_START,
+        C.RUN_STOP,
+        C.GLOBAL_BATCH_SIZE,
+        C.SEED,
+        C.OPT_NAME,
+        C.OPT_BASE_LR,
+        C.TRAIN_SAMPLES,
+        C.EVAL_SAMPLES,
+        C.BLOCK_START,
+        C.BLOCK_STOP,
+        C.EVAL_ACCURACY,
+    ):
         assert key in keys, key
     assert keys.index(C.INIT_STOP) < keys.index(C.RUN_START) < keys.index(C.EVAL_ACCURACY) < keys.index(C.RUN_STOP)
     assert next(e for e in events if e["key"] == C.GLOBAL_BATCH_SIZE)["value"] == 64
@@ -51,7 +75,10 @@ def test_time_to_target_counts_from_the_last_run_start():
 
 def test_a_log_without_run_start_is_an_error():
     with pytest.raises(ValueError, match="no run_start"):
-        mlperf_log.time_to_target(mlperf_log.parse(['junk', ':::MLLOG {"key": "eval_accuracy", "value": 1, "time_ms": 1, "metadata": {}}']), 0.5)
+        mlperf_log.time_to_target(
+            mlperf_log.parse(["junk", ':::MLLOG {"key": "eval_accuracy", "value": 1, "time_ms": 1, "metadata": {}}']),
+            0.5,
+        )
 
 
 def test_sixteen_bit_state_is_refused_before_training():

@@ -11,8 +11,7 @@ import pytest
 from helpers import max_abs_diff
 from jax.sharding import PartitionSpec as P
 
-from podscale import make_mesh
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train.precision import BF16, FLOAT32
 from podscale.train.tasks import TrainState
@@ -32,7 +31,9 @@ def _variables(cfg=TINY, policy=BF16, abstract=False):
     shapes = {k: jax.ShapeDtypeStruct((2, *v.shape[1:]), v.dtype) for k, v in r.batch_shapes(cfg, 2).items()}
     if abstract:
         return model, jax.eval_shape(lambda b: r.init(model, _key(0), b), shapes)
-    return model, jax.jit(lambda b: r.init(model, _key(0), b))({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()})
+    return model, jax.jit(lambda b: r.init(model, _key(0), b))(
+        {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
+    )
 
 
 def _digits(n, start=0):
@@ -46,7 +47,9 @@ def _digits(n, start=0):
 def test_lars_masks_exclude_exactly_batch_norm_params_and_biases(cfg):
     _, variables = _variables(cfg, abstract=True)
     params = variables["params"]
-    bn_modules = {jax.tree_util.keystr(path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(variables["batch_stats"])}
+    bn_modules = {
+        jax.tree_util.keystr(path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(variables["batch_stats"])
+    }
     mask = r.adapted(params)
     assert jax.tree.structure(mask) == jax.tree.structure(params)
     excluded = []
@@ -67,8 +70,14 @@ def test_lars_masks_exclude_exactly_batch_norm_params_and_biases(cfg):
 def test_lars_applies_the_masks_to_both_weight_decay_and_the_trust_ratio():
     cfg = dataclasses.replace(TINY, weight_decay=0.1)  # large enough to see
     rng = np.random.default_rng(0)
-    shapes = {"conv": {"kernel": (3, 3, 4, 8)}, "bn": {"scale": (8,), "bias": (8,)}, "head": {"kernel": (8, 10), "bias": (10,)}}
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = {
+        "conv": {"kernel": (3, 3, 4, 8)},
+        "bn": {"scale": (8,), "bias": (8,)},
+        "head": {"kernel": (8, 10), "bias": (10,)},
+    }
+    params = jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.01, jnp.float32), params)
     tx = r.make_optimizer(cfg, cfg.train_steps)
 
@@ -82,8 +91,14 @@ def test_lars_applies_the_masks_to_both_weight_decay_and_the_trust_ratio():
     lr = float(r.learning_rate_schedule(cfg, cfg.train_steps)(1))
     assert lr > 0
     mask = r.adapted(params)
-    assert mask == {"conv": {"kernel": True}, "bn": {"scale": False, "bias": False}, "head": {"kernel": True, "bias": False}}
-    for w, g, u, adapt in zip(jax.tree.leaves(params), jax.tree.leaves(grads), jax.tree.leaves(updates), jax.tree.leaves(mask), strict=True):
+    assert mask == {
+        "conv": {"kernel": True},
+        "bn": {"scale": False, "bias": False},
+        "head": {"kernel": True, "bias": False},
+    }
+    for w, g, u, adapt in zip(
+        jax.tree.leaves(params), jax.tree.leaves(grads), jax.tree.leaves(updates), jax.tree.leaves(mask), strict=True
+    ):
         w, g, u = (np.asarray(x, np.float64) for x in (w, g, u))
         if adapt:
             d = g + cfg.weight_decay * w
@@ -100,7 +115,9 @@ def test_schedule_warms_up_linearly_then_decays_as_a_power_2_polynomial(cfg, sca
     schedule = r.learning_rate_schedule(cfg, total)
     warmup = round(cfg.warmup_steps * scale)
     peak, end = cfg.learning_rate, cfg.end_learning_rate
-    steps = np.unique(np.concatenate([np.arange(0, total + 1, max(1, total // 97)), [warmup - 1, warmup, warmup + 1, total]]))
+    steps = np.unique(
+        np.concatenate([np.arange(0, total + 1, max(1, total // 97)), [warmup - 1, warmup, warmup + 1, total]])
+    )
     got = np.array([float(schedule(t)) for t in steps])
     plain = np.where(
         steps < warmup,
@@ -118,7 +135,9 @@ def test_label_smoothing_loss_equals_a_hand_computed_smoothed_cross_entropy():
     model, variables = _variables(SMALL, BF16)
     variables = jax.tree_util.tree_map_with_path(lambda p, x: x + 0.5 if p[-1].key == "scale" else x, variables)
     batch = _digits(16)
-    per, logits = jax.jit(lambda v, b: (r.train_loss(model, v, b)[0], model.apply(v, b["image"], train=True, mutable=["batch_stats"])[0]))(variables, batch)
+    per, logits = jax.jit(
+        lambda v, b: (r.train_loss(model, v, b)[0], model.apply(v, b["image"], train=True, mutable=["batch_stats"])[0])
+    )(variables, batch)
     z = np.asarray(logits, np.float64)
     logp = z - z.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -191,7 +210,12 @@ def test_bn_group_forward_statistics_equal_batch_norm_over_each_groups_combined_
         return r.train_loss(grouped, v, b)[1]
 
     per_device = jax.jit(
-        jax.shard_map(lambda v, b: jax.tree.map(lambda s: s[None], stats(v, b)), mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(axes))
+        jax.shard_map(
+            lambda v, b: jax.tree.map(lambda s: s[None], stats(v, b)),
+            mesh=mesh,
+            in_specs=(P(), P(axes)),
+            out_specs=P(axes),
+        )
     )(variables, batch)
     single = jax.jit(lambda v, b: r.train_loss(plain, v, b)[1])
     refs = [single(variables, b) for b in _group_slices(batch)]
@@ -208,7 +232,9 @@ def test_bn_group_forward_statistics_equal_batch_norm_over_each_groups_combined_
 def test_bn_group_training_step_under_data_parallel_equals_grouped_batch_norm_on_one_device():
     mesh, grouped, plain, batch, variables = _bn_setup()
     tx = optax.sgd(1.0)
-    state = TrainState(jnp.zeros((), jnp.int32), variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    state = TrainState(
+        jnp.zeros((), jnp.int32), variables["params"], variables["batch_stats"], tx.init(variables["params"])
+    )
 
     def step(state, b):
         def loss(p):
@@ -217,14 +243,18 @@ def test_bn_group_training_step_under_data_parallel_equals_grouped_batch_norm_on
 
         (value, bs), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        return state.replace(params=optax.apply_updates(state.params, updates), batch_stats=bs, opt_state=opt_state), {"loss": value}
+        return state.replace(params=optax.apply_updates(state.params, updates), batch_stats=bs, opt_state=opt_state), {
+            "loss": value
+        }
 
     dp = data_parallel(step, mesh)
     out, metrics = dp(dp.place_state(state, batch), batch)
     out = dp.gather_state(out)
 
     def reference(p):  # plain batch norm on each group's combined batch; the loss is the global mean
-        results = [r.train_loss(plain, {"params": p, "batch_stats": state.batch_stats}, b) for b in _group_slices(batch)]
+        results = [
+            r.train_loss(plain, {"params": p, "batch_stats": state.batch_stats}, b) for b in _group_slices(batch)
+        ]
         value = jnp.mean(jnp.stack([per["loss"].mean() for per, _ in results]))
         return value, jax.tree.map(lambda *s: sum(s) / len(s), *[bs for _, bs in results])
 

@@ -11,8 +11,7 @@ import optax
 import pytest
 from helpers import EXACT, FMA_OFF, max_abs_diff, run_parallel, run_single
 
-from podscale import make_mesh
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh
 from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 20
@@ -76,7 +75,9 @@ def test_elementwise_optimizers_are_bit_identical(mlp, name):
 def test_norm_based_optimizers_match_to_1e_6_relative(mlp, name):
     rep, _, _ = _run(mlp, NORM_BASED[name](), "replicated")
     sh, dp, _ = _run(mlp, NORM_BASED[name](), "sharded")
-    for a, b in zip(jax.tree.leaves((rep.params, rep.opt_state)), jax.tree.leaves((sh.params, sh.opt_state)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves((rep.params, rep.opt_state)), jax.tree.leaves((sh.params, sh.opt_state)), strict=True
+    ):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.max(np.abs(a - b)) <= 1e-6 * max(1.0, float(np.max(np.abs(a))))
     assert any(leaf.sharded for leaf in dp.layout.leaves)
@@ -184,7 +185,13 @@ def test_sharded_update_through_scan_remat_and_cond(name):
     step = getattr(tdp, name)
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {"w1": jax.random.normal(k1, (64, 64)), "w2": jax.random.normal(k2, (64, 3))}
-    batches = [{"x": jax.random.normal(jax.random.fold_in(k3, i), (32, 64)), "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3))} for i in range(3)]
+    batches = [
+        {
+            "x": jax.random.normal(jax.random.fold_in(k3, i), (32, 64)),
+            "y": jax.random.normal(jax.random.fold_in(k4, i), (32, 3)),
+        }
+        for i in range(3)
+    ]
     ref, _ = run_single(step, params, batches)
     dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=100)
     dp.prepare(params, batches[0])
@@ -207,7 +214,19 @@ def test_small_buckets_still_move_shape_ops_before_the_sum():
 @pytest.mark.skipif(not FMA_OFF, reason="this is the run with FMA contraction on")
 def test_elementwise_optimizers_within_two_ulps_with_fma_contraction():
     """With XLA:CPU's default ISA, FMA contraction may differ between the two programs."""
-    env = {**os.environ, "PODSCALE_TEST_FMA": "1", "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_cpu_max_isa=AVX", "")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_elementwise_optimizers_are_bit_identical"]
+    env = {
+        **os.environ,
+        "PODSCALE_TEST_FMA": "1",
+        "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_cpu_max_isa=AVX", ""),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"{__file__}::test_elementwise_optimizers_are_bit_identical",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
-from podscale import make_mesh, workloads
-from podscale import data_parallel
+from podscale import data_parallel, make_mesh, workloads
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train.precision import BF16, FLOAT32, check_state
 from podscale.train.tasks import Task, make_task, make_train_step
@@ -53,7 +52,11 @@ def test_heavy_ops_run_in_bf16_and_state_stays_float32(name):
     task, tx, batches = _tiny(name)
     state = task.init_state(jax.random.key(0), tx)
     check_state(state)
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(leaf.dtype, jnp.floating))
+    assert all(
+        leaf.dtype == jnp.float32
+        for leaf in jax.tree.leaves((state.params, state.opt_state))
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    )
     closed = jax.make_jaxpr(make_train_step(task, tx))(state, batches[0])
     heavy = [e for e in _all_eqns(closed.jaxpr) if e.primitive.name in HEAVY]
     assert heavy

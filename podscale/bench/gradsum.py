@@ -82,7 +82,9 @@ def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIA
         raise ValueError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     n = jax.device_count()
     if n != 8:
-        raise ValueError(f"bench gradsum compares 8-device meshes (8, 4x2, 2x4); there are {n} devices: pass --replicas 8")
+        raise ValueError(
+            f"bench gradsum compares 8-device meshes (8, 4x2, 2x4); there are {n} devices: pass --replicas 8"
+        )
     result: dict = {}
     for mib in sizes_mib:
         per_device = int(mib * 2**20) // 4
@@ -96,7 +98,14 @@ def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIA
             expected = float(n)  # ones summed over the devices
             err = float(jnp.max(jnp.abs(out - expected)))
             jax.block_until_ready(compiled(x))  # warm
-            runs[name] = {"compiled": compiled, "x": x, "times": [], "phases": phases, "mesh": dict(mesh.shape), "err": err}
+            runs[name] = {
+                "compiled": compiled,
+                "x": x,
+                "times": [],
+                "phases": phases,
+                "mesh": dict(mesh.shape),
+                "err": err,
+            }
         for _ in range(repeats):
             for name in variants:
                 r = runs[name]
@@ -108,8 +117,15 @@ def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIA
                 "median_s": statistics.median(r["times"]),
                 "mesh": r["mesh"],
                 "bytes_per_axis": ring_bytes(r["phases"], r["mesh"]),
-                "collectives": [{"kind": ph.kind, "axes": list(ph.axes), "bytes_per_device": ph.bytes_per_device,
-                                 "chunks": ph.chunks} for ph in r["phases"]],  # fmt: skip
+                "collectives": [
+                    {
+                        "kind": ph.kind,
+                        "axes": list(ph.axes),
+                        "bytes_per_device": ph.bytes_per_device,
+                        "chunks": ph.chunks,
+                    }
+                    for ph in r["phases"]
+                ],
                 "hlo": hlo_collectives(r["compiled"].as_text()),
                 "max_abs_error": r["err"],
             }

@@ -29,13 +29,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.train import data
-from podscale.train import models
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
+from podscale.train import data, models
 from podscale.train.tasks import Task, make_train_step
 
-_COLLECTIVE = re.compile(r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\("
+)
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
 
@@ -80,7 +81,9 @@ def _gspmd(step, mesh, state):
 
     shardings = jax.tree_util.tree_map_with_path(spec, state)
     batch_sharding = NamedSharding(mesh, P(mesh.axis_names))
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
+    jitted = jax.jit(
+        step, in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0
+    )
     place = lambda s: jax.device_put(s, shardings)  # noqa: E731
     gather = lambda s: jax.tree.map(np.asarray, jax.device_get(s))  # noqa: E731
     return jitted, place, gather, lambda s, b: jitted.lower(s, b).compile()
@@ -116,8 +119,16 @@ class _Variant:
         }
 
 
-def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, variants=("replicated", "sharded", "gspmd"), width: int = 512,
-              depth: int = 8, vocab: int = 8192, seq: int = 128, per_replica_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+def bench_wus(
+    optimizers=("adam", "lamb"),
+    steps: int = 4,
+    variants=("replicated", "sharded", "gspmd"),
+    width: int = 512,
+    depth: int = 8,
+    vocab: int = 8192,
+    seq: int = 128,
+    per_replica_batch: int = 1,
+) -> dict[str, Any]:
     """Runs the benchmark; see the module docstring. Steps of all variants of one optimizer (and
     of its plain-SGD baselines) are interleaved, so that the machine's noise hits them alike."""
     mesh = make_mesh()
@@ -126,7 +137,9 @@ def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, variants=("replicated
     global_batch = n * per_replica_batch
     dp_for_batches = data_parallel(lambda s, b: (s, {}), mesh)
     batches = [
-        dp_for_batches.place_batch(task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)), global_batch)
+        dp_for_batches.place_batch(
+            task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)), global_batch
+        )
         for i in range(steps + 1)
     ]
     makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
@@ -147,13 +160,21 @@ def bench_wus(optimizers=("adam", "lamb"), steps: int = 4, variants=("replicated
         for v in variants:
             got = runs[opt, v].gather(runs[opt, v].state).params
             per[v]["max_abs_param_diff"] = max(
-                float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True)
+                float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True)
             )
             per[v]["update_s"] = per[v]["step_s"] - runs["sgd", v].report()["step_s"]
         results[opt] = per
         del runs
     shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params
-    results["config"] = {"parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)), "replicas": n,
-                         "per_replica_batch": per_replica_batch, "seq_len": seq, "timed_steps": steps, "width": width,
-                         "depth": depth, "vocab": vocab}  # fmt: skip
+    results["config"] = {
+        "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)),
+        "replicas": n,
+        "per_replica_batch": per_replica_batch,
+        "seq_len": seq,
+        "timed_steps": steps,
+        "width": width,
+        "depth": depth,
+        "vocab": vocab,
+    }
     return results

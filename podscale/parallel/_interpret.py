@@ -19,8 +19,8 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.extend import core
 from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr; no public name
+from jax.extend import core
 
 Rule = Callable[[Any, list[Any]], Sequence[Any]]
 
@@ -102,6 +102,7 @@ def varying_axes(aval) -> frozenset:
     """The mesh axes over which a value of type ``aval`` differs per replica."""
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
 
 _CALL_PARAM = {
     "jit": "jaxpr",
@@ -218,9 +219,7 @@ def rebuild(eqn, invals, rules) -> list[Any]:
         return list(out)
     if name == "cond":
         index, ops = invals[0], invals[1:]
-        branches = [
-            (lambda br: lambda *a: evaluate(br.jaxpr, br.consts, a, rules))(br) for br in p["branches"]
-        ]
+        branches = [(lambda br: lambda *a: evaluate(br.jaxpr, br.consts, a, rules))(br) for br in p["branches"]]
         return list(lax.switch(index, branches, *ops))
     return _unknown(eqn)
 

@@ -121,10 +121,21 @@ class DataParallelStep:
     argument is donated. :meth:`gather_state` returns the plain pytree.
     """
 
-    def __init__(self, step: Step, mesh: Mesh, *, weight_update: str = "replicated",
-                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False, donate_state: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_sum: str = "1d", grad_sum_chunks: int | None = None,
-                 grad_sum_dtype=None, axis_costs=None):  # fmt: skip
+    def __init__(
+        self,
+        step: Step,
+        mesh: Mesh,
+        *,
+        weight_update: str = "replicated",
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        strict: bool = False,
+        donate_state: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        grad_sum: str = "1d",
+        grad_sum_chunks: int | None = None,
+        grad_sum_dtype=None,
+        axis_costs=None,
+    ):
         if weight_update not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update={weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
         if min_shard_size < 1:
@@ -184,8 +195,9 @@ class DataParallelStep:
                 "weight_update='sharded' needs an example global batch to decide which state "
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
-        self.layout = state_layout.decide(abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded,
-                                          order=self.grad_sum.order)  # fmt: skip
+        self.layout = state_layout.decide(
+            abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded, order=self.grad_sum.order
+        )
         return self.layout
 
     def plan(self, state=None, batch=None):
@@ -205,8 +217,12 @@ class DataParallelStep:
         return make_plan(self)
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
-        key = (jax.tree.structure(abstract_state), tuple(jax.tree.leaves(abstract_state)),
-               jax.tree.structure(batch), tuple(jax.tree.leaves(_shapes(batch))))  # fmt: skip
+        key = (
+            jax.tree.structure(abstract_state),
+            tuple(jax.tree.leaves(abstract_state)),
+            jax.tree.structure(batch),
+            tuple(jax.tree.leaves(_shapes(batch))),
+        )
         if self._global is None or self._global[0] != key:
             self._global = (key, trace_global(self.step, abstract_state, _shapes(batch), self.group_axis))
         return self._global[1]
@@ -245,7 +261,8 @@ class DataParallelStep:
         axes = self.axes
         chunks = Layout(self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
         abstract_state = jax.tree.unflatten(
-            layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves]
+            layout.treedef,
+            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves],
         )
         gt = self.global_trace(abstract_state, batch)
 
@@ -253,7 +270,10 @@ class DataParallelStep:
             trace = Trace()
             closed, part = self._local(gt, jax.tree.leaves(abstract_state), jax.tree.leaves(batch))
             rewriter = Rewriter(chunks, trace)
-            args = [Sharded(x, leaf.shape) if leaf.sharded else x for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)]
+            args = [
+                Sharded(x, leaf.shape) if leaf.sharded else x
+                for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)
+            ]
             outs = rewriter.run(closed, [*args, *jax.tree.leaves(batch)])
             outs = [rewriter.resolve(o) for o in outs]
             try:
@@ -404,10 +424,20 @@ class DataParallelStep:
         return jax.tree.map(put, local_batch)
 
 
-def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
-                  min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, strict: bool = False,
-                  donate_state: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES, grad_sum: str = "1d",
-                  grad_sum_chunks: int | None = None, grad_sum_dtype=None, axis_costs=None) -> DataParallelStep:  # fmt: skip
+def data_parallel(
+    step: Step,
+    mesh: Mesh,
+    *,
+    weight_update: str = "replicated",
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    strict: bool = False,
+    donate_state: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    grad_sum: str = "1d",
+    grad_sum_chunks: int | None = None,
+    grad_sum_dtype=None,
+    axis_costs=None,
+) -> DataParallelStep:
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
     One call on a global batch gives the new state that ``step`` gives on that whole batch on one
@@ -433,7 +463,19 @@ def data_parallel(step: Step, mesh: Mesh, *, weight_update: str = "replicated",
     if not callable(step):
         raise TypeError(f"data_parallel(step, mesh): step must be callable, got {type(step).__name__}")
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}")
-    return DataParallelStep(step, mesh, weight_update=weight_update, min_shard_size=min_shard_size,
-                            strict=strict, donate_state=donate_state, bucket_bytes=bucket_bytes, grad_sum=grad_sum,
-                            grad_sum_chunks=grad_sum_chunks, grad_sum_dtype=grad_sum_dtype, axis_costs=axis_costs)  # fmt: skip
+        raise TypeError(
+            f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}"
+        )
+    return DataParallelStep(
+        step,
+        mesh,
+        weight_update=weight_update,
+        min_shard_size=min_shard_size,
+        strict=strict,
+        donate_state=donate_state,
+        bucket_bytes=bucket_bytes,
+        grad_sum=grad_sum,
+        grad_sum_chunks=grad_sum_chunks,
+        grad_sum_dtype=grad_sum_dtype,
+        axis_costs=axis_costs,
+    )

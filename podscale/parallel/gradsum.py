@@ -168,7 +168,9 @@ def _nbytes(x) -> int:
     return int(x.size) * x.dtype.itemsize
 
 
-def modelled_seconds(order: tuple[str, str], sizes: Mapping[str, int], costs: Mapping[str, AxisCost], nbytes: float) -> float:
+def modelled_seconds(
+    order: tuple[str, str], sizes: Mapping[str, int], costs: Mapping[str, AxisCost], nbytes: float
+) -> float:
     """Ring model of the 2-D sum of ``nbytes`` per device with ``order[0]`` first:
     reduce-scatter along it, all-reduce along the other on 1/|first| pieces, all-gather back."""
     first, second = order
@@ -214,8 +216,10 @@ def calibrate(mesh: Mesh, small: int = 2**12, large: int = 2**22, repeats: int =
             spec = P(tuple(mesh.axis_names))
             f = jax.jit(jax.shard_map(lambda v, a=axis: lax.psum(v, a), mesh=mesh, in_specs=spec, out_specs=spec))
             rows = math.prod(mesh.shape.values())
-            x = jax.jit(lambda n=nbytes: jnp.ones((rows, n // 4), jnp.float32),  # made in place, on every device
-                        out_shardings=jax.sharding.NamedSharding(mesh, spec))()  # fmt: skip
+            x = jax.jit(
+                lambda n=nbytes: jnp.ones((rows, n // 4), jnp.float32),  # made in place, on every device
+                out_shardings=jax.sharding.NamedSharding(mesh, spec),
+            )()
             jax.block_until_ready(f(x))
             best = math.inf
             for _ in range(repeats):
@@ -231,12 +235,18 @@ def calibrate(mesh: Mesh, small: int = 2**12, large: int = 2**22, repeats: int =
     if jax.process_count() > 1:
         flat = np.array([[costs[a].bandwidth, costs[a].latency] for a in mesh.axis_names])
         flat = np.asarray(multihost_utils.broadcast_one_to_all(flat))
-        costs = {a: AxisCost(float(b), float(l)) for a, (b, l) in zip(mesh.axis_names, flat, strict=True)}
+        costs = {a: AxisCost(float(bw), float(lat)) for a, (bw, lat) in zip(mesh.axis_names, flat, strict=True)}
     return costs
 
 
-def make_grad_sum(mesh: Mesh, mode: str = "1d", chunks: int | None = None, dtype: Any = None,
-                  axis_costs: Mapping[str, AxisCost] | str | None = None, nbytes: float = 2**24) -> GradSum:  # fmt: skip
+def make_grad_sum(
+    mesh: Mesh,
+    mode: str = "1d",
+    chunks: int | None = None,
+    dtype: Any = None,
+    axis_costs: Mapping[str, AxisCost] | str | None = None,
+    nbytes: float = 2**24,
+) -> GradSum:
     """Checks the knobs against the mesh and picks the 2-D axis order.
 
     Args:
@@ -261,7 +271,11 @@ def make_grad_sum(mesh: Mesh, mode: str = "1d", chunks: int | None = None, dtype
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     if len(axes) != 2:
-        extra = " (bn_group_size adds a third axis: 2-D summation and batch-norm groups do not combine yet)" if len(axes) > 2 else ""
+        extra = (
+            " (bn_group_size adds a third axis: 2-D summation and batch-norm groups do not combine yet)"
+            if len(axes) > 2
+            else ""
+        )
         raise ValueError(
             f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}{extra}; make one with "
             f"make_mesh((x, y)) or --mesh 4x2"
@@ -286,7 +300,9 @@ def parse_axis_costs(text: str | None):
             axis, figures = part.split("=")
             bandwidth, latency = (float(f) for f in figures.split(":"))
         except ValueError:
-            raise ValueError(f"--axis-costs {text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6") from None
+            raise ValueError(
+                f"--axis-costs {text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6"
+            ) from None
         if bandwidth <= 0 or latency < 0:
             raise ValueError(f"--axis-costs {part!r}: bandwidth must be positive and latency at least 0")
         costs[axis.strip()] = AxisCost(bandwidth, latency)

@@ -54,7 +54,9 @@ def make_mesh(
         axis_names = _DEFAULT_NAMES[len(shape)]
     axis_names = tuple(axis_names)
     if len(axis_names) != len(shape):
-        raise ValueError(f"mesh shape {shape} has {len(shape)} dimensions but axis_names {axis_names} has {len(axis_names)}")
+        raise ValueError(
+            f"mesh shape {shape} has {len(shape)} dimensions but axis_names {axis_names} has {len(axis_names)}"
+        )
     if len(set(axis_names)) != len(axis_names):
         raise ValueError(f"mesh axis_names {axis_names} repeat a name; give each axis its own name")
     if any(s < 1 for s in shape) or int(np.prod(shape)) != n:

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr; no public name
+from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.extend import core
 
 # -- layouts ---------------------------------------------------------------------------------
@@ -242,9 +242,13 @@ class Partitioner:
             return [(v, GROUP if lay is REPLICATED else lay) for v, lay in outs]
         if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
             # On its way to the model's group sum: linear ops keep the partial sum.
-            if name in ("div", "mul") and layouts[1] is REPLICATED or (
-                name == "mul" and layouts[0] is REPLICATED
-            ) or name in ("stack", "concatenate") and all(lay is PARTIAL for lay in layouts):
+            if (
+                name in ("div", "mul")
+                and layouts[1] is REPLICATED
+                or (name == "mul" and layouts[0] is REPLICATED)
+                or name in ("stack", "concatenate")
+                and all(lay is PARTIAL for lay in layouts)
+            ):
                 return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in _CONTROL:
             return _CONTROL[name](self, eqn, ins)
@@ -256,8 +260,13 @@ class Partitioner:
             out = self.partial_rule(eqn, ins)
             if out is not None:
                 return out
-            ins = [(self.whole(v, lay, f"{name} reads a partial sum") if lay is PARTIAL else v,
-                    REPLICATED if lay is PARTIAL else lay) for v, lay in ins]  # fmt: skip
+            ins = [
+                (
+                    self.whole(v, lay, f"{name} reads a partial sum") if lay is PARTIAL else v,
+                    REPLICATED if lay is PARTIAL else lay,
+                )
+                for v, lay in ins
+            ]
             if all(lay is REPLICATED for _, lay in ins):
                 return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         rule = _RULES.get(name)
@@ -476,13 +485,13 @@ def _reshape(p: Partitioner, eqn, ins):
 
 
 def _transpose(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     perm = tuple(eqn.params["permutation"])
     return [(p.bind(eqn, [v])[0], Split(perm.index(lay.dim)))]
 
 
 def _squeeze(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     dims = tuple(d % len(_global_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
     if lay.dim in dims:
         return None
@@ -490,7 +499,7 @@ def _squeeze(p: Partitioner, eqn, ins):
 
 
 def _reduce(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     axes = tuple(eqn.params["axes"])
     name = eqn.primitive.name
     local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
@@ -505,7 +514,7 @@ def _reduce(p: Partitioner, eqn, ins):
 
 
 def _reduce_or_and(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     axes = tuple(eqn.params["axes"])
     local = p.bind(eqn, [v])[0]
     if lay.dim not in axes:
@@ -664,7 +673,7 @@ def _scatter(p: Partitioner, eqn, ins):
 
 
 def _slice(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     shape = _global_shape(eqn.invars[0])
     d = lay.dim
     start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
@@ -738,14 +747,14 @@ def _stack(p: Partitioner, eqn, ins):
 
 
 def _rev(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     if lay.dim in eqn.params["dimensions"]:
         return None
     return [(p.bind(eqn, [v])[0], lay)]
 
 
 def _split_op(p: Partitioner, eqn, ins):
-    (v, lay), = ins
+    ((v, lay),) = ins
     if lay.dim == eqn.params["axis"]:
         return None
     return [(o, lay) for o in p.bind(eqn, [v])]
@@ -881,7 +890,9 @@ def _scan(p: Partitioner, eqn, ins):
     ys_layouts: list = []
 
     def attempt(carry_layouts, pinned):
-        carry0 = _vary_all(p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts)
+        carry0 = _vary_all(
+            p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
+        )
 
         @_scoped(p)
         def step(carry, x):
@@ -894,8 +905,15 @@ def _scan(p: Partitioner, eqn, ins):
             ys_layouts[:] = [lay for _, lay in ys]
             return new, [v for v, _ in ys]
 
-        carry, ys = lax.scan(step, carry0, [v for v, _ in xs], length=prm["length"], reverse=prm["reverse"],
-                             unroll=prm["unroll"], _split_transpose=prm.get("_split_transpose", False))  # fmt: skip
+        carry, ys = lax.scan(
+            step,
+            carry0,
+            [v for v, _ in xs],
+            length=prm["length"],
+            reverse=prm["reverse"],
+            unroll=prm["unroll"],
+            _split_transpose=prm.get("_split_transpose", False),
+        )
         ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
         return [*zip(carry, carry_layouts), *zip(ys, ys_out)]
 

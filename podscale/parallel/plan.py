@@ -36,18 +36,33 @@ class Plan:
         console.print(f"weight update: [bold]{self.weight_update}[/] on {self.replicas} replicas, mesh {self.mesh}")
         g = self.grad_sum
         how = " then ".join(g["order"]) if g["mode"] == "2d" else ",".join(g["order"])
-        extra = (f", {g['chunks']} chunks" if g["mode"] == "2d" else "") + (f", summed in {g['dtype']}" if g["dtype"] else "")
+        extra = (f", {g['chunks']} chunks" if g["mode"] == "2d" else "") + (
+            f", summed in {g['dtype']}" if g["dtype"] else ""
+        )
         console.print(f"gradient sum: [bold]{g['mode']}[/] over {how}{extra}: {g['reason']}")
         leaves = Table("state leaf", "shape", "layout", "shard", "padding", "why", title="state layout")
         for leaf in self.leaves:
             leaves.add_row(
-                leaf["path"], str(tuple(leaf["shape"])), "sharded" if leaf["sharded"] else "replicated",
-                str(leaf["shard_shape"]), str(leaf["padding_bytes"]), leaf["reason"],
-            )  # fmt: skip
+                leaf["path"],
+                str(tuple(leaf["shape"])),
+                "sharded" if leaf["sharded"] else "replicated",
+                str(leaf["shard_shape"]),
+                str(leaf["padding_bytes"]),
+                leaf["reason"],
+            )
         console.print(leaves)
-        collectives = Table("collective", "mesh axes", "bytes per device", "chunks", "tensors", "what", title="collectives per step")
+        collectives = Table(
+            "collective", "mesh axes", "bytes per device", "chunks", "tensors", "what", title="collectives per step"
+        )
         for c in self.collectives:
-            collectives.add_row(c["kind"], ",".join(c["axes"]), f"{c['bytes_per_device']:,}", str(c["chunks"]), str(c["tensors"]), c["why"])
+            collectives.add_row(
+                c["kind"],
+                ",".join(c["axes"]),
+                f"{c['bytes_per_device']:,}",
+                str(c["chunks"]),
+                str(c["tensors"]),
+                c["why"],
+            )
         console.print(collectives)
         m = self.memory
         console.print(
@@ -87,11 +102,15 @@ def make_plan(dp) -> Plan:
         weight_update=dp.weight_update,
         replicas=dp.replicas,
         mesh=dict(dp.mesh.shape),
-        grad_sum={"mode": dp.grad_sum.mode, "order": list(dp.grad_sum.order), "chunks": dp.grad_sum.chunks,
-                  "dtype": None if dp.grad_sum.dtype is None else str(dp.grad_sum.dtype), "reason": dp.grad_sum.reason},  # fmt: skip
+        grad_sum={
+            "mode": dp.grad_sum.mode,
+            "order": list(dp.grad_sum.order),
+            "chunks": dp.grad_sum.chunks,
+            "dtype": None if dp.grad_sum.dtype is None else str(dp.grad_sum.dtype),
+            "reason": dp.grad_sum.reason,
+        },
         leaves=leaves,
         collectives=[dataclasses.asdict(c) for c in trace.collectives],
         gathered_ops=list(trace.gathered_ops),
         memory=memory,
     )
-

@@ -122,7 +122,9 @@ class StateLayout:
         self.check(state)
         out = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            sharding = NamedSharding(self.mesh, P(self.axes) if leaf.sharded else P())  # chunk i on device i of the order
+            sharding = NamedSharding(
+                self.mesh, P(self.axes) if leaf.sharded else P()
+            )  # chunk i on device i of the order
             out.append(_put(x, sharding, leaf))
         return jax.tree.unflatten(self.treedef, out)
 
@@ -164,8 +166,14 @@ def _get(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: int, shard: bool = True,
-           order: tuple[str, ...] | None = None) -> StateLayout:  # fmt: skip
+def decide(
+    state,
+    mesh: Mesh,
+    forward_inputs: set[int] | None,
+    min_shard_size: int,
+    shard: bool = True,
+    order: tuple[str, ...] | None = None,
+) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
     ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
@@ -176,8 +184,13 @@ def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: i
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype
         size = math.prod(shape)
-        kw = dict(path=jax.tree_util.keystr(path), shape=shape, dtype=dtype, weight=i in (forward_inputs or ()),
-                  weak_type=bool(getattr(x, "weak_type", False)))  # fmt: skip
+        kw = dict(
+            path=jax.tree_util.keystr(path),
+            shape=shape,
+            dtype=dtype,
+            weight=i in (forward_inputs or ()),
+            weak_type=bool(getattr(x, "weak_type", False)),
+        )
         if not shard:
             leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
         elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -185,7 +198,13 @@ def decide(state, mesh: Mesh, forward_inputs: set[int] | None, min_shard_size: i
         elif size < min_shard_size:
             leaves.append(LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}"))
         elif kw["weight"]:
-            leaves.append(LeafLayout(**kw, sharded=False, reason="weight: the forward pass reads it whole; updated on shards, then all-gathered"))
+            leaves.append(
+                LeafLayout(
+                    **kw,
+                    sharded=False,
+                    reason="weight: the forward pass reads it whole; updated on shards, then all-gathered",
+                )
+            )
         else:
             length = -(-size // n)
             leaves.append(LeafLayout(**kw, sharded=True, reason="sharded", shard_len=length, padding=length * n - size))

@@ -107,8 +107,9 @@ class Layout:
     Chunks are ordered by ``lax.axis_index(grad_sum.order)``, the order of the 2-D sum's phases.
     """
 
-    def __init__(self, grad_sum: GradSum, min_shard_size: int, scatter: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):  # fmt: skip
+    def __init__(
+        self, grad_sum: GradSum, min_shard_size: int, scatter: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
         self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
 
@@ -197,6 +198,7 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
     by_dtype: dict[Any, list[int]] = {}
     for i, s in enumerate(shards):
         by_dtype.setdefault(s.shard.dtype, []).append(i)
+
     def full_bytes(i):
         return shards[i].size * shards[i].shard.dtype.itemsize
 
@@ -287,7 +289,13 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
     total = collective(buffer, layout.axes)
     trace.collectives.append(
-        Collective("all-reduce", layout.axes, buffer.size * buffer.dtype.itemsize, len(values), f"reduce_{kind} of whole sharded tensors (norms)")
+        Collective(
+            "all-reduce",
+            layout.axes,
+            buffer.size * buffer.dtype.itemsize,
+            len(values),
+            f"reduce_{kind} of whole sharded tensors (norms)",
+        )
     )
     out, offset = [], 0
     for v in values:
@@ -390,11 +398,7 @@ class Rewriter:
         return self.bind(eqn, vals)
 
     def _sliceable(self, v) -> bool:
-        return (
-            isinstance(v, jax.Array)
-            and self.layout.shards(np.shape(v), v.dtype)
-            and not _varying(jax.typeof(v))
-        )
+        return isinstance(v, jax.Array) and self.layout.shards(np.shape(v), v.dtype) and not _varying(jax.typeof(v))
 
     def _redundant(self, eqn, vals) -> bool:
         """An update-region equation (nothing per-replica depends on it) on a large whole tensor,
@@ -502,4 +506,3 @@ def forward_used(jaxpr) -> set:
 def _varying(aval, axis=None) -> bool:
     names = _interpret.varying_axes(aval)
     return bool(names) if axis is None else axis in names
-

@@ -82,7 +82,7 @@ class SyntheticImages:
 
     def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         dim = int(np.prod(self.shape))
-        flat = (indices[:, None].astype(np.uint64) * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :])
+        flat = indices[:, None].astype(np.uint64) * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
         x = (hash_uniform(self.seed, flat, stream=1) * 2.0 - 1.0).astype(np.float32)
         label = np.argmax(x @ self._teacher, axis=-1).astype(np.int32)
         return {"image": x.reshape(len(indices), *self.shape), "label": label}

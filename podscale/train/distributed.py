@@ -111,11 +111,15 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     if processes < 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
     if not command:
-        raise ValueError("podscale launch: give the command after --, e.g. podscale launch --processes 2 -- podscale train")
+        raise ValueError(
+            "podscale launch: give the command after --, e.g. podscale launch --processes 2 -- podscale train"
+        )
     address = f"127.0.0.1:{_free_port()}"
     children = []
     for pid in range(processes):
-        env = dict(os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)})
+        env = dict(
+            os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
+        )
         children.append(subprocess.Popen(command, env=env))
     failed_code, failed_at = 0, None
     try:
@@ -124,7 +128,9 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
                 code = child.poll()
                 if code not in (None, 0) and failed_at is None:
                     failed_code, failed_at = code, time.monotonic()
-                    print(f"podscale launch: process {pid} exited with code {code}; stopping the others", file=sys.stderr)
+                    print(
+                        f"podscale launch: process {pid} exited with code {code}; stopping the others", file=sys.stderr
+                    )
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
                 for child in children:
                     if child.poll() is None:

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants
+from mlperf_logging.mllog.mllog import MLLogger
 
 PREFIX = ":::MLLOG "
 _counter = iter(range(1 << 62))
@@ -92,7 +92,7 @@ def parse(lines: Iterable[str]) -> list[dict]:
     for line in lines:
         at = line.find(PREFIX)
         if at >= 0:
-            events.append(json.loads(line[at + len(PREFIX):]))
+            events.append(json.loads(line[at + len(PREFIX) :]))
     return events
 
 
@@ -108,7 +108,7 @@ def time_to_target(events: list[dict], target: float) -> dict | None:
     if not starts:
         raise ValueError("the MLPerf log has no run_start event")
     start = events[starts[-1]]
-    for event in events[starts[-1]:]:
+    for event in events[starts[-1] :]:
         if event["key"] == constants.EVAL_ACCURACY and event["value"] is not None and event["value"] >= target:
             return {
                 "seconds": (event["time_ms"] - start["time_ms"]) / 1000.0,

@@ -20,9 +20,8 @@ import numpy as np
 import optax
 
 from podscale import workloads
-from podscale.train import data
-from podscale.train import models
 from podscale.parallel.mesh import BN_GROUP
+from podscale.train import data, models
 from podscale.train.precision import BF16, Policy
 from podscale.workloads import Workload
 
@@ -245,7 +244,9 @@ def recipe_config(task: Task, learning_rate: float | None):
     return task.config if learning_rate is None else dataclasses.replace(task.config, learning_rate=learning_rate)
 
 
-def make_task_optimizer(task: Task, name: str | None, learning_rate: float | None, steps: int) -> optax.GradientTransformation:
+def make_task_optimizer(
+    task: Task, name: str | None, learning_rate: float | None, steps: int
+) -> optax.GradientTransformation:
     """An optax optimizer by name (default adam at 1e-3) or, for an MLPerf workload without
     ``name``, its recipe over ``steps`` steps (``learning_rate`` then replaces the recipe's peak)."""
     if task.workload and name is None:

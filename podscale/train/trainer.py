@@ -17,20 +17,19 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from mlperf_logging.mllog import constants as C
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from podscale.train.checkpoint import Checkpointer
-from podscale.train.data import Loader, padded_eval_batches
 from podscale.parallel.engine import data_parallel
-from podscale.train.evaluate import distributed_eval
 from podscale.parallel.gradsum import parse_axis_costs
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES
+from podscale.train.checkpoint import Checkpointer
+from podscale.train.data import Loader, padded_eval_batches
+from podscale.train.evaluate import distributed_eval
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.precision import check_state, policy_by_name
 from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
@@ -143,20 +142,28 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     mlog.start(C.INIT_START)
     mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size)
     task = make_task(
-        config.model, config.data, config.seed, config=config.config, policy=policy_by_name(config.precision),
+        config.model,
+        config.data,
+        config.seed,
+        config=config.config,
+        policy=policy_by_name(config.precision),
         bn_axis=BN_GROUP if config.bn_group_size > 1 else None,
-    )  # fmt: skip
+    )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
     dp = data_parallel(
-        make_train_step(task, optimizer), mesh, weight_update=config.weight_update, grad_sum=config.grad_sum,
-        grad_sum_chunks=config.grad_sum_chunks, grad_sum_dtype=config.grad_sum_dtype,
-        axis_costs=parse_axis_costs(config.axis_costs), bucket_bytes=DEFAULT_BUCKET_BYTES if config.bucket_bytes is None else config.bucket_bytes,
-    )  # fmt: skip
+        make_train_step(task, optimizer),
+        mesh,
+        weight_update=config.weight_update,
+        grad_sum=config.grad_sum,
+        grad_sum_chunks=config.grad_sum_chunks,
+        grad_sum_dtype=config.grad_sum_dtype,
+        axis_costs=parse_axis_costs(config.axis_costs),
+        bucket_bytes=DEFAULT_BUCKET_BYTES if config.bucket_bytes is None else config.bucket_bytes,
+    )
     if batch_size % dp.replicas:
         raise ValueError(
-            f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; "
-            f"use a multiple of {dp.replicas}"
+            f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"
         )
     eval_batch = config.eval_batch_size or batch_size
     if eval_batch % dp.replicas:
@@ -168,12 +175,16 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
 
     check_state(jax.eval_shape(init))
     if config.bn_group_size > 1 and not jax.eval_shape(init).batch_stats:
-        raise ValueError(f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag")
+        raise ValueError(
+            f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag"
+        )
     layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
     checkpointed = _CheckpointForm(layout)
 
-    ckpt = Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every) if config.workdir else None
+    ckpt = (
+        Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every) if config.workdir else None
+    )
     resumed_from = None
     if ckpt and config.resume:
         resumed_from, restored = ckpt.restore(checkpointed.like())
@@ -209,10 +220,15 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     timed_from, timed_steps, step = None, 0, start
     excluded = 0.0  # seconds of eval and checkpointing inside the timed span
     progress = Progress(
-        TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eps]} ex/s"), TimeElapsedColumn(),
-        console=Console(stderr=True), disable=not (lead and config.progress),
-    )  # fmt: skip
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[eps]} ex/s"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not (lead and config.progress),
+    )
     try:
         with progress:
             bar = progress.add_task("train", total=config.steps, completed=start, loss="-", eps="-")
@@ -231,7 +247,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                     timed_steps += 1
                 done = step + 1
                 eps = timed_steps * batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
-                progress.update(bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}")
+                progress.update(
+                    bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}"
+                )
                 aside = time.perf_counter()
                 evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
                 if evaluating or (ckpt and done % config.checkpoint_every == 0):
@@ -269,8 +287,14 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
             log.close()
     final_step = step + 1 if step < config.steps else config.steps
     reached = config.target is not None and summary.get("target_step") is not None
-    mlog.end(C.RUN_STOP, metadata={"status": C.SUCCESS if reached or config.target is None else C.ABORTED,
-                                   "epoch_num": epoch(final_step), "step_num": final_step})  # fmt: skip
+    mlog.end(
+        C.RUN_STOP,
+        metadata={
+            "status": C.SUCCESS if reached or config.target is None else C.ABORTED,
+            "epoch_num": epoch(final_step),
+            "step_num": final_step,
+        },
+    )
     if reached:
         summary["time_to_target_s"] = time_to_target(parse(mlog.lines), config.target)["seconds"]
     if ckpt:
@@ -289,8 +313,12 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
         replicas=dp.replicas,
         processes=jax.process_count(),
         mesh=dict(mesh.shape),
-        grad_sum={"mode": dp.grad_sum.mode, "order": list(dp.grad_sum.order), "chunks": dp.grad_sum.chunks,
-                  "dtype": config.grad_sum_dtype},  # fmt: skip
+        grad_sum={
+            "mode": dp.grad_sum.mode,
+            "order": list(dp.grad_sum.order),
+            "chunks": dp.grad_sum.chunks,
+            "dtype": config.grad_sum_dtype,
+        },
         model=config.model,
         config=config.config,
         data=config.data,
@@ -315,7 +343,9 @@ def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int
     mlog.event(C.EVAL_SAMPLES, len(task.eval_data))
     if task.workload and config.optimizer is None:
         cfg = recipe_config(task, config.learning_rate)
-        hparams = task.workload.hparams(cfg, config.steps) if task.workload.hparams else {C.OPT_BASE_LR: cfg.learning_rate}
+        hparams = (
+            task.workload.hparams(cfg, config.steps) if task.workload.hparams else {C.OPT_BASE_LR: cfg.learning_rate}
+        )
     else:
         hparams = {C.OPT_NAME: config.optimizer or "adam", C.OPT_BASE_LR: config.learning_rate or 1e-3}
     for key, value in hparams.items():

@@ -352,7 +352,9 @@ class MarkovText:
         for t in range(1, length - 1):
             choice = np.searchsorted(self.cumulative, steps[:, t], side="right")
             walk[:, t] = self.successors[walk[:, t - 1], np.minimum(choice, self.successors.shape[1] - 1)]
-        lengths = self.min_length + (self._uniform(indices, 1, 1)[:, 0] * (length - self.min_length + 1)).astype(np.int64)
+        lengths = self.min_length + (self._uniform(indices, 1, 1)[:, 0] * (length - self.min_length + 1)).astype(
+            np.int64
+        )
         original = np.concatenate([np.full((n, 1), BOS), walk + _FIRST_CONTENT], axis=1)
         original[np.arange(length)[None, :] >= lengths[:, None]] = PAD
         # P distinct positions in 1 .. length-1: the P smallest random keys among them.
@@ -377,8 +379,7 @@ class MarkovText:
 def make_data(cfg: BertConfig, seed: int):
     if not cfg.train_size:
         raise ValueError(
-            "the MLPerf BERT data set (Wikipedia 2020/01/01, TFRecords) does not ship with podscale; "
-            "use --config tiny"
+            "the MLPerf BERT data set (Wikipedia 2020/01/01, TFRecords) does not ship with podscale; use --config tiny"
         )
     return MarkovText(cfg, cfg.train_size, seed, stream=1), MarkovText(cfg, cfg.eval_size, seed, stream=2)
 
@@ -399,6 +400,7 @@ REFERENCE = Reference(
         "bias) = 335,174,458, no pooler / next-sentence head"
     ),
 )
+
 
 def hparams(cfg: BertConfig, total_steps: int) -> dict:
     """The recipe under mllog's standard LAMB keys."""

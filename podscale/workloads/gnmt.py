@@ -176,7 +176,12 @@ class LSTM(nn.Module):
         batch, length = x.shape[:2]
         init = _uniform(self.init_scale)
         gates_x = nn.Dense(
-            4 * self.features, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=init, bias_init=init, name="input"
+            4 * self.features,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=init,
+            bias_init=init,
+            name="input",
         )(x)
         recurrent = self.param("recurrent_kernel", init, (self.features, 4 * self.features), self.param_dtype)
         recurrent = recurrent.astype(self.dtype)
@@ -196,7 +201,9 @@ class LSTM(nn.Module):
             new_c, new_h = jnp.where(keep, new_c, c), jnp.where(keep, new_h, h)
             return (new_c, new_h), jnp.where(keep, new_h, 0.0)
 
-        carry, hs = jax.lax.scan(step, carry, (jnp.swapaxes(gates_x, 0, 1), mask.T), reverse=self.reverse, unroll=self.unroll)
+        carry, hs = jax.lax.scan(
+            step, carry, (jnp.swapaxes(gates_x, 0, 1), mask.T), reverse=self.reverse, unroll=self.unroll
+        )
         return jnp.swapaxes(hs, 0, 1), carry
 
 
@@ -214,12 +221,18 @@ class BahdanauAttention(nn.Module):
     @nn.compact
     def __call__(self, query, keys, key_mask):
         dense = lambda name: nn.Dense(  # noqa: E731
-            self.units, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-            kernel_init=_uniform(self.init_scale), name=name,
-        )  # fmt: skip
+            self.units,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=_uniform(self.init_scale),
+            name=name,
+        )
         q, k = dense("query")(query), dense("key")(keys)
         v = self.param("att", _uniform(self.init_scale), (self.units,), self.param_dtype)
-        scalar = self.param("normalize_scalar", nn.initializers.constant(1 / math.sqrt(self.units)), (1,), self.param_dtype)
+        scalar = self.param(
+            "normalize_scalar", nn.initializers.constant(1 / math.sqrt(self.units)), (1,), self.param_dtype
+        )
         bias = self.param("normalize_bias", nn.initializers.zeros_init(), (self.units,), self.param_dtype)
         v = v * (scalar / jnp.sqrt(jnp.sum(jnp.square(v))))
         hidden = jnp.tanh(q[:, :, None, :] + k[:, None, :, :] + bias.astype(self.dtype))  # [B, T, S, U]
@@ -272,7 +285,12 @@ class Decoder(nn.Module):
             new.append(carry)
         init = _uniform(cfg.init_scale)
         logits = nn.Dense(
-            cfg.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=init, bias_init=init, name="classifier"
+            cfg.vocab_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=init,
+            bias_init=init,
+            name="classifier",
         )(x)
         return logits, tuple(new), probs
 
@@ -285,7 +303,9 @@ class GNMT(nn.Module):
 
     def setup(self):
         cfg, dt, pdt = self.config, self.policy.compute_dtype, self.policy.param_dtype
-        self.embed = nn.Embed(cfg.vocab_size, cfg.hidden, dtype=dt, param_dtype=pdt, embedding_init=_uniform(cfg.init_scale))
+        self.embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden, dtype=dt, param_dtype=pdt, embedding_init=_uniform(cfg.init_scale)
+        )
         self.encoder = Encoder(cfg, dt, pdt)
         self.decoder = Decoder(cfg, dt, pdt)
 

@@ -141,9 +141,16 @@ class Bottleneck(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
         conv = lambda f, k, s, name: nn.Conv(  # noqa: E731
-            f, (k, k), (s, s), padding="SAME", use_bias=False, kernel_init=_conv_init,
-            dtype=self.policy.compute_dtype, param_dtype=self.policy.param_dtype, name=name,
-        )  # fmt: skip
+            f,
+            (k, k),
+            (s, s),
+            padding="SAME",
+            use_bias=False,
+            kernel_init=_conv_init,
+            dtype=self.policy.compute_dtype,
+            param_dtype=self.policy.param_dtype,
+            name=name,
+        )
         norm = lambda name, zero=False: _batch_norm(self.policy, self.bn_axis, train, name, zero)  # noqa: E731
         y = nn.relu(norm("bn1")(conv(self.width, 1, 1, "conv1")(x)))
         y = nn.relu(norm("bn2")(conv(self.width, 3, self.strides, "conv2")(y)))
@@ -155,10 +162,15 @@ class Bottleneck(nn.Module):
 
 def _batch_norm(policy: Policy, bn_axis: str | None, train: bool, name: str, zero_scale: bool = False):
     return nn.BatchNorm(
-        use_running_average=not train, axis_name=bn_axis, momentum=0.9, epsilon=1e-5,
-        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name=name,
+        use_running_average=not train,
+        axis_name=bn_axis,
+        momentum=0.9,
+        epsilon=1e-5,
+        dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+        name=name,
         scale_init=nn.initializers.zeros if zero_scale else nn.initializers.ones,
-    )  # fmt: skip
+    )
 
 
 class ResNet(nn.Module):
@@ -174,21 +186,45 @@ class ResNet(nn.Module):
         if x.ndim == 3:
             x = x[..., None]
         if cfg.stem == "imagenet":
-            x = nn.Conv(cfg.stage_widths[0], (7, 7), (2, 2), padding="SAME", use_bias=False, kernel_init=_conv_init,
-                        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="stem_conv")(x)  # fmt: skip
+            x = nn.Conv(
+                cfg.stage_widths[0],
+                (7, 7),
+                (2, 2),
+                padding="SAME",
+                use_bias=False,
+                kernel_init=_conv_init,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                name="stem_conv",
+            )(x)
         else:
-            x = nn.Conv(cfg.stage_widths[0], (3, 3), padding="SAME", use_bias=False, kernel_init=_conv_init,
-                        dtype=policy.compute_dtype, param_dtype=policy.param_dtype, name="stem_conv")(x)  # fmt: skip
+            x = nn.Conv(
+                cfg.stage_widths[0],
+                (3, 3),
+                padding="SAME",
+                use_bias=False,
+                kernel_init=_conv_init,
+                dtype=policy.compute_dtype,
+                param_dtype=policy.param_dtype,
+                name="stem_conv",
+            )(x)
         x = nn.relu(_batch_norm(policy, self.bn_axis, train, "stem_bn")(x))
         if cfg.stem == "imagenet":
             x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
         for stage, (blocks, width) in enumerate(zip(cfg.stage_sizes, cfg.stage_widths, strict=True)):
             for block in range(blocks):
                 strides = 2 if stage > 0 and block == 0 else 1
-                x = Bottleneck(width, strides, policy, self.bn_axis, name=f"stage{stage + 1}_block{block + 1}")(x, train)
+                x = Bottleneck(width, strides, policy, self.bn_axis, name=f"stage{stage + 1}_block{block + 1}")(
+                    x, train
+                )
         x = jnp.mean(x.astype(policy.accum_dtype), axis=(1, 2)).astype(policy.compute_dtype)
-        return nn.Dense(cfg.num_classes, kernel_init=nn.initializers.normal(0.01), dtype=policy.compute_dtype,
-                        param_dtype=policy.param_dtype, name="head")(x)  # fmt: skip
+        return nn.Dense(
+            cfg.num_classes,
+            kernel_init=nn.initializers.normal(0.01),
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name="head",
+        )(x)
 
 
 def make_model(cfg: ResNetConfig, policy: Policy, bn_axis: str | None) -> ResNet:
@@ -237,7 +273,9 @@ def learning_rate_schedule(cfg: ResNetConfig, total_steps: int) -> optax.Schedul
     return optax.join_schedules(
         [
             optax.linear_schedule(0.0, cfg.learning_rate, warmup),
-            optax.polynomial_schedule(cfg.learning_rate, cfg.end_learning_rate, power=2, transition_steps=total_steps - warmup),
+            optax.polynomial_schedule(
+                cfg.learning_rate, cfg.end_learning_rate, power=2, transition_steps=total_steps - warmup
+            ),
         ],
         boundaries=[warmup],
     )
