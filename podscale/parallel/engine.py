@@ -440,16 +440,17 @@ def data_parallel(
 ) -> DataParallelStep:
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
-    One call on a global batch gives the new state that ``step`` gives on that whole batch on one
-    device, provided the step's loss is a mean over its batch (the usual convention), up to float
-    summation order. Batch-norm-like layers use each replica's own batch statistics; see the
-    module docstring.
+    One call on a global batch gives the new state and metrics that ``step`` gives on that whole
+    batch on one device, up to float summation order, whatever the loss (a mean, a sum, a mean over
+    the non-padding rows), optimizer, dropout or batch norm; see the module docstring. Batch norm
+    over groups of replicas is opt-in (``make_mesh(bn_group_size=k)``).
 
     Args:
       weight_update: ``"replicated"`` (every replica runs the whole update) or ``"sharded"``
         (each replica updates 1/N of the weights and keeps 1/N of the optimizer state).
       min_shard_size: tensors with fewer elements stay replicated (sharded update only).
-      strict: make it an error when an op of the update cannot run on shards.
+      strict: refuse, before running, a step in which some op would run on gathered (whole)
+        values instead of on shards; ``dp.plan()`` lists them either way.
       bucket_bytes: size of the fused gradient buffers (and, divided by the replica count, of
         the fused weight all-gathers); results do not depend on it.
       grad_sum: ``"1d"`` (one collective over all mesh axes) or ``"2d"`` on a 2-D mesh: gradients

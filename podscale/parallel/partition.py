@@ -38,6 +38,8 @@ from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr;
 from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.extend import core
 
+from podscale.parallel._interpret import varying_axes
+
 # -- layouts ---------------------------------------------------------------------------------
 
 
@@ -367,11 +369,9 @@ def _feeding_group_sums(jaxpr, axis: str) -> set:
 
 def _vma(x) -> frozenset:
     try:
-        aval = jax.typeof(x)
+        return varying_axes(jax.typeof(x))
     except TypeError:
         return frozenset()
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def _is_zero(var) -> bool:
