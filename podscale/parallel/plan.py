@@ -27,6 +27,9 @@ class Plan:
     collectives: list[dict[str, Any]]
     gathered_ops: list[str]
     memory: dict[str, int]
+    whole_ops: list[str] = dataclasses.field(default_factory=list)
+    """Ops of the step that met split data without a rule to run on pieces: computed on
+    all-gathered (whole) values. Correct; each costs a collective of its operands."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,6 +72,8 @@ class Plan:
             f"per-device state bytes: weights {m['weights_replicated']:,} -> {m['weights']:,}; "
             f"optimizer state {m['optimizer_state_replicated']:,} -> {m['optimizer_state']:,}"
         )
+        if self.whole_ops:
+            console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(self.whole_ops)}")
         if self.gathered_ops:
             console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(self.gathered_ops)}")
 
@@ -112,5 +117,6 @@ def make_plan(dp) -> Plan:
         leaves=leaves,
         collectives=[dataclasses.asdict(c) for c in trace.collectives],
         gathered_ops=list(trace.gathered_ops),
+        whole_ops=list(getattr(trace, "whole_ops", [])),
         memory=memory,
     )

@@ -99,6 +99,8 @@ class Trace:
 
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     gathered_ops: list[str] = dataclasses.field(default_factory=list)
+    whole_ops: list[str] = dataclasses.field(default_factory=list)
+    """Ops of the global program computed on whole values (see ``partition.Partitioner``)."""
 
 
 class Layout:
