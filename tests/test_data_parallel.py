@@ -278,3 +278,21 @@ def test_batch_norm_over_groups_inside_remat_equals_it_outside():
     outside, _ = run_parallel(data_parallel(_bn_step(model, tx), make_mesh(bn_group_size=4)), state, [batch])
     assert max_abs_diff(inside, outside) <= 1e-6
     assert max_abs_diff(inside[0], state[0]) > 1e-4
+
+
+def test_group_statistics_meeting_an_op_without_a_rule_are_refused_not_wrong():
+    """A group's statistic joined to the whole batch (concatenated along it) has no per-group
+    meaning podscale could compute: refused before running, naming the op."""
+
+    def step(w, batch):
+        def loss(w):
+            h = batch["x"] @ w
+            mean = jax.lax.pmean(jnp.mean(h, axis=0), BN_GROUP)  # the group's statistic
+            return jnp.mean(jnp.concatenate([h, mean[None]], axis=0) ** 2)
+
+        return w - 0.1 * jax.grad(loss)(w), {}
+
+    dp = data_parallel(step, make_mesh(bn_group_size=4))
+    batch = {"x": jax.random.normal(jax.random.key(1), (64, 5))}
+    with pytest.raises(NotImplementedError, match="concatenate.*batch-norm group statistics"):
+        dp.place_state(jnp.ones((5, 3)), batch)

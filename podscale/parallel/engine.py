@@ -77,7 +77,6 @@ class GlobalTrace:
 
     closed: Any
     out_tree: Any
-    state_tree: Any
     n_state: int
 
 
@@ -95,20 +94,12 @@ def trace_global(step: Step, state, batch, group_axis: str | None = None) -> Glo
             "device on the whole global batch and sums gradients itself: remove lax.pmean/psum/all_gather from "
             "the step (a mean over the batch is jnp.mean)."
         ) from None
-    return GlobalTrace(closed, jax.tree.structure(out_shape), jax.tree.structure(state), len(jax.tree.leaves(state)))
+    return GlobalTrace(closed, jax.tree.structure(out_shape), len(jax.tree.leaves(state)))
 
 
 def _whole(kind: str, path, x):
     if _interpret.varying_axes(jax.typeof(x)):
         raise AssertionError(f"podscale left {kind}{_path(path)} per replica; please report this with the step")
-    return x
-
-
-def _as_leaf(x, leaf, path):
-    """A new state leaf in its stored type: a step may return a Python-int ``step`` + 1 (weakly
-    typed) where the state held an int32."""
-    if hasattr(x, "dtype") and x.dtype != leaf.dtype and np.shape(x) == leaf.shape:
-        return x.astype(leaf.dtype)
     return x
 
 
@@ -236,7 +227,7 @@ class DataParallelStep:
         def local(state_leaves, batch_leaves):
             ins = [(x, REPLICATED) for x in state_leaves] + [(x, Split(0)) for x in batch_leaves]
             outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins)
-            return [part.whole(v, lay, "an output of the step") for v, lay in outs]
+            return [part.whole(v, lay) for v, lay in outs]
 
         return jax.make_jaxpr(local)(state_leaves, batch_leaves), part
 
@@ -323,7 +314,7 @@ class DataParallelStep:
         out = []
         for (path, v), leaf in zip(paths_leaves, layout.leaves, strict=True):
             if not leaf.sharded:
-                out.append(_as_leaf(next(whole_done), leaf, path))
+                out.append(next(whole_done))
                 continue
             if isinstance(v, Sharded) and v.shape == leaf.shape:
                 out.append(v.shard.astype(leaf.dtype))

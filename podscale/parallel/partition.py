@@ -106,7 +106,9 @@ _KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random
 # Ops through which a partial sum stays partial: the sum of their results over the replicas is
 # their result on the sum. Shape-only ops and sums; nothing that multiplies, so that the arithmetic
 # after the sum is the single device's.
-_LINEAR_UNARY = frozenset("neg reshape transpose squeeze broadcast_in_dim reduce_sum rev copy copy_p".split())
+_LINEAR_UNARY = frozenset(
+    "neg reshape transpose squeeze expand_dims slice broadcast_in_dim reduce_sum rev copy copy_p".split()
+)
 _LINEAR_SUMS = frozenset("add add_any sub".split())
 _IDENTITY = frozenset("reshard sharding_constraint mesh_cast".split())
 
@@ -127,9 +129,10 @@ class Partitioner:
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
         self._feeds_group_sum: set = set()
+        self._group_values: set[int] = set()
+        """ids of the group values an equation is being computed on (as replicated ones)."""
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
-        self.resolved: list[str] = []
         self._memo: dict[tuple, tuple[Any, Any]] = {}
         """Conversions already made, by (id of the local value, source, destination): a partial
         sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
@@ -140,7 +143,7 @@ class Partitioner:
 
     def vary(self, x):
         """``x`` typed as differing per replica (binding a primitive directly needs equal types)."""
-        x = jnp.asarray(x) if not isinstance(x, jax.Array) or isinstance(x, np.ndarray) else x
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         have = _vma(x)
         missing = tuple(a for a in self.axes if a not in have)
         return lax.pcast(x, missing, to="varying") if missing else x
@@ -153,43 +156,46 @@ class Partitioner:
         size = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
 
-    def whole(self, x, layout: Layout, why: str = ""):
+    def whole(self, x, layout: Layout):
         """The whole value, the same on every replica."""
-        return self.convert(x, layout, REPLICATED, why)
+        return self.convert(x, layout, REPLICATED)
 
-    def _whole(self, x, layout: Layout, why: str = ""):
+    def _whole(self, x, layout: Layout):
         if layout is REPLICATED:
             return x
         if layout is GROUP:  # the groups' values averaged (their running statistics, say)
             return lax.pmean(x, self.axes)
         if layout is PARTIAL:
-            if why:
-                self.resolved.append(why)
             return lax.psum(x, self.axes)
         return all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
 
-    def convert(self, x, src: Layout, dst: Layout, why: str = ""):
+    def convert(self, x, src: Layout, dst: Layout):
         if src == dst:
             return x
         key = (id(x), src, dst)
         hit = self._memo.get(key)
         if hit is not None and hit[0] is x:
             return hit[1]
-        out = self._convert(x, src, dst, why)
+        out = self._convert(x, src, dst)
         self._memo[key] = (x, out)  # holds x, so its id is not reused
         return out
 
-    def _convert(self, x, src: Layout, dst: Layout, why: str):
+    def _convert(self, x, src: Layout, dst: Layout):
         if dst is GROUP:
-            return x if src is REPLICATED else self.whole(x, src, why)
+            return x if src is REPLICATED else self.whole(x, src)
         if src is GROUP and dst is REPLICATED:
-            return self._whole(x, src, why)
+            return self._whole(x, src)
         if src is GROUP:
             src = REPLICATED  # a group's whole value: sliced or masked like a replicated one
         if dst is REPLICATED:
-            return self._whole(x, src, why)
+            return self._whole(x, src)
         if src is not REPLICATED:
-            x = self.whole(x, src, why)
+            x = self.whole(x, src)
+        if dst is PARTIAL and id(x) in self._group_values:
+            raise NotImplementedError(
+                "a batch-norm group statistic (bn_group_size) meets a sum over the whole batch in an op podscale "
+                "cannot yet compute per group. Drop bn_group_size, or report the step."
+            )
         if dst is PARTIAL:  # the whole value on replica 0, zeros elsewhere: it sums to itself
             return jnp.where(self.index() == 0, x, jnp.zeros_like(x))
         return self._slice_rows(x, dst.dim)
@@ -240,17 +246,19 @@ class Partitioner:
             return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if GROUP in layouts and name not in _CONTROL:
             # Computes like a replicated value; what comes out whole is the group's.
-            outs = self.equation(eqn, [(v, REPLICATED if lay is GROUP else lay) for v, lay in ins])
+            group_ids = {id(v) for v, lay in ins if lay is GROUP}
+            self._group_values |= group_ids
+            try:
+                outs = self.equation(eqn, [(v, REPLICATED if lay is GROUP else lay) for v, lay in ins])
+            finally:
+                self._group_values -= group_ids
             return [(v, GROUP if lay is REPLICATED else lay) for v, lay in outs]
         if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
             # On its way to the model's group sum: linear ops keep the partial sum.
-            if (
-                name in ("div", "mul")
-                and layouts[1] is REPLICATED
-                or (name == "mul" and layouts[0] is REPLICATED)
-                or name in ("stack", "concatenate")
-                and all(lay is PARTIAL for lay in layouts)
-            ):
+            scaled = name in ("div", "mul") and layouts[1] is REPLICATED
+            scaled |= name == "mul" and layouts[0] is REPLICATED
+            joined = name in ("stack", "concatenate") and all(lay is PARTIAL for lay in layouts)
+            if scaled or joined:
                 return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in _CONTROL:
             return _CONTROL[name](self, eqn, ins)
@@ -264,7 +272,7 @@ class Partitioner:
                 return out
             ins = [
                 (
-                    self.whole(v, lay, f"{name} reads a partial sum") if lay is PARTIAL else v,
+                    self.whole(v, lay) if lay is PARTIAL else v,
                     REPLICATED if lay is PARTIAL else lay,
                 )
                 for v, lay in ins
@@ -293,8 +301,15 @@ class Partitioner:
     def fallback(self, eqn, ins):
         shapes = [list(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
         where = _source(eqn)
+        if any(isinstance(lay, Split) for _, lay in ins) and any(id(v) in self._group_values for v, _ in ins):
+            # Whole rows of every group with this group's statistics would be wrong for the others.
+            raise NotImplementedError(
+                f"{eqn.primitive.name}{shapes}{where} combines batch-norm group statistics (bn_group_size) with "
+                "the whole batch, which podscale cannot yet compute per group. Drop bn_group_size, or move that "
+                "op out of the path of the group statistics."
+            )
         self.whole_ops.append(f"{eqn.primitive.name}{shapes}{where}")
-        vals = [self.whole(v, lay, f"{eqn.primitive.name} reads a partial sum") for v, lay in ins]
+        vals = [self.whole(v, lay) for v, lay in ins]
         return [(o, REPLICATED) for o in self.bind(eqn, vals)]
 
     def bind(self, eqn, vals, **changes) -> list[Any]:
@@ -322,8 +337,6 @@ class Partitioner:
                 return [(o, PARTIAL) for o in self.bind(eqn, vals)]
             return None
         if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name in ("slice", "squeeze", "expand_dims") and len(ins) == 1:
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
@@ -411,10 +424,10 @@ def _elementwise(p: Partitioner, eqn, ins):
             vals.append(v)
         elif vshape == ():
             vals.append(v)
+        elif len(vshape) > dim and vshape[dim] == 1:
+            vals.append(v)  # a size-1 dimension broadcasts (jaxprs allow it in elementwise ops)
         elif len(vshape) > dim and vshape[dim] == shape[dim] and p.splittable(vshape, dim):
             vals.append(p.slice_rows(v, dim))
-        elif len(vshape) > dim and vshape[dim] == 1:
-            vals.append(v)  # broadcasts along the split dimension
         else:
             return None
     return [(o, Split(dim)) for o in p.bind(eqn, vals)]
@@ -719,9 +732,11 @@ def _pad(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, [v, pv])[0], lay)]
 
 
-def _concatenate(p: Partitioner, eqn, ins):
+def _split_operands(p: Partitioner, eqn, ins, along: int):
+    """The one split dimension of ``ins`` (not ``along``) and every operand split on it, or
+    ``None``: for ops that join operands along another dimension."""
     dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
-    if len(dims) != 1 or eqn.params["dimension"] in dims:
+    if len(dims) != 1 or along in dims:
         return None
     (dim,) = dims
     vals = []
@@ -729,21 +744,23 @@ def _concatenate(p: Partitioner, eqn, ins):
         if not (isinstance(lay, Split) or p.splittable(_global_shape(var), dim)):
             return None
         vals.append(p.convert(v, lay, Split(dim)))
+    return dim, vals
+
+
+def _concatenate(p: Partitioner, eqn, ins):
+    found = _split_operands(p, eqn, ins, eqn.params["dimension"])
+    if found is None:
+        return None
+    dim, vals = found
     return [(p.bind(eqn, vals)[0], Split(dim))]
 
 
 def _stack(p: Partitioner, eqn, ins):
-    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
-    if len(dims) != 1:
+    found = _split_operands(p, eqn, ins, -1)  # the new axis is not an operand's
+    if found is None:
         return None
-    (dim,) = dims
-    vals = []
-    for (v, lay), var in zip(ins, eqn.invars, strict=True):
-        if not (isinstance(lay, Split) or p.splittable(_global_shape(var), dim)):
-            return None
-        vals.append(p.convert(v, lay, Split(dim)))
-    axis = eqn.params["axis"]
-    return [(p.bind(eqn, vals)[0], Split(dim + 1 if axis <= dim else dim))]
+    dim, vals = found
+    return [(p.bind(eqn, vals)[0], Split(dim + 1 if eqn.params["axis"] <= dim else dim))]
 
 
 def _rev(p: Partitioner, eqn, ins):
@@ -868,12 +885,12 @@ def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
 def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16):
     """Runs ``attempt(targets, pinned)`` until the layouts it assumes are the layouts it gets."""
     targets, pinned = list(initial), set()
-    marks = (len(p.whole_ops), len(p.resolved))
+    mark = len(p.whole_ops)
     for _ in range(limit):
         try:
             return attempt(targets, frozenset(pinned))
         except _Retry as r:
-            del p.whole_ops[marks[0] :], p.resolved[marks[1] :]  # that trace is dropped
+            del p.whole_ops[mark:]  # that trace is dropped
             pinned |= {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a is not REPLICATED and b is REPLICATED}
             targets = r.layouts
     return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))))
@@ -885,7 +902,7 @@ def _scan(p: Partitioner, eqn, ins):
     consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
     # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
     xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
-    xs = [(p.whole(v, lay, "a scan's input"), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in xs]
+    xs = [(p.whole(v, lay), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in xs]
     x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
     ys_layouts: list = []
 
@@ -901,7 +918,7 @@ def _scan(p: Partitioner, eqn, ins):
             ys = outs[ncarry:]
             # A partial sum per iteration is resolved there (its stacked sum is not a partial sum
             # the next op could tell apart); split and replicated rows stack as they are.
-            ys = [(p.whole(v, lay, "a scan's output"), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in ys]
+            ys = [(p.whole(v, lay), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in ys]
             ys_layouts[:] = [lay for _, lay in ys]
             return new, [v for v, _ in ys]
 
@@ -931,7 +948,7 @@ def _while(p: Partitioner, eqn, ins):
         @_scoped(p)
         def cond(c):
             ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
-            return p._whole(pred, lay, "a while loop's condition")
+            return p._whole(pred, lay)
 
         @_scoped(p)
         def body(c):
@@ -951,7 +968,7 @@ def _vary_all(p: Partitioner, vals, layouts):
 
 def _cond(p: Partitioner, eqn, ins):
     (index, il), *ops = ins
-    index = p.whole(index, il, "a cond's predicate")
+    index = p.whole(index, il)
     branches = eqn.params["branches"]
 
     def attempt(out_layouts, pinned):

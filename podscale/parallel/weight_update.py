@@ -344,7 +344,7 @@ class Rewriter:
                 if any(v in blocked_vars for v in deps) or (_ordered(eqn) and blocked):
                     wait = True
                 else:
-                    invals = [self._read(eqn, v, read) for v in eqn.invars]
+                    invals = [read(v) for v in eqn.invars]
                     wait = self._waits(eqn, invals)
                 if wait:
                     blocked.append(eqn)
@@ -356,10 +356,6 @@ class Rewriter:
                 self.fuser.flush()
             todo = blocked
         return [read(v) for v in jaxpr.outvars]
-
-    @staticmethod
-    def _read(eqn, var, read):
-        return read(var)
 
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
