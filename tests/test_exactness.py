@@ -340,3 +340,27 @@ def test_strict_refuses_before_running_and_keeps_the_state():
     relaxed = data_parallel(step, make_mesh())
     relaxed(relaxed.place_state(_params()), _data(0))
     assert any("sort" in op for op in relaxed.trace.whole_ops)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (4, 2)])
+def test_random_draws_with_the_batch_rows_are_the_single_devices_bits(mesh_shape):
+    """Drawn for the local rows only (no whole draw per replica), bit for bit one device's."""
+
+    def step(key, batch):
+        k1, k2, k3 = jax.random.split(key, 3)
+        rows = batch["x"].shape[0]
+        draws = {
+            "mask": jax.random.bernoulli(k1, 0.5, (rows, 3, 5)) * batch["x"][:, :1, None],
+            "uniform": jax.random.uniform(k2, (rows, 7)) + batch["x"][:, :1],
+            "normal": jax.random.normal(k3, (rows,), jnp.bfloat16),
+            "bits": jax.random.bits(k3, (rows, 2), jnp.uint8),
+        }
+        return jax.random.fold_in(key, 1), draws
+
+    key, batch = jax.random.key(4), {"x": jnp.ones((64, 3))}
+    ref = jax.jit(step)(key, batch)[1]
+    dp = data_parallel(step, make_mesh(mesh_shape))
+    got = dp(dp.place_state(key), batch)[1]
+    for name in ref:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(ref[name]), err_msg=name)
+    assert dp.trace.whole_ops == []

@@ -79,18 +79,38 @@ def test_tiny_data_fits_the_batch_shapes(name):
 def test_tiny_step_on_8_replicas_matches_one_device(name):
     """In float32: with bf16 compute each replica's gradient is rounded before the sum, and Adam
     turns a nearly cancelling element's flipped sign into a step of about the learning rate.
-    Batch norm runs over all 8 replicas (one bn group), as it does over the batch on one device."""
+    The default (batch norm over the whole batch, as on one device) and one bn group of all 8
+    replicas both equal one device; the token tasks' batches carry padding."""
     task = make_task(name, config="tiny", policy=FLOAT32)
     tx = task.workload.make_optimizer(task.config, 10)
     batches = [task.train_data.get(np.arange(i * 16, (i + 1) * 16) % len(task.train_data)) for i in range(3)]
     state = task.init_state(jax.random.key(0), tx)
     ref, ref_metrics = run_single(make_train_step(task, tx), state, batches)
     grouped = make_task(name, config="tiny", policy=FLOAT32, bn_axis=BN_GROUP)
-    dp = data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8))
-    out, metrics = run_parallel(dp, state, batches)
-    assert np.isfinite(metrics["loss"])
-    assert max_abs_diff(ref.params, out.params) <= 1e-5
-    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    runs = [
+        data_parallel(make_train_step(task, tx), make_mesh()),
+        data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8)),
+    ]
+    for dp in runs:
+        out, metrics = run_parallel(dp, state, batches)
+        assert np.isfinite(metrics["loss"])
+        assert max_abs_diff(ref.params, out.params) <= 1e-5
+        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_compiled_step_keeps_scans_as_loops_and_gathers_no_activations(name):
+    task, tx, batches = _tiny(name)
+    step = make_train_step(task, tx)
+    state = task.init_state(jax.random.key(0), tx)
+    eqns = _all_eqns(jax.make_jaxpr(step)(state, batches[0]).jaxpr)
+    # Scans the config itself asks to unroll (gnmt's tiny config) compile to straight-line code.
+    scans = sum(e.primitive.name == "scan" and e.params["unroll"] not in (True, e.params["length"]) for e in eqns)
+    dp = data_parallel(step, make_mesh())
+    text = dp.lower(dp.place_state(state, batches[0]), batches[0]).compile().as_text()
+    assert dp.trace.whole_ops == []  # every op of the model ran on its local rows
+    if scans:
+        assert text.count(" while(") >= 1, f"{name}: {scans} scans in the step, no while loop compiled"
 
 
 @pytest.mark.slow
@@ -167,3 +187,24 @@ def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
         assert got[task.eval_metric] == np.sum(per) / 100
     else:  # masked-LM accuracy: a mean over each sequence's positions, summed in another order
         np.testing.assert_allclose(got[task.eval_metric], np.sum(per) / 100, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_bert_large_full_at_one_sequence_per_replica_needs_far_less_memory_than_one_device_on_the_batch():
+    """Compiled only (shapes): temporaries per device with 8 replicas x 1 sequence against one device
+    holding the whole batch of 8. (Against one device at one sequence it is 2.8x: see
+    docs/benchmarks.md; the gradient buffers of the sums are the difference.)"""
+    workload = workloads.get("bert-large")
+    cfg = workload.config("full")
+    task = Task(workload.make_model(cfg, BF16, None), "bert-large", None, None, workload=workload, config=cfg)
+    tx = workload.make_optimizer(cfg, cfg.train_steps)
+    batch = task.batch_shapes(8)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    step = make_train_step(task, tx)
+    one = jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    dp = data_parallel(step, make_mesh())
+    dp.prepare(state, batch)
+    compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
+    per_device = compiled.memory_analysis().temp_size_in_bytes
+    assert per_device < one / 3
+    assert compiled.as_text().count(" while(") >= 2  # the 24 layers stay one loop, forward and backward

@@ -123,8 +123,11 @@ def _is_float(dtype) -> bool:
 class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the module docstring."""
 
-    def __init__(self, axes: Sequence[str], n: int, group_axis: str | None = None, group_size: int = 1):
+    def __init__(self, axes: Sequence[str], n: int, group_axis: str | None = None, group_size: int = 1,
+                 batch_rows: int | None = None):  # fmt: skip
         self.axes, self.n = tuple(axes), n
+        self.batch_rows = batch_rows
+        """The global batch size: a random draw with this many leading rows is drawn row-split."""
         self.group_axis, self.group_size = group_axis, group_size
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
@@ -262,6 +265,10 @@ class Partitioner:
                 return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in _CONTROL:
             return _CONTROL[name](self, eqn, ins)
+        if name == "random_bits" and layouts == [REPLICATED]:
+            out = _random_bits_rows(self, eqn, ins[0][0])
+            if out is not None:
+                return out
         if all(lay is REPLICATED for lay in layouts):
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in _IDENTITY and len(ins) == 1:
@@ -406,6 +413,38 @@ def _global_shape(var) -> tuple[int, ...]:
 
 
 # -- rules for split values ----------------------------------------------------------------------
+
+
+def _random_bits_rows(p: Partitioner, eqn, key):
+    """This replica's rows of a threefry draw with the batch's leading size (a dropout mask):
+    the very bits of the single-device draw (``jax_threefry_partitionable``: bit i is a function
+    of the key and the flat index i), computed for the local rows only."""
+    shape, bit_width = tuple(eqn.params["shape"]), eqn.params["bit_width"]
+    if not shape or shape[0] != p.batch_rows or not p.splittable(shape, 0) or np.shape(key) != ():
+        return None
+    if not jax.config.jax_threefry_partitionable or "threefry" not in str(jax.random.key_impl(key)):
+        return None
+    from jax._src.random import prng, threefry2x32
+
+    local = (shape[0] // p.n, *shape[1:])
+    size = math.prod(local)
+    offsets = np.arange(p.n, dtype=np.uint64) * np.uint64(size)  # each replica's first flat index
+    hi_table = jnp.asarray((offsets >> np.uint64(32)).astype(np.uint32))
+    lo_table = jnp.asarray((offsets & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+    hi, lo = prng.iota_2x32_shape(local)
+    off_hi, off_lo = hi_table[p.index()], lo_table[p.index()]
+    lo2 = lo + off_lo
+    hi = hi + off_hi + (lo2 < lo).astype(jnp.uint32)  # carry
+    k1, k2 = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32.threefry2x32_p.bind(k1, k2, hi, lo2)
+    dtype = prng.UINT_DTYPES[bit_width]
+    if bit_width == 64:
+        bits = lax.shift_left(bits1.astype(dtype), jnp.asarray(32, dtype)) | bits2.astype(dtype)
+    elif bit_width == 32:
+        bits = bits1 ^ bits2
+    else:
+        bits = (bits1 ^ bits2).astype(dtype)
+    return [(bits, Split(0))]
 
 
 def _elementwise(p: Partitioner, eqn, ins):
@@ -675,14 +714,21 @@ def _scatter(p: Partitioner, eqn, ins):
             return [(o, Split(d)) for o in p.bind(eqn, vals)]
     if eqn.primitive.name not in ("scatter-add", "scatter_add"):
         return None
-    if ol is REPLICATED and isinstance(il, Split) and il.dim < len(ishape) - 1 and il.dim not in ibatch:
-        ud = upd_scatter[il.dim]
-        if ul not in (Split(ud), REPLICATED) or not p.splittable(ushape, ud):
-            return None
-        # Each replica adds its rows' updates; the operand counted once (replica 0): a partial sum.
-        vals = [p.convert(op, REPLICATED, PARTIAL), idx, p.convert(upd, ul, Split(ud))]
-        return [(o, PARTIAL) for o in p.bind(eqn, vals)]
-    return None
+    # Rows of updates scattered into a whole operand (an embedding's gradient): each replica adds
+    # its rows; the operand is counted once (on replica 0), so the result is a partial sum.
+    if isinstance(il, Split) and il.dim < len(ishape) - 1 and il.dim not in ibatch:
+        i = il.dim
+    elif isinstance(ul, Split) and ul.dim in upd_scatter:
+        i = upd_scatter.index(ul.dim)
+    else:
+        return None
+    ud = upd_scatter[i]
+    if ol is not REPLICATED or il not in (Split(i), REPLICATED) or ul not in (Split(ud), REPLICATED):
+        return None
+    if not (p.splittable(ishape, i) and p.splittable(ushape, ud)):
+        return None
+    vals = [p.convert(op, REPLICATED, PARTIAL), p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
+    return [(o, PARTIAL) for o in p.bind(eqn, vals)]
 
 
 def _slice(p: Partitioner, eqn, ins):
@@ -777,6 +823,32 @@ def _split_op(p: Partitioner, eqn, ins):
     return [(o, lay) for o in p.bind(eqn, [v])]
 
 
+def _windowed(p: Partitioner, eqn, ins):
+    """Pooling (``reduce_window_*``, and ``select_and_scatter_add``/``select_and_gather_add`` of
+    its derivative): a window of size 1, stride 1, no padding along the split dimension runs on
+    the local rows."""
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    prm = eqn.params
+    if prm["window_dimensions"][dim] != 1 or prm["window_strides"][dim] != 1 or tuple(prm["padding"][dim]) != (0, 0):
+        return None
+    for key in ("base_dilation", "window_dilation"):
+        if key in prm and prm[key][dim] != 1:
+            return None
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        shape = _global_shape(var)
+        if shape == ():
+            vals.append(v)  # an init value
+        elif isinstance(lay, Split) or p.splittable(shape, dim):
+            vals.append(p.convert(v, lay, Split(dim)))
+        else:
+            return None
+    return [(o, Split(dim)) for o in p.bind(eqn, vals)]
+
+
 def _optimization_barrier(p: Partitioner, eqn, ins):
     outs = p.bind(eqn, [v for v, _ in ins])
     return list(zip(outs, [lay for _, lay in ins], strict=True))
@@ -815,6 +887,12 @@ _RULES = {
     "stack": _stack,
     "split": _split_op,
     "optimization_barrier": _optimization_barrier,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
+    "reduce_window_sum": _windowed,
+    "reduce_window": _windowed,
+    "select_and_scatter_add": _windowed,
+    "select_and_gather_add": _windowed,
 }
 
 
