@@ -2,7 +2,8 @@
 
 from podscale.parallel.engine import DataParallelStep, data_parallel
 from podscale.parallel.mesh import make_mesh
+from podscale.parallel.strategy import Strategy
 from podscale.train.evaluate import distributed_eval
 
-__all__ = ["DataParallelStep", "data_parallel", "distributed_eval", "make_mesh"]
+__all__ = ["DataParallelStep", "Strategy", "data_parallel", "distributed_eval", "make_mesh"]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import os
 import sys
 
 from podscale.parallel.mesh import parse_shape
+from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed
 from podscale.train.checkpoint import CheckpointError
 
@@ -40,27 +41,6 @@ def _train_parser(sub) -> None:
         help="global batch size over all replicas (default 64, or the workload config's)",
     )
     p.add_argument(
-        "--grad-sum",
-        default="1d",
-        choices=["1d", "2d"],
-        help="2d: on a 2-D --mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back",
-    )
-    p.add_argument(
-        "--grad-sum-chunks",
-        type=int,
-        default=None,
-        help="pipelined chunks per fused buffer with --grad-sum 2d (default 4)",
-    )
-    p.add_argument(
-        "--grad-sum-dtype", default=None, choices=["float32", "bfloat16"], help="sum gradients in this dtype (opt-in)"
-    )
-    p.add_argument(
-        "--axis-costs",
-        default=None,
-        help="which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)",
-    )
-    p.add_argument("--bucket-bytes", type=int, default=None, help="size of the fused gradient buffers (default 16 MiB)")
-    p.add_argument(
         "--precision",
         default=defaults.precision,
         choices=["bf16", "float32"],
@@ -87,18 +67,13 @@ def _train_parser(sub) -> None:
         help="held-out metric (accuracy; exact_match or mlm_accuracy for workloads) to stop at; reports time to target",
     )
     p.add_argument(
-        "--weight-update",
-        default="replicated",
-        choices=["replicated", "sharded"],
-        help="sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state",
-    )
-    p.add_argument(
         "--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)"
     )
     p.add_argument("--metrics-file", default=None, help="JSON-lines metrics (default: WORKDIR/metrics.jsonl)")
     p.add_argument("--export", default=None, help="write the final parameters to this .npz file")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    add_flags(p)
     g = p.add_argument_group("devices and processes")
     g.add_argument(
         "--replicas",
@@ -140,6 +115,7 @@ def _run_train(args) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
+    values["strategy"] = from_flags(args)
     values["progress"] = not args.no_progress
     summary = train(TrainConfig(**values))
     if jax.process_index() == 0:
@@ -167,7 +143,7 @@ def _run_train(args) -> int:
 
 
 def _plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="show the weight-update plan of a model's step without running it")
+    p = sub.add_parser("plan", help="show what the step does on the mesh, without running it")
     p.add_argument("--model", default="mlp")
     p.add_argument("--config", default=None, help="MLPerf workloads: tiny or full")
     p.add_argument("--data", default=None)
@@ -175,15 +151,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--replicas", type=int, default=None)
-    p.add_argument("--weight-update", default="sharded", choices=["replicated", "sharded"])
-    p.add_argument("--min-shard-size", type=int, default=None, help="tensors smaller than this stay replicated")
-    p.add_argument("--strict", action="store_true", help="fail when an op of the update cannot run on shards")
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2")
-    p.add_argument("--grad-sum", default="1d", choices=["1d", "2d"])
-    p.add_argument("--grad-sum-chunks", type=int, default=None)
-    p.add_argument("--grad-sum-dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--axis-costs", default=None, help="calibrate, or AXIS=BYTES_PER_S:LATENCY_S,...")
     p.add_argument("--json", action="store_true")
+    add_flags(p, Strategy(weight_update="sharded"))
 
 
 def _run_plan(args) -> int:
@@ -192,26 +162,12 @@ def _run_plan(args) -> int:
     import jax
 
     from podscale import data_parallel, make_mesh
-    from podscale.parallel.gradsum import parse_axis_costs
-    from podscale.parallel.weight_update import DEFAULT_MIN_SHARD_SIZE
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
     task = make_task(args.model, args.data, config=args.config)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
-    dp = data_parallel(
-        make_train_step(task, tx),
-        make_mesh(args.mesh),
-        weight_update=args.weight_update,
-        min_shard_size=args.min_shard_size or DEFAULT_MIN_SHARD_SIZE,
-        strict=args.strict,
-        grad_sum=args.grad_sum,
-        grad_sum_chunks=args.grad_sum_chunks,
-        grad_sum_dtype=args.grad_sum_dtype,
-        axis_costs=parse_axis_costs(args.axis_costs),
-    )
+    dp = data_parallel(make_train_step(task, tx), make_mesh(args.mesh), from_flags(args))
     plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))
-    if args.strict and plan.gathered_ops:
-        raise ValueError(f"--strict: these ops of the update cannot run on shards: {', '.join(plan.gathered_ops)}")
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:
@@ -396,8 +352,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             return _run_plan(args)
         return _run_train(args)
     except (ValueError, CheckpointError) as e:
-        print(f"podscale: error: {e}", file=sys.stderr)
+        print(f"podscale: error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
+
+
+def _as_flags(message: str) -> str:
+    """Library errors name parameters (``grad_sum='2d'``, ``min_shard_size must``); on the command
+    line they are flags (``--grad-sum 2d``). The one place the two meet."""
+    import re
+
+    for f in dataclasses.fields(Strategy):
+        message = re.sub(rf"\b{f.name}=(['\"]?)([^'\"\s,;]*)\1", rf"{flag_name(f.name)} \2", message)
+        message = re.sub(rf"\b{f.name} must\b", f"{flag_name(f.name)} must", message)
+    return message
 
 
 if __name__ == "__main__":

@@ -33,9 +33,8 @@ from podscale.parallel import _interpret, state_layout
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import BN_GROUP, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
+from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MIN_SHARD_SIZE,
     Layout,
     Rewriter,
     Sharded,
@@ -45,8 +44,6 @@ from podscale.parallel.weight_update import (
 )
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
-
-WEIGHT_UPDATES = ("replicated", "sharded")
 
 
 def _path(path) -> str:
@@ -112,47 +109,30 @@ class DataParallelStep:
     argument is donated. :meth:`gather_state` returns the plain pytree.
     """
 
-    def __init__(
-        self,
-        step: Step,
-        mesh: Mesh,
-        *,
-        weight_update: str = "replicated",
-        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-        strict: bool = False,
-        donate_state: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        grad_sum: str = "1d",
-        grad_sum_chunks: int | None = None,
-        grad_sum_dtype=None,
-        axis_costs=None,
-    ):
-        if weight_update not in WEIGHT_UPDATES:
-            raise ValueError(f"weight_update={weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
-        if min_shard_size < 1:
-            raise ValueError(f"min_shard_size must be at least 1, got {min_shard_size}")
-        self.step, self.mesh, self.weight_update = step, mesh, weight_update
-        self.min_shard_size, self.strict, self.donate_state = min_shard_size, strict, donate_state
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be at least 1, got {bucket_bytes}")
-        self.bucket_bytes = bucket_bytes
-        self.grad_sum = make_grad_sum(mesh, grad_sum, grad_sum_chunks, grad_sum_dtype, axis_costs, nbytes=bucket_bytes)
+    def __init__(self, step: Step, mesh: Mesh, strategy: Strategy | None = None, *, donate_state: bool = True):
+        self.step, self.mesh = step, mesh
+        self.strategy = strategy or Strategy()
+        self.donate_state = donate_state
+        self.axes = self.strategy.axes(mesh)
+        st = self.strategy
+        self.grad_sum = make_grad_sum(
+            mesh, st.grad_sum, st.grad_sum_chunks, st.grad_sum_dtype, st.axis_costs, nbytes=st.bucket_bytes
+        )
         self.layout: state_layout.StateLayout | None = None
         self.trace: Trace | None = None
         self._global: tuple | None = None
         self._jitted = None
 
-    @property
-    def sharded(self) -> bool:
-        return self.weight_update == "sharded"
+    # The strategy's fields, as the rest of the step reads them.
+    weight_update = property(lambda self: self.strategy.weight_update)
+    min_shard_size = property(lambda self: self.strategy.min_shard_size)
+    bucket_bytes = property(lambda self: self.strategy.bucket_bytes)
+    strict = property(lambda self: self.strategy.strict)
+    sharded = property(lambda self: self.strategy.sharded)
 
     @property
     def replicas(self) -> int:
         return replica_count(self.mesh)
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return tuple(self.mesh.axis_names)
 
     @property
     def group_axis(self) -> str | None:
@@ -417,18 +397,7 @@ class DataParallelStep:
 
 
 def data_parallel(
-    step: Step,
-    mesh: Mesh,
-    *,
-    weight_update: str = "replicated",
-    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
-    strict: bool = False,
-    donate_state: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    grad_sum: str = "1d",
-    grad_sum_chunks: int | None = None,
-    grad_sum_dtype=None,
-    axis_costs=None,
+    step: Step, mesh: Mesh, strategy: Strategy | None = None, *, donate_state: bool = True, **options
 ) -> DataParallelStep:
     """Runs an unmodified single-device ``step(state, batch)`` data-parallel over ``mesh``.
 
@@ -437,21 +406,11 @@ def data_parallel(
     the non-padding rows), optimizer, dropout or batch norm; see the module docstring. Batch norm
     over groups of replicas is opt-in (``make_mesh(bn_group_size=k)``).
 
-    Args:
-      weight_update: ``"replicated"`` (every replica runs the whole update) or ``"sharded"``
-        (each replica updates 1/N of the weights and keeps 1/N of the optimizer state).
-      min_shard_size: tensors with fewer elements stay replicated (sharded update only).
-      strict: refuse, before running, a step in which some op would run on gathered (whole)
-        values instead of on shards; ``dp.plan()`` lists them either way.
-      bucket_bytes: size of the fused gradient buffers (and, divided by the replica count, of
-        the fused weight all-gathers); results do not depend on it.
-      grad_sum: ``"1d"`` (one collective over all mesh axes) or ``"2d"`` on a 2-D mesh: gradients
-        are reduce-scattered along one axis, all-reduced (or, with the sharded update,
-        reduce-scattered) along the other, then all-gathered (see ``podscale.gradsum``).
-      grad_sum_chunks: pipelined chunks per fused buffer for ``"2d"`` (default 4).
-      grad_sum_dtype: sum gradients in this dtype (e.g. ``jnp.bfloat16``); opt-in.
-      axis_costs: ``{axis: gradsum.AxisCost}`` from a topology, or ``"calibrate"``: decides which
-        axis the 2-D sum goes along first. Without it, mesh order.
+    ``strategy`` (:class:`podscale.Strategy`) says how: the weight update (``"replicated"`` or
+    ``"sharded"``), how gradients are summed (1-D or 2-D, chunks, dtype, bucket size), ``strict``.
+    Its fields may also be given as keywords, alone or to change a given strategy:
+    ``data_parallel(step, mesh, weight_update="sharded")``. ``donate_state=False`` keeps the
+    input state usable after a call.
     """
     if not callable(step):
         raise TypeError(f"data_parallel(step, mesh): step must be callable, got {type(step).__name__}")
@@ -459,16 +418,11 @@ def data_parallel(
         raise TypeError(
             f"data_parallel(step, mesh): mesh must be a jax.sharding.Mesh (see podscale.make_mesh), got {type(mesh).__name__}"
         )
-    return DataParallelStep(
-        step,
-        mesh,
-        weight_update=weight_update,
-        min_shard_size=min_shard_size,
-        strict=strict,
-        donate_state=donate_state,
-        bucket_bytes=bucket_bytes,
-        grad_sum=grad_sum,
-        grad_sum_chunks=grad_sum_chunks,
-        grad_sum_dtype=grad_sum_dtype,
-        axis_costs=axis_costs,
-    )
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"data_parallel(step, mesh, strategy): strategy must be a podscale.Strategy, got {strategy!r}")
+    known = {f.name for f in dataclasses.fields(Strategy)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"data_parallel: unknown options {unknown}; a Strategy has {sorted(known)}")
+    strategy = dataclasses.replace(strategy or Strategy(), **options)
+    return DataParallelStep(step, mesh, strategy, donate_state=donate_state)

@@ -24,9 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from podscale.parallel.engine import data_parallel
-from podscale.parallel.gradsum import parse_axis_costs
 from podscale.parallel.mesh import BN_GROUP, make_mesh
-from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES
+from podscale.parallel.strategy import Strategy
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
@@ -74,18 +73,9 @@ class TrainConfig:
     """Held-out accuracy at which to stop and report the time to target."""
     mesh: tuple[int, ...] | None = None
     """Mesh shape; default a 1-D mesh over all devices."""
-    weight_update: str = "replicated"
-    """``replicated`` or ``sharded`` (cross-replica weight-update sharding)."""
-    grad_sum: str = "1d"
-    """``1d`` (one collective over all mesh axes) or ``2d`` (on a 2-D ``mesh``; see ``podscale.gradsum``)."""
-    grad_sum_chunks: int | None = None
-    """Pipelined chunks per fused gradient buffer with ``grad_sum="2d"`` (default 4)."""
-    grad_sum_dtype: str | None = None
-    """Sum gradients in this dtype, e.g. ``bfloat16`` (opt-in; default: the gradients' own)."""
-    axis_costs: str | None = None
-    """Which axis the 2-D sum goes along first: ``calibrate``, or ``x=BW:LAT,y=BW:LAT``."""
-    bucket_bytes: int | None = None
-    """Size of the fused gradient buffers (default 16 MiB)."""
+    strategy: Strategy = dataclasses.field(default_factory=Strategy)
+    """How the step is spread over the mesh (weight update, gradient summation); see
+    :class:`podscale.Strategy`. ``podscale train`` makes its flags from the strategy's fields."""
     precision: str = "bf16"
     """MLPerf workloads: ``bf16`` (bfloat16 convolutions and matrix products, float32 state) or
     ``float32``."""
@@ -151,16 +141,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
-    dp = data_parallel(
-        make_train_step(task, optimizer),
-        mesh,
-        weight_update=config.weight_update,
-        grad_sum=config.grad_sum,
-        grad_sum_chunks=config.grad_sum_chunks,
-        grad_sum_dtype=config.grad_sum_dtype,
-        axis_costs=parse_axis_costs(config.axis_costs),
-        bucket_bytes=DEFAULT_BUCKET_BYTES if config.bucket_bytes is None else config.bucket_bytes,
-    )
+    dp = data_parallel(make_train_step(task, optimizer), mesh, config.strategy)
     if batch_size % dp.replicas:
         raise ValueError(
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"
@@ -317,7 +298,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
             "mode": dp.grad_sum.mode,
             "order": list(dp.grad_sum.order),
             "chunks": dp.grad_sum.chunks,
-            "dtype": config.grad_sum_dtype,
+            "dtype": config.strategy.grad_sum_dtype,
         },
         model=config.model,
         config=config.config,

@@ -1,0 +1,119 @@
+"""How a step is spread over a mesh: one value, written once.
+
+``Strategy`` is what :func:`podscale.data_parallel` takes, what the trainer's ``TrainConfig``
+holds, what ``podscale train``, ``plan`` and ``bench`` build their flags from (one flag per field,
+its help the field's), and what the plan reports. Its fields check themselves when the value is
+made, and their errors name the parameter; the CLI maps parameter names to flags in one place
+(:func:`flag_name`).
+
+The data axes are named here once: the mesh axes the batch is split over. Today every mesh axis
+is a data axis; model axes (spatial, tensor) will be the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from podscale.parallel.gradsum import MODES, parse_axis_costs
+from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
+
+WEIGHT_UPDATES = ("replicated", "sharded")
+SUM_DTYPES = ("float32", "bfloat16")
+
+
+def _field(default, help: str, **flag):
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """The parallel strategy of a step; ``Strategy()`` is plain data parallelism."""
+
+    data_axes: tuple[str, ...] | None = _field(
+        None, "mesh axes the batch is split over (default: every mesh axis)", cli=False
+    )
+    weight_update: str = _field(
+        "replicated",
+        "sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state",
+        choices=WEIGHT_UPDATES,
+    )
+    min_shard_size: int = _field(
+        DEFAULT_MIN_SHARD_SIZE, "with the sharded update, tensors with fewer elements stay replicated"
+    )
+    bucket_bytes: int = _field(DEFAULT_BUCKET_BYTES, "size of the fused gradient buffers in bytes (16 MiB)")
+    grad_sum: str = _field(
+        "1d",
+        "2d: on a 2-D mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back",
+        choices=MODES,
+    )
+    grad_sum_chunks: int | None = _field(None, "pipelined chunks per fused buffer with grad_sum 2d (default 4)")
+    grad_sum_dtype: Any = _field(None, "sum gradients in this dtype (opt-in; default theirs)", choices=SUM_DTYPES)
+    axis_costs: Any = _field(
+        None,
+        "which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)",
+    )
+    strict: bool = _field(False, "refuse, before running, a step with ops that would run on gathered values")
+
+    def __post_init__(self):
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_update={self.weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
+        for name in ("min_shard_size", "bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.grad_sum not in MODES:
+            raise ValueError(f"grad_sum={self.grad_sum!r}: choose one of {', '.join(MODES)}")
+        if self.grad_sum_chunks is not None and self.grad_sum_chunks < 1:
+            raise ValueError(f"grad_sum_chunks must be at least 1, got {self.grad_sum_chunks}")
+        if isinstance(self.axis_costs, str) and self.axis_costs != "calibrate":
+            object.__setattr__(self, "axis_costs", parse_axis_costs(self.axis_costs))
+        if self.data_axes is not None:
+            object.__setattr__(self, "data_axes", tuple(self.data_axes))
+
+    @property
+    def sharded(self) -> bool:
+        return self.weight_update == "sharded"
+
+    def axes(self, mesh) -> tuple[str, ...]:
+        """The data axes on ``mesh``; every mesh axis must be one (model axes are not built yet)."""
+        if self.data_axes is None:
+            return tuple(mesh.axis_names)
+        unknown = [a for a in self.data_axes if a not in mesh.axis_names]
+        if unknown:
+            raise ValueError(f"data_axes {unknown} are not axes of the mesh {dict(mesh.shape)}")
+        rest = [a for a in mesh.axis_names if a not in self.data_axes]
+        if rest:
+            raise ValueError(
+                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}); podscale has no model axes yet: "
+                "leave data_axes out, or make the mesh of data axes only"
+            )
+        return tuple(a for a in mesh.axis_names if a in self.data_axes)  # mesh order: the batch's split order
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a parameter, the one place the CLI and the library meet."""
+    return "--" + field.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, defaults: Strategy | None = None) -> None:
+    """One flag per ``Strategy`` field, with the field's help, choices and default."""
+    defaults = defaults or Strategy()
+    group = parser.add_argument_group("parallel strategy")
+    for f in dataclasses.fields(Strategy):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        default = getattr(defaults, f.name)
+        if f.type in ("bool", bool):
+            group.add_argument(flag_name(f.name), action="store_true", default=default, help=meta["help"])
+            continue
+        kind = int if f.type in ("int", "int | None") else str
+        group.add_argument(
+            flag_name(f.name), type=kind, default=default, choices=meta.get("choices"), help=meta["help"]
+        )
+
+
+def from_flags(args: argparse.Namespace) -> Strategy:
+    """The ``Strategy`` the flags of :func:`add_flags` describe."""
+    return Strategy(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Strategy) if hasattr(args, f.name)})
