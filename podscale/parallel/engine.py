@@ -35,6 +35,7 @@ from podscale.parallel.mesh import BN_GROUP, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
+    Collective,
     Layout,
     Rewriter,
     Sharded,
@@ -254,6 +255,9 @@ class DataParallelStep:
                 raise TypeError("the step must return a pair (new_state, metrics)") from None
             layout.check(new_state, "the step's new_state")
             trace.whole_ops = list(part.whole_ops)
+            trace.collectives[:0] = [
+                Collective(kind, axes, nbytes, 1, why) for kind, axes, nbytes, why in part.collectives
+            ]
             new_state = self._finish_state(chunks, trace, new_state)
             pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))
             metrics = jax.tree.unflatten(

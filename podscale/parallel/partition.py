@@ -96,7 +96,7 @@ ELEMENTWISE = frozenset(
     pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
     sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
     random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
-    stop_gradient""".split()
+    stop_gradient bitcast_convert_type erf_inv""".split()
 )
 """Ops whose outputs are computed position by position from their operands' positions (with the
 operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
@@ -132,10 +132,16 @@ class Partitioner:
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
         self._feeds_group_sum: set = set()
+        self._zeros: set = set()
+        """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
         self._group_values: set[int] = set()
         """ids of the group values an equation is being computed on (as replicated ones)."""
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
+        self.collectives: list[tuple[str, tuple[str, ...], int, str]] = []
+        """The collectives the partitioning adds itself, for the plan: (kind, mesh axes, bytes per
+        device of the result, what for). Its sums of partial values are the replay's to fuse and
+        record."""
         self._memo: dict[tuple, tuple[Any, Any]] = {}
         """Conversions already made, by (id of the local value, source, destination): a partial
         sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
@@ -167,10 +173,17 @@ class Partitioner:
         if layout is REPLICATED:
             return x
         if layout is GROUP:  # the groups' values averaged (their running statistics, say)
+            self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
             return lax.pmean(x, self.axes)
         if layout is PARTIAL:
             return lax.psum(x, self.axes)
-        return all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
+        out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
+        self.record("all-gather", self.axes, out, "rows made whole")
+        return out
+
+    def record(self, kind: str, axes, result, why: str) -> None:
+        nbytes = math.prod(np.shape(result)) * np.dtype(result.dtype).itemsize
+        self.collectives.append((kind, tuple(axes), int(nbytes), why))
 
     def convert(self, x, src: Layout, dst: Layout):
         if src == dst:
@@ -232,6 +245,8 @@ class Partitioner:
         if self.group_axis is not None:
             self._feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
         for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
+                self._zeros.add(eqn.outvars[0])
             ins = [read(v) for v in eqn.invars]
             outs = self.equation(eqn, ins)
             for var, out in zip(eqn.outvars, outs, strict=True):
@@ -302,6 +317,7 @@ class Partitioner:
         if lay is PARTIAL:
             groups = self.n // self.group_size
             total = lax.psum(v, self.group_axis)
+            self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
             return (total * jnp.asarray(groups, total.dtype), GROUP)
         return (v, lay)  # already whole: a sum over one member
 
@@ -456,6 +472,10 @@ def _elementwise(p: Partitioner, eqn, ins):
     (dim,) = dims
     if name in _KEY_OPS and dim >= len(eqn.invars[0].aval.shape):
         return None  # random-key ops extend their key's shape; only the key's dimensions split
+    if name == "bitcast_convert_type" and dim >= min(len(shape), len(eqn.invars[0].aval.shape)) - (
+        len(shape) != len(eqn.invars[0].aval.shape)
+    ):
+        return None  # a change of width adds or drops the last dimension
     vals = []
     for (v, lay), var in zip(ins, eqn.invars, strict=True):
         vshape = tuple(getattr(var.aval, "shape", ()))
@@ -562,6 +582,7 @@ def _reduce(p: Partitioner, eqn, ins):
     collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
     if collective is None:
         return None
+    p.record("all-reduce", p.axes, local, f"{name} over the rows")
     return [(collective(local, p.axes), REPLICATED)]
 
 
@@ -573,6 +594,7 @@ def _reduce_or_and(p: Partitioner, eqn, ins):
         return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
     as_int = local.astype(jnp.int32)
     combined = lax.pmax(as_int, p.axes) if eqn.primitive.name == "reduce_or" else lax.pmin(as_int, p.axes)
+    p.record("all-reduce", p.axes, combined, f"{eqn.primitive.name} over the rows")
     return [(combined.astype(local.dtype), REPLICATED)]
 
 
@@ -727,7 +749,9 @@ def _scatter(p: Partitioner, eqn, ins):
         return None
     if not (p.splittable(ishape, i) and p.splittable(ushape, ud)):
         return None
-    vals = [p.convert(op, REPLICATED, PARTIAL), p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
+    zero = not isinstance(eqn.invars[0], core.Literal) and eqn.invars[0] in p._zeros
+    operand = op if zero else p.convert(op, REPLICATED, PARTIAL)
+    vals = [operand, p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
     return [(o, PARTIAL) for o in p.bind(eqn, vals)]
 
 
@@ -904,8 +928,8 @@ def _inline(param: str):
         closed = eqn.params[param]
         jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, core.ClosedJaxpr) else (closed, ())
         extra = len(ins) - len(jaxpr.invars)
-        if all(lay is REPLICATED for _, lay in ins):
-            return [(o, REPLICATED) for o in p.bind(eqn, [v for v, _ in ins])]
+        # Inlined even when every input is whole: the replay then sees one flat program and can
+        # run a nested helper's update work (optax's jitted norms) on shards too.
         return p.run(jaxpr, consts, ins[extra:])
 
     return rule
@@ -963,12 +987,12 @@ def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
 def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16):
     """Runs ``attempt(targets, pinned)`` until the layouts it assumes are the layouts it gets."""
     targets, pinned = list(initial), set()
-    mark = len(p.whole_ops)
+    mark, cmark = len(p.whole_ops), len(p.collectives)
     for _ in range(limit):
         try:
             return attempt(targets, frozenset(pinned))
         except _Retry as r:
-            del p.whole_ops[mark:]  # that trace is dropped
+            del p.whole_ops[mark:], p.collectives[cmark:]  # that trace is dropped
             pinned |= {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a is not REPLICATED and b is REPLICATED}
             targets = r.layouts
     return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))))
