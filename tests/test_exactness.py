@@ -364,3 +364,19 @@ def test_random_draws_with_the_batch_rows_are_the_single_devices_bits(mesh_shape
     for name in ref:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(ref[name]), err_msg=name)
     assert dp.trace.whole_ops == []
+
+
+def test_independent_random_streams_are_opt_in_and_differ_from_one_device():
+    def step(key, batch):
+        return key, {"mask": jax.random.bernoulli(key, 0.5, (batch["x"].shape[0], 64))}
+
+    key, batch = jax.random.key(4), {"x": jnp.ones((64, 3))}
+    ref = np.asarray(jax.jit(step)(key, batch)[1]["mask"])
+    dp = data_parallel(step, make_mesh(), rng="independent")
+    got = np.asarray(dp(dp.place_state(key), batch)[1]["mask"])
+    assert (got != ref).mean() > 0.3  # other bits ...
+    rows = got.reshape(8, 8, 64)
+    assert all((rows[i] != rows[0]).any() for i in range(1, 8))  # ... and a stream per replica
+    assert 0.4 < got.mean() < 0.6
+    with pytest.raises(ValueError, match="rng='shared'"):
+        data_parallel(step, make_mesh(), rng="shared")

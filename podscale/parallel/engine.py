@@ -204,7 +204,14 @@ class DataParallelStep:
         ``shard_map`` (its inputs typed per replica), with every output whole."""
         group = self.group_axis
         rows = np.shape(batch_leaves[0])[0] * self.replicas if batch_leaves else None
-        part = Partitioner(self.axes, self.replicas, group, self.mesh.shape[group] if group else 1, rows)
+        part = Partitioner(
+            self.axes,
+            self.replicas,
+            group,
+            self.mesh.shape[group] if group else 1,
+            rows,
+            independent_rng=self.strategy.rng == "independent",
+        )
 
         def local(state_leaves, batch_leaves):
             ins = [(x, REPLICATED) for x in state_leaves] + [(x, Split(0)) for x in batch_leaves]

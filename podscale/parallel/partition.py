@@ -124,8 +124,10 @@ class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the module docstring."""
 
     def __init__(self, axes: Sequence[str], n: int, group_axis: str | None = None, group_size: int = 1,
-                 batch_rows: int | None = None):  # fmt: skip
+                 batch_rows: int | None = None, independent_rng: bool = False):  # fmt: skip
         self.axes, self.n = tuple(axes), n
+        self.independent_rng = independent_rng
+        """Opt-in: batch-shaped draws come from per-replica streams instead of one device's."""
         self.batch_rows = batch_rows
         """The global batch size: a random draw with this many leading rows is drawn row-split."""
         self.group_axis, self.group_size = group_axis, group_size
@@ -438,11 +440,14 @@ def _random_bits_rows(p: Partitioner, eqn, key):
     shape, bit_width = tuple(eqn.params["shape"]), eqn.params["bit_width"]
     if not shape or shape[0] != p.batch_rows or not p.splittable(shape, 0) or np.shape(key) != ():
         return None
-    if not jax.config.jax_threefry_partitionable or "threefry" not in str(jax.random.key_impl(key)):
-        return None
     from jax._src.random import prng, threefry2x32
 
     local = (shape[0] // p.n, *shape[1:])
+    if p.independent_rng:  # rng="independent": this replica's own stream
+        mine = jax.random.fold_in(key, p.index())
+        return [(jax.random.bits(mine, local, prng.UINT_DTYPES[bit_width]), Split(0))]
+    if not jax.config.jax_threefry_partitionable or "threefry" not in str(jax.random.key_impl(key)):
+        return None
     size = math.prod(local)
     offsets = np.arange(p.n, dtype=np.uint64) * np.uint64(size)  # each replica's first flat index
     hi_table = jnp.asarray((offsets >> np.uint64(32)).astype(np.uint32))

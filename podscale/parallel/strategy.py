@@ -20,6 +20,7 @@ from podscale.parallel.gradsum import MODES, parse_axis_costs
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
 
 WEIGHT_UPDATES = ("replicated", "sharded")
+RNGS = ("single-device", "independent")
 SUM_DTYPES = ("float32", "bfloat16")
 
 
@@ -55,6 +56,12 @@ class Strategy:
         "which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)",
     )
     strict: bool = _field(False, "refuse, before running, a step with ops that would run on gathered values")
+    rng: str = _field(
+        "single-device",
+        "independent (opt-in): each replica draws its rows of a batch-shaped random draw from its own "
+        "stream (fold_in of the replica index), which no longer equals one device's draw",
+        choices=RNGS,
+    )
 
     def __post_init__(self):
         if self.weight_update not in WEIGHT_UPDATES:
@@ -62,6 +69,8 @@ class Strategy:
         for name in ("min_shard_size", "bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.rng not in RNGS:
+            raise ValueError(f"rng={self.rng!r}: choose one of {', '.join(RNGS)}")
         if self.grad_sum not in MODES:
             raise ValueError(f"grad_sum={self.grad_sum!r}: choose one of {', '.join(MODES)}")
         if self.grad_sum_chunks is not None and self.grad_sum_chunks < 1:
