@@ -185,29 +185,18 @@ class ResNet(nn.Module):
         cfg, policy = self.config, self.policy
         if x.ndim == 3:
             x = x[..., None]
-        if cfg.stem == "imagenet":
-            x = nn.Conv(
-                cfg.stage_widths[0],
-                (7, 7),
-                (2, 2),
-                padding="SAME",
-                use_bias=False,
-                kernel_init=_conv_init,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                name="stem_conv",
-            )(x)
-        else:
-            x = nn.Conv(
-                cfg.stage_widths[0],
-                (3, 3),
-                padding="SAME",
-                use_bias=False,
-                kernel_init=_conv_init,
-                dtype=policy.compute_dtype,
-                param_dtype=policy.param_dtype,
-                name="stem_conv",
-            )(x)
+        kernel, strides = ((7, 7), (2, 2)) if cfg.stem == "imagenet" else ((3, 3), (1, 1))
+        x = nn.Conv(
+            cfg.stage_widths[0],
+            kernel,
+            strides,
+            padding="SAME",
+            use_bias=False,
+            kernel_init=_conv_init,
+            dtype=policy.compute_dtype,
+            param_dtype=policy.param_dtype,
+            name="stem_conv",
+        )(x)
         x = nn.relu(_batch_norm(policy, self.bn_axis, train, "stem_bn")(x))
         if cfg.stem == "imagenet":
             x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
