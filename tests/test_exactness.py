@@ -380,3 +380,31 @@ def test_independent_random_streams_are_opt_in_and_differ_from_one_device():
     assert 0.4 < got.mean() < 0.6
     with pytest.raises(ValueError, match="rng='shared'"):
         data_parallel(step, make_mesh(), rng="shared")
+
+
+def test_a_depthwise_convolution_runs_on_the_local_rows():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(8, (3, 3))(x)
+            x = nn.Conv(8, (3, 3), feature_group_count=8)(nn.relu(x))  # depthwise
+            return nn.Dense(4)(x.mean((1, 2)))
+
+    model = Net()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 6, 6, 3)))["params"]
+
+    def loss(p, b):
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, b["img"]), b["y"]))
+
+    def batch(i):
+        k = jax.random.fold_in(jax.random.key(3), i)
+        return {"img": jax.random.normal(k, (32, 6, 6, 3)), "y": jnp.arange(32) % 4}
+
+    step = _sgd_step(loss)
+    batches = [batch(i) for i in range(3)]
+    ref, _ = run_single(step, params, batches)
+    dp = data_parallel(step, make_mesh())
+    par, _ = run_parallel(dp, params, batches)
+    assert _rel(par, ref) <= TOL
+    # Only the depthwise kernel's gradient (a convolution grouped over the batch) is made whole.
+    assert all(op.startswith("conv_general_dilated") for op in dp.trace.whole_ops) and len(dp.trace.whole_ops) == 1

@@ -670,10 +670,12 @@ def _conv(p: Partitioner, eqn, ins):
     prm = eqn.params
     dn = prm["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    if prm["feature_group_count"] != 1 or prm["batch_group_count"] != 1:
-        return None
+    if prm["batch_group_count"] != 1:
+        return None  # a grouped convolution's kernel gradient: groups of the batch
     if isinstance(ll, Split) and rl is REPLICATED and ll.dim == lhs_spec[0]:
         return [(o, Split(out_spec[0])) for o in p.bind(eqn, [lhs, rhs])]  # the batch: row by row
+    if prm["feature_group_count"] != 1:
+        return None
     if isinstance(ll, Split) and isinstance(rl, Split) and ll.dim == lhs_spec[1] and rl.dim == rhs_spec[1]:
         return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs])]  # contracts the split batch (a kernel's gradient)
     return None
