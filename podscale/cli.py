@@ -364,7 +364,7 @@ def _as_flags(message: str) -> str:
     for f in dataclasses.fields(Strategy):
         message = re.sub(rf"\b{f.name}=(['\"]?)([^'\"\s,;]*)\1", rf"{flag_name(f.name)} \2", message)
         message = re.sub(rf"\b{f.name} must\b", f"{flag_name(f.name)} must", message)
-    return message
+    return message.replace("make_mesh((x, y))", "--mesh 4x2")
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def make_grad_sum(
         )
         raise ValueError(
             f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}{extra}; make one with "
-            f"make_mesh((x, y)) or --mesh 4x2"
+            "make_mesh((x, y))"
         )
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
     if isinstance(costs, str):
@@ -290,7 +290,7 @@ def make_grad_sum(
 
 
 def parse_axis_costs(text: str | None):
-    """``--axis-costs``: ``calibrate``, or ``AXIS=BANDWIDTH:LATENCY,...`` (bytes/s and seconds,
+    """``axis_costs`` as text: ``calibrate``, or ``AXIS=BANDWIDTH:LATENCY,...`` (bytes/s and seconds,
     e.g. ``x=1e11:1e-6,y=4.5e10:1e-6``)."""
     if text is None or text == "calibrate":
         return text
@@ -301,9 +301,9 @@ def parse_axis_costs(text: str | None):
             bandwidth, latency = (float(f) for f in figures.split(":"))
         except ValueError:
             raise ValueError(
-                f"--axis-costs {text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6"
+                f"axis_costs={text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6"
             ) from None
         if bandwidth <= 0 or latency < 0:
-            raise ValueError(f"--axis-costs {part!r}: bandwidth must be positive and latency at least 0")
+            raise ValueError(f"axis_costs={part!r}: bandwidth must be positive and latency at least 0")
         costs[axis.strip()] = AxisCost(bandwidth, latency)
     return costs

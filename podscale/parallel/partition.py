@@ -123,8 +123,15 @@ def _is_float(dtype) -> bool:
 class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the module docstring."""
 
-    def __init__(self, axes: Sequence[str], n: int, group_axis: str | None = None, group_size: int = 1,
-                 batch_rows: int | None = None, independent_rng: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        axes: Sequence[str],
+        n: int,
+        group_axis: str | None = None,
+        group_size: int = 1,
+        batch_rows: int | None = None,
+        independent_rng: bool = False,
+    ):
         self.axes, self.n = tuple(axes), n
         self.independent_rng = independent_rng
         """Opt-in: batch-shaped draws come from per-replica streams instead of one device's."""
