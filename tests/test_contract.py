@@ -33,9 +33,12 @@ SENSITIVE = {
     "replicas; 7.3e-3 on one device with the rows permuted)",
 }
 LOOSER = {
-    # Updates that divide by a running difference of gradients amplify the summation-order difference.
-    "optax.contrib.acprop": 1e-5,  # measured 6.4e-6
-    "optax.contrib.sophia": 1e-5,  # measured 1.3e-6
+    # Updates that divide by a running difference of gradients (acprop) or by a random Hessian
+    # estimate (sophia) amplify the summation-order difference. acprop: 6.4e-6 here, and 1.9e-6 on
+    # one device with the rows permuted (tested below); sophia: 1.3e-6 here, 3.3e-7 on one device
+    # with the rows permuted (plain adam: 4.5e-7), so 1e-6 is at the noise floor for it.
+    "optax.contrib.acprop": 1e-5,
+    "optax.contrib.sophia": 1e-5,
 }
 
 
@@ -185,8 +188,11 @@ def test_reduce_on_plateau_reads_the_loss_like_one_device(weight_update):
     assert _relative(par, ref) <= TOL
 
 
-@pytest.mark.parametrize(("name", "steps"), [("optax.contrib.galore", 1), ("optax.lbfgs", STEPS)])
-def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_changes(name, steps):
+@pytest.mark.parametrize(
+    ("name", "steps", "bound"),
+    [("optax.contrib.galore", 1, 1e-4), ("optax.lbfgs", STEPS, 1e-4), ("optax.contrib.acprop", STEPS, TOL)],
+)
+def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_changes(name, steps, bound):
     """Why SENSITIVE is not a podscale fault: the same single-device step on the same rows in another
     order (a mean over the batch, so mathematically equal) moves these optimizers apart."""
     tx = _build(name)
@@ -197,4 +203,4 @@ def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_chang
     permuted = [jax.tree.map(lambda x: x[perm], b) for b in batches]
     a, _ = run_single(_step(tx, name), state, batches)
     b, _ = run_single(_step(tx, name), state, permuted)
-    assert _relative(b[0], a[0]) > 1e-4
+    assert _relative(b, a) > bound
