@@ -207,3 +207,23 @@ def test_bert_large_full_at_one_sequence_per_replica_needs_no_more_temporaries_t
     compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= one.memory_analysis().temp_size_in_bytes
     assert compiled.as_text().count(" while(") >= 2  # the 24 layers stay one loop, forward and backward
+
+
+@pytest.mark.parametrize("name", [n for n in workloads.NAMES if getattr(workloads.get(n).config("full"), "dropout", 0)])
+def test_training_applies_the_recipes_dropout_and_inference_none(name):
+    """The published rate, in the full and the tiny config; masks depend on the key, and a step's
+    key on the seed and the step only (a resumed run draws the same masks)."""
+    task, tx, batches = _tiny(name)
+    assert task.dropout == task.workload.config("full").dropout > 0
+    state = task.init_state(jax.random.key(0), tx)
+    variables = {"params": state.params}
+    train_loss = jax.jit(lambda v, b, k: task.workload.train_loss(task.model, v, b, k)[0]["loss"])
+    first, again, other = (train_loss(variables, batches[0], jax.random.key(k)) for k in (1, 1, 2))
+    np.testing.assert_array_equal(first, again)
+    assert not np.allclose(first, other)
+    off = task.workload.train_loss(task.model, variables, batches[0])[0]["loss"]
+    evaluated = task.workload.eval_metrics(task.model, variables, batches[0])["loss"]
+    np.testing.assert_allclose(off, evaluated, rtol=1e-6)
+    assert not np.allclose(first, off)
+    steps = [jax.jit(make_train_step(task, tx, seed))(state, batches[0])[1]["loss"] for seed in (0, 0, 1)]
+    assert steps[0] == steps[1] != steps[2]

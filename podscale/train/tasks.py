@@ -90,10 +90,16 @@ class Task:
     def _variables(self, state: TrainState, params) -> dict:
         return {"params": params, **({"batch_stats": state.batch_stats} if state.batch_stats else {})}
 
-    def train_outputs(self, state: TrainState, params, batch):
-        """Per-example ``loss`` and ``accuracy`` in training mode, and the new batch statistics."""
+    @property
+    def dropout(self) -> float:
+        """The recipe's dropout rate (0 for the small models, which have none)."""
+        return getattr(self.config, "dropout", 0.0) if self.workload else 0.0
+
+    def train_outputs(self, state: TrainState, params, batch, rng: jax.Array | None = None):
+        """Per-example ``loss`` and ``accuracy`` in training mode, and the new batch statistics;
+        ``rng`` is the dropout key of a workload with dropout."""
         if self.workload:
-            return self.workload.train_loss(self.model, self._variables(state, params), batch)
+            return self.workload.train_loss(self.model, self._variables(state, params), batch, rng)
         logits, batch_stats = self.apply(state, params, batch[self.input_key], train=True)
         return self.per_example(logits, batch), batch_stats
 
@@ -121,12 +127,18 @@ class Task:
         return {"loss": loss, "accuracy": correct}
 
 
-def make_train_step(task: Task, optimizer: optax.GradientTransformation) -> Callable:
-    """The plain single-device step: ``step(state, batch) -> (new_state, metrics)``."""
+def make_train_step(task: Task, optimizer: optax.GradientTransformation, seed: int = 0) -> Callable:
+    """The plain single-device step: ``step(state, batch) -> (new_state, metrics)``.
+
+    A workload with dropout draws its masks from ``fold_in(key(seed), state.step)``: a function of
+    the seed and the step only, so a resumed run draws the masks the uninterrupted run drew, and
+    podscale's partitioned step draws each replica's rows of the very masks one device draws."""
 
     def step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.key(seed), state.step) if task.dropout else None
+
         def loss_fn(params):
-            per, batch_stats = task.train_outputs(state, params, batch)
+            per, batch_stats = task.train_outputs(state, params, batch, rng)
             return jnp.mean(per["loss"]), (jnp.mean(per["accuracy"]), batch_stats)
 
         (loss, (accuracy, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

@@ -141,7 +141,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
-    dp = data_parallel(make_train_step(task, optimizer), mesh, config.strategy)
+    dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, config.strategy)
     if batch_size % dp.replicas:
         raise ValueError(
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"

@@ -63,10 +63,11 @@ class Workload:
     """``(config, total_steps)``: the recipe, built from optax."""
     init: Callable[[nn.Module, jax.Array, Batch], dict]
     """``(model, rng, batch) -> variables`` (``{"params": ..., "batch_stats": ...}``)."""
-    train_loss: Callable[[nn.Module, dict, Batch], tuple[PerExample, Any]]
-    """``(model, variables, batch) -> (per_example, new_batch_stats)``: training mode;
-    ``per_example`` has ``"loss"`` (float32, label smoothing as the recipe says) and
-    ``"accuracy"``; ``new_batch_stats`` is ``{}`` for models without batch norm."""
+    train_loss: Callable[..., tuple[PerExample, Any]]
+    """``(model, variables, batch, rng=None) -> (per_example, new_batch_stats)``: training mode;
+    ``rng`` is the key the recipe's dropout draws from (``None``: no dropout). ``per_example`` has
+    ``"loss"`` (float32, label smoothing as the recipe says) and ``"accuracy"``;
+    ``new_batch_stats`` is ``{}`` for models without batch norm."""
     eval_metrics: Callable[[nn.Module, dict, Batch], PerExample]
     """``(model, variables, batch) -> per_example``: inference mode; includes ``eval_metric``."""
     eval_metric: str

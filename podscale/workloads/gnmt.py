@@ -24,7 +24,9 @@ global batch 2048; ``config_DGX1.sh`` with the defaults of ``train.py``): Adam, 
 9689-step schedule) where the rate is halved, and halved again every 809 steps, 4 times in all;
 gradients clipped to global norm 5; label smoothing 0.1; training sentences up to 75 tokens.
 The loss, as the reference's, is the label-smoothed cross entropy summed over a sentence's
-non-padding target tokens and averaged over sentences. Dropout 0.2 of the reference is not applied.
+non-padding target tokens and averaged over sentences. Dropout 0.2 is the reference's: on the input
+of every LSTM layer (``seq2seq/models/{encoder,decoder}.py``) but the decoder's first, whose
+``RecurrentAttention`` has dropout 0 there; drawn from the ``dropout`` key ``train_loss`` is given.
 
 The tiny config is the same architecture (2 + 2 layers, the bidirectional encoder layer and the
 attention kept) on ``ReversedTokens``; held-out ``exact_match`` is greedy decoding inside ``jit``:
@@ -88,7 +90,7 @@ class GNMTConfig:
     init_scale: float = 0.1
     """Weights are drawn uniformly from [-init_scale, init_scale], as the reference's."""
     dropout: float = 0.2
-    """The reference's dropout on LSTM inputs; NOT applied (podscale's step has no RNG yet)."""
+    """The reference's dropout on LSTM inputs (training only)."""
     unroll: bool = False
     """Unroll the loops over time (LSTM layers, greedy decoding) into straight-line code: faster
     on CPU for the tiny config's short sequences; the full config keeps ``while`` loops."""
@@ -249,17 +251,19 @@ class Encoder(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask, train: bool = False):
         cfg = self.config
+        drop = nn.Dropout(cfg.dropout, deterministic=not train)
 
         def lstm(name, reverse=False):
             return LSTM(cfg.hidden, self.dtype, self.param_dtype, cfg.init_scale, reverse, cfg.unroll, name=name)
 
+        x = drop(x)
         forward, _ = lstm("layer0_fwd")(x, mask=mask)
         backward, _ = lstm("layer0_bwd", reverse=True)(x, mask=mask)
-        x, _ = lstm("layer1")(jnp.concatenate([forward, backward], axis=-1))
+        x, _ = lstm("layer1")(drop(jnp.concatenate([forward, backward], axis=-1)))
         for i in range(2, cfg.num_layers):
-            x = x + lstm(f"layer{i}")(x)[0]
+            x = x + lstm(f"layer{i}")(drop(x))[0]
         return x
 
 
@@ -269,18 +273,19 @@ class Decoder(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, y, encoded, enc_mask, carries):
+    def __call__(self, y, encoded, enc_mask, carries, train: bool = False):
         cfg = self.config
+        drop = nn.Dropout(cfg.dropout, deterministic=not train)
         lstm = lambda name: LSTM(cfg.hidden, self.dtype, self.param_dtype, cfg.init_scale, unroll=cfg.unroll, name=name)  # noqa: E731
         x, carry = lstm("layer0")(y, carries[0])
         new = [carry]
         context, probs = BahdanauAttention(cfg.hidden, self.dtype, self.param_dtype, cfg.init_scale, name="attention")(
             x, encoded, enc_mask
         )
-        x, carry = lstm("layer1")(jnp.concatenate([x, context.astype(x.dtype)], axis=-1), carries[1])
+        x, carry = lstm("layer1")(drop(jnp.concatenate([x, context.astype(x.dtype)], axis=-1)), carries[1])
         new.append(carry)
         for i in range(2, cfg.num_layers):
-            out, carry = lstm(f"layer{i}")(jnp.concatenate([x, context.astype(x.dtype)], axis=-1), carries[i])
+            out, carry = lstm(f"layer{i}")(drop(jnp.concatenate([x, context.astype(x.dtype)], axis=-1)), carries[i])
             x = x + out
             new.append(carry)
         init = _uniform(cfg.init_scale)
@@ -309,21 +314,21 @@ class GNMT(nn.Module):
         self.encoder = Encoder(cfg, dt, pdt)
         self.decoder = Decoder(cfg, dt, pdt)
 
-    def encode(self, inputs):
+    def encode(self, inputs, train: bool = False):
         """``inputs [B, S]`` -> (encoder outputs ``[B, S, H]``, mask of real tokens ``[B, S]``)."""
         mask = inputs != PAD
-        return self.encoder(self.embed(inputs), mask), mask
+        return self.encoder(self.embed(inputs), mask, train), mask
 
-    def decode(self, tokens, encoded, enc_mask, carries=None):
+    def decode(self, tokens, encoded, enc_mask, carries=None, train: bool = False):
         """``tokens [B, T]`` from ``carries`` (default zeros) -> (logits, new carries, attention probs)."""
         if carries is None:
             carries = zero_carries(self.config, tokens)
-        return self.decoder(self.embed(tokens), encoded, enc_mask, carries)
+        return self.decoder(self.embed(tokens), encoded, enc_mask, carries, train)
 
     def __call__(self, inputs, decoder_inputs, train: bool = False):
-        del train  # no dropout, no batch norm
-        encoded, mask = self.encode(inputs)
-        return self.decode(decoder_inputs, encoded, mask)[0]
+        """``train``: apply dropout (needs a ``dropout`` rng)."""
+        encoded, mask = self.encode(inputs, train)
+        return self.decode(decoder_inputs, encoded, mask, train=train)[0]
 
 
 def greedy_decode(model: GNMT, variables, inputs, length: int):
@@ -425,8 +430,10 @@ def _init(model: GNMT, rng, batch):
     return model.init(rng, inputs, shift_right(targets), train=False)
 
 
-def _train_loss(model: GNMT, variables, batch):
-    logits = model.apply(variables, batch["inputs"], shift_right(batch["targets"]), train=True)
+def _train_loss(model: GNMT, variables, batch, rng=None):
+    """Training mode; ``rng`` is the dropout key (``None``: no dropout)."""
+    rngs = {} if rng is None else {"dropout": rng}
+    logits = model.apply(variables, batch["inputs"], shift_right(batch["targets"]), train=rng is not None, rngs=rngs)
     return per_example_losses(logits, batch["targets"], model.config.label_smoothing), {}
 
 

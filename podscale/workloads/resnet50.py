@@ -319,7 +319,8 @@ def _per_example(cfg: ResNetConfig, logits, labels) -> dict[str, jax.Array]:
     }
 
 
-def train_loss(model: ResNet, variables: dict, batch):
+def train_loss(model: ResNet, variables: dict, batch, rng: jax.Array | None = None):
+    del rng  # the MLPerf ResNet has no dropout
     logits, updates = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"])
     return _per_example(model.config, logits, batch["label"]), updates["batch_stats"]
 
