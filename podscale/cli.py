@@ -149,7 +149,12 @@ def _plan_parser(sub) -> None:
     p.add_argument("--data", default=None)
     p.add_argument("--optimizer", default=None, help="default adam; MLPerf workloads: their recipe")
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch (default 64; MLPerf workloads: their per-core batch x replicas)",
+    )
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2")
     p.add_argument("--json", action="store_true")
@@ -161,13 +166,21 @@ def _run_plan(args) -> int:
 
     import jax
 
-    from podscale import data_parallel, make_mesh
+    from podscale import data_parallel, make_mesh, workloads
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
-    task = make_task(args.model, args.data, config=args.config)
-    tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=100)
-    dp = data_parallel(make_train_step(task, tx), make_mesh(args.mesh), from_flags(args))
-    plan = dp.plan(jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx)), task.batch_shapes(args.batch_size))
+    # A workload's plan needs no data set: every size comes from the config's shapes.
+    task = make_task(args.model, args.data, config=args.config, with_data=args.model not in workloads.NAMES)
+    steps = task.config.train_steps if task.workload else 100
+    tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=steps)
+    mesh = make_mesh(args.mesh)
+    batch_size = args.batch_size
+    if batch_size is None:
+        batch_size = task.config.per_core_batch * mesh.size if task.workload else 64
+    batch = task.batch_shapes(batch_size)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    dp = data_parallel(make_train_step(task, tx), mesh, from_flags(args))
+    plan = dp.plan(state, batch, compile=True)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:

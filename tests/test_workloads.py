@@ -227,3 +227,51 @@ def test_training_applies_the_recipes_dropout_and_inference_none(name):
     assert not np.allclose(first, off)
     steps = [jax.jit(make_train_step(task, tx, seed))(state, batches[0])[1]["loss"] for seed in (0, 0, 1)]
     assert steps[0] == steps[1] != steps[2]
+
+
+def _plans(name: str, config: str):
+    """The replicated and the sharded plan of a workload's step at its per-core batch on 8
+    replicas, each read back from its compiled module (shapes only: no data set needed)."""
+    workload = workloads.get(name)
+    cfg = workload.config(config)
+    task = make_task(name, config=config, with_data=False)
+    tx = workload.make_optimizer(cfg, cfg.train_steps)
+    batch = task.batch_shapes(cfg.per_core_batch * 8)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    step = make_train_step(task, tx)
+    return [
+        data_parallel(step, make_mesh(), weight_update=wu).plan(state, batch, compile=True)
+        for wu in ("replicated", "sharded")
+    ]
+
+
+def _check_update_at_its_limit(replicated, sharded):
+    for plan in (replicated, sharded):
+        mine, compiled = {}, {}
+        for c in plan.collectives:
+            mine[c["kind"]] = mine.get(c["kind"], 0) + c["bytes_per_device"]
+        for c in plan.compiled["collectives"]:
+            compiled[c["kind"]] = compiled.get(c["kind"], 0) + c["buffer_bytes"]
+            assert c["dtype"] == "f32", c  # gradients summed in float32 (no grad_sum_dtype given)
+        assert mine == compiled  # the plan is what runs
+        assert plan.compiled["unknown_trip_counts"] == []
+        assert plan.traffic["ratio"] <= 1.05, plan.traffic  # each weight's gradient summed once
+        assert plan.gathered_ops == [] and plan.whole_ops == []
+    assert {c["kind"] for c in sharded.compiled["collectives"]} >= {"reduce-scatter", "all-gather"}
+    state = [leaf for leaf in sharded.leaves if leaf["role"] == "state"]
+    assert all(leaf["sharded"] or leaf["reason"].startswith(("small", "not a float")) for leaf in state)
+    kept = sum(leaf["bytes_per_device"] for leaf in state if not leaf["sharded"])
+    m = sharded.memory
+    assert m["optimizer_state"] <= (m["optimizer_state_replicated"] - kept) / 8 + kept + m["padding"]
+    assert sharded.memory["peak"] <= replicated.memory["peak"]
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_compiled_module(name):
+    _check_update_at_its_limit(*_plans(name, "tiny"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_full_config_sharded_update_at_its_limit(name):
+    _check_update_at_its_limit(*_plans(name, "full"))

@@ -172,21 +172,25 @@ class DataParallelStep:
         )
         return self.layout
 
-    def plan(self, state=None, batch=None):
+    def plan(self, state=None, batch=None, *, compile: bool = False):
         """What the step does, before running it: see :class:`podscale.parallel.plan.Plan`.
 
         ``state`` (user layout) and ``batch`` may be arrays or ``ShapeDtypeStruct``; they can be
-        left out once the step has been prepared and traced.
+        left out once the step has been prepared and traced. ``compile=True`` also compiles the
+        step (for ``batch``) and reads the collectives and memory per device from the compiled
+        module, so that the plan states what runs.
         """
         from podscale.parallel.plan import make_plan
+        from podscale.perf import hlo
 
         if state is not None:
             self.prepare(state, batch)
-        if self.trace is None:
+        if self.trace is None or compile:
             if batch is None:
-                raise ValueError("plan() needs an example global batch the first time")
-            self.lower(self.layout.stored_shapes(), _shapes(batch))
-        return make_plan(self)
+                raise ValueError("plan() needs an example global batch the first time, and to compile")
+            lowered = self.lower(self.layout.stored_shapes(), _shapes(batch))
+        module = hlo.read(lowered.compile(), self.mesh) if compile else None
+        return make_plan(self, module)
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
         key = (

@@ -148,8 +148,8 @@ class Partitioner:
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
         self.collectives: list[tuple[str, tuple[str, ...], int, str]] = []
-        """The collectives the partitioning adds itself, for the plan: (kind, mesh axes, bytes per
-        device of the result, what for). Its sums of partial values are the replay's to fuse and
+        """The collectives the partitioning adds itself, for the plan: (kind, mesh axes, bytes of the
+        buffer each device contributes, what for). Its sums of partial values are the replay's to fuse and
         record."""
         self._memo: dict[tuple, tuple[Any, Any]] = {}
         """Conversions already made, by (id of the local value, source, destination): a partial
@@ -187,11 +187,11 @@ class Partitioner:
         if layout is PARTIAL:
             return lax.psum(x, self.axes)
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
-        self.record("all-gather", self.axes, out, "rows made whole")
+        self.record("all-gather", self.axes, x, "rows made whole")
         return out
 
-    def record(self, kind: str, axes, result, why: str) -> None:
-        nbytes = math.prod(np.shape(result)) * np.dtype(result.dtype).itemsize
+    def record(self, kind: str, axes, buffer, why: str) -> None:
+        nbytes = math.prod(np.shape(buffer)) * np.dtype(buffer.dtype).itemsize
         self.collectives.append((kind, tuple(axes), int(nbytes), why))
 
     def convert(self, x, src: Layout, dst: Layout):
@@ -981,12 +981,16 @@ def _scoped(p: Partitioner):
     return wrap
 
 
-def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
+def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset, guessed: frozenset = frozenset()):
     """Converts each value to its target layout, or raises ``_Retry`` with better targets: a split
     or partial value meeting a replicated target takes that slot over (unless the slot was already
-    given up, ``pinned``), and two different non-replicated layouts give the slot up."""
+    given up, ``pinned``), and two different non-replicated layouts give the slot up. A ``guessed``
+    slot (a zero-initialised carry tried as a partial sum) takes whatever layout the body gives."""
     new_targets, retry = list(targets), False
     for i, ((_, lay), t) in enumerate(zip(vals_layouts, targets, strict=True)):
+        if i in guessed and lay != t:
+            new_targets[i], retry = lay, True
+            continue
         if lay == t or lay is REPLICATED:
             continue
         if t is REPLICATED and i not in pinned:
@@ -998,18 +1002,30 @@ def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset):
     return [p.convert(v, lay, t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
 
 
-def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16):
-    """Runs ``attempt(targets, pinned)`` until the layouts it assumes are the layouts it gets."""
-    targets, pinned = list(initial), set()
+def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16, guessed=()):
+    """Runs ``attempt(targets, pinned, guessed)`` until the layouts it assumes are the layouts it
+    gets. ``guessed`` slots start as partial sums and keep that only if the body keeps it."""
+    targets, pinned, guessed = list(initial), set(), set(guessed)
+    for i in guessed:
+        targets[i] = PARTIAL
     mark, cmark = len(p.whole_ops), len(p.collectives)
     for _ in range(limit):
         try:
-            return attempt(targets, frozenset(pinned))
+            return attempt(targets, frozenset(pinned), frozenset(guessed))
         except _Retry as r:
             del p.whole_ops[mark:], p.collectives[cmark:]  # that trace is dropped
-            pinned |= {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a is not REPLICATED and b is REPLICATED}
+            changed = {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a != b}
+            pinned |= {i for i in changed - guessed if targets[i] is not REPLICATED and r.layouts[i] is REPLICATED}
+            guessed -= changed
             targets = r.layouts
-    return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))))
+    return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))), frozenset())
+
+
+def _zero_carries(p: Partitioner, eqn, first: int, count: int) -> list[int]:
+    """Carry slots initialised with a broadcast zero: a weight's gradient accumulated over the
+    iterations of a backward loop. Tried as partial sums first, so that the sum is taken once,
+    after the loop (and reduce-scattered there by the sharded update), not at every iteration."""
+    return [i for i in range(count) if eqn.invars[first + i] in p._zeros]
 
 
 def _scan(p: Partitioner, eqn, ins):
@@ -1018,11 +1034,10 @@ def _scan(p: Partitioner, eqn, ins):
     consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
     # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
     xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
-    xs = [(p.whole(v, lay), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in xs]
     x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
     ys_layouts: list = []
 
-    def attempt(carry_layouts, pinned):
+    def attempt(carry_layouts, pinned, guessed):
         carry0 = _vary_all(
             p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
         )
@@ -1030,11 +1045,12 @@ def _scan(p: Partitioner, eqn, ins):
         @_scoped(p)
         def step(carry, x):
             outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
-            new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned), carry_layouts)
+            new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned, guessed), carry_layouts)
             ys = outs[ncarry:]
-            # A partial sum per iteration is resolved there (its stacked sum is not a partial sum
-            # the next op could tell apart); split and replicated rows stack as they are.
-            ys = [(p.whole(v, lay), REPLICATED) if lay is PARTIAL else (v, lay) for v, lay in ys]
+            # Rows stack as they are: stacked partial sums are the partial sum of the stack (a
+            # layer's weight gradient out of the backward scan over layers is summed once, after
+            # the loop, where the sharded update can reduce-scatter it); a partial ``xs`` is sliced
+            # into partial rows the same way.
             ys_layouts[:] = [lay for _, lay in ys]
             return new, [v for v, _ in ys]
 
@@ -1050,7 +1066,7 @@ def _scan(p: Partitioner, eqn, ins):
         ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
         return [*zip(carry, carry_layouts), *zip(ys, ys_out)]
 
-    return _fixed_point(p, attempt, [lay for _, lay in init])
+    return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, nc, ncarry))
 
 
 def _while(p: Partitioner, eqn, ins):
@@ -1058,7 +1074,7 @@ def _while(p: Partitioner, eqn, ins):
     cj, bj, cn, bn = prm["cond_jaxpr"], prm["body_jaxpr"], prm["cond_nconsts"], prm["body_nconsts"]
     cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
 
-    def attempt(carry_layouts, pinned):
+    def attempt(carry_layouts, pinned, guessed):
         carry0 = [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
 
         @_scoped(p)
@@ -1069,12 +1085,12 @@ def _while(p: Partitioner, eqn, ins):
         @_scoped(p)
         def body(c):
             outs = p.run(bj.jaxpr, bj.consts, [*bconsts, *zip(c, carry_layouts)])
-            return _vary_all(p, _fit(p, outs, carry_layouts, pinned), carry_layouts)
+            return _vary_all(p, _fit(p, outs, carry_layouts, pinned, guessed), carry_layouts)
 
         out = lax.while_loop(cond, body, _vary_all(p, carry0, carry_layouts))
         return list(zip(out, carry_layouts, strict=True))
 
-    return _fixed_point(p, attempt, [lay for _, lay in init])
+    return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, cn + bn, len(init)))
 
 
 def _vary_all(p: Partitioner, vals, layouts):
@@ -1087,7 +1103,7 @@ def _cond(p: Partitioner, eqn, ins):
     index = p.whole(index, il)
     branches = eqn.params["branches"]
 
-    def attempt(out_layouts, pinned):
+    def attempt(out_layouts, pinned, guessed):
         def make(br):
             @_scoped(p)
             def fn(*vals):

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from podscale.perf.hlo import ring_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every state leaf's layout, every collective of the step, and per-device memory.
 
-    ``bytes_per_device`` of a collective is the size of the buffer each device contributes.
-    Memory figures count the state only (weights and optimizer state), not activations.
+    ``bytes_per_device`` of a collective is the size of the buffer each device contributes (an
+    all-reduce's operand, a reduce-scatter's input, an all-gather's shard). ``memory`` holds the
+    state per device (weights, optimizer state), the local gradients, and, when the step was
+    compiled, ``memory_analysis()``'s figures per device (``temporaries``: activations, gradients
+    and workspace; ``peak``). ``compiled`` is what the compiled module runs per device per step
+    (``podscale.perf.hlo``): collectives by kind, mesh axes and dtype, loops counted with their
+    trip counts. ``traffic`` compares the bytes the gradient sum, the norms of the sharded update
+    and the weight gather send per device with one ring all-reduce of the gradients.
     """
 
     weight_update: str
@@ -30,11 +42,14 @@ class Plan:
     whole_ops: list[str] = dataclasses.field(default_factory=list)
     """Ops of the step that met split data without a rule to run on pieces: computed on
     all-gathered (whole) values. Correct; each costs a collective of its operands."""
+    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compiled: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def render(self, console: Console | None = None) -> None:
+        """Readable at 80 columns, on a terminal or piped: numbers are never cut, paths fold."""
         console = console or Console()
         console.print(f"weight update: [bold]{self.weight_update}[/] on {self.replicas} replicas, mesh {self.mesh}")
         g = self.grad_sum
@@ -43,42 +58,95 @@ class Plan:
             f", summed in {g['dtype']}" if g["dtype"] else ""
         )
         console.print(f"gradient sum: [bold]{g['mode']}[/] over {how}{extra}: {g['reason']}")
-        leaves = Table("state leaf", "shape", "layout", "shard", "padding", "why", title="state layout")
+        leaves = Table(title="state layout (per device)")
+        leaves.add_column("state leaf", overflow="fold", ratio=3)
+        leaves.add_column("shape", overflow="fold", ratio=1)
+        leaves.add_column("layout", no_wrap=True)
+        leaves.add_column("bytes", justify="right", no_wrap=True)
+        leaves.add_column("why", overflow="fold", ratio=2)
         for leaf in self.leaves:
             leaves.add_row(
                 leaf["path"],
-                str(tuple(leaf["shape"])),
-                "sharded" if leaf["sharded"] else "replicated",
-                str(leaf["shard_shape"]),
-                str(leaf["padding_bytes"]),
+                "x".join(map(str, leaf["shape"])) or "()",
+                f"1/{self.replicas}" if leaf["sharded"] else "whole",
+                _size(leaf["bytes_per_device"]),
                 leaf["reason"],
             )
         console.print(leaves)
-        collectives = Table(
-            "collective", "mesh axes", "bytes per device", "chunks", "tensors", "what", title="collectives per step"
-        )
+        collectives = Table(title="collectives per step (podscale's)")
+        collectives.add_column("collective", no_wrap=True)
+        collectives.add_column("axes", no_wrap=True)
+        collectives.add_column("buffer", justify="right", no_wrap=True)
+        collectives.add_column("tensors", justify="right", no_wrap=True)
+        collectives.add_column("what", overflow="fold")
         for c in self.collectives:
+            chunks = f" x{c['chunks']}" if c["chunks"] > 1 else ""
             collectives.add_row(
-                c["kind"],
-                ",".join(c["axes"]),
-                f"{c['bytes_per_device']:,}",
-                str(c["chunks"]),
-                str(c["tensors"]),
-                c["why"],
+                c["kind"] + chunks, ",".join(c["axes"]), _size(c["bytes_per_device"]), str(c["tensors"]), c["why"]
             )
         console.print(collectives)
+        if self.compiled is not None:
+            table = Table(title="collectives per step (the compiled module)")
+            table.add_column("collective", no_wrap=True)
+            table.add_column("axes", no_wrap=True)
+            table.add_column("dtype", no_wrap=True)
+            table.add_column("runs", justify="right", no_wrap=True)
+            table.add_column("buffer", justify="right", no_wrap=True)
+            table.add_column("sent", justify="right", no_wrap=True)
+            for c in self.compiled["collectives"]:
+                table.add_row(
+                    c["kind"],
+                    ",".join(c["axes"]) or "?",
+                    c["dtype"],
+                    str(c["runs"]),
+                    _size(c["buffer_bytes"]),
+                    _size(c["moved_bytes"]),
+                )
+            console.print(table)
+            if self.compiled["unknown_trip_counts"]:
+                console.print(
+                    f"[yellow]loops without a known trip count (counted once):[/] {self.compiled['unknown_trip_counts']}"
+                )
+        t = self.traffic
+        if t:
+            console.print(
+                f"bytes sent per device per step: gradient sum + weight gather {_size(t['update_bytes'])} = "
+                f"{t['ratio']:.3f}x one all-reduce of the gradients ({_size(t['all_reduce_bytes'])}); "
+                f"the model's own collectives {_size(t['model_bytes'])}"
+            )
         m = self.memory
-        console.print(
-            f"per-device state bytes: weights {m['weights_replicated']:,} -> {m['weights']:,}; "
-            f"optimizer state {m['optimizer_state_replicated']:,} -> {m['optimizer_state']:,}"
-        )
+        lines = [
+            f"weights {_size(m['weights'])} (replicated {_size(m['weights_replicated'])})",
+            f"optimizer state {_size(m['optimizer_state'])} (replicated {_size(m['optimizer_state_replicated'])})",
+            f"local gradients {_size(m['gradients'])}",
+        ]
+        if "temporaries" in m:
+            lines += [
+                f"temporaries (activations, gradients, workspace) {_size(m['temporaries'])}",
+                f"peak {_size(m['peak'])}",
+            ]
+        console.print("memory per device: " + "; ".join(lines))
         if self.whole_ops:
             console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(self.whole_ops)}")
         if self.gathered_ops:
             console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(self.gathered_ops)}")
 
 
-def make_plan(dp) -> Plan:
+def _size(n: float) -> str:
+    """Bytes with a binary unit, never more than 9 characters."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_UPDATE = ("gradient sum", "updated weights", "reduce_", "sum inside")
+"""What the data-parallel update's own collectives are for (the rest belong to the model: batch
+norm over the whole batch, an op computed on whole values)."""
+
+
+def make_plan(dp, compiled=None) -> Plan:
+    """``compiled``: the step's module as :func:`podscale.perf.hlo.read` gives it, or ``None``."""
     layout, trace = dp.layout, dp.trace
     leaves = [
         {
@@ -89,6 +157,7 @@ def make_plan(dp) -> Plan:
             "shard_shape": [leaf.shard_len] if leaf.sharded else list(leaf.shape),
             "padding_elements": leaf.padding,
             "padding_bytes": leaf.padding_bytes,
+            "bytes_per_device": leaf.bytes_per_device(),
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }
@@ -102,6 +171,27 @@ def make_plan(dp) -> Plan:
         "optimizer_state_replicated": sum(leaf.bytes for leaf in others),
         "optimizer_state": sum(leaf.bytes_per_device() for leaf in others),
         "padding": sum(leaf.padding_bytes for leaf in layout.leaves),
+        "gradients": _gradient_bytes(weights, None),
+    }
+    if compiled is not None:
+        memory.update(compiled.memory)
+    sizes = dict(dp.mesh.shape)
+    update = model = 0.0
+    for c in trace.collectives:
+        n = math.prod(sizes[a] for a in c.axes)
+        sent = ring_bytes(c.kind, n, c.bytes_per_device)
+        if c.why.startswith(_UPDATE):
+            update += sent
+        else:
+            model += sent
+    summed = _gradient_bytes(weights, dp.grad_sum.dtype)
+    limit = ring_bytes("all-reduce", dp.replicas, summed)
+    traffic = {
+        "gradient_bytes": summed,
+        "all_reduce_bytes": limit,
+        "update_bytes": update,
+        "model_bytes": model,
+        "ratio": update / limit if limit else 0.0,
     }
     return Plan(
         weight_update=dp.weight_update,
@@ -119,4 +209,16 @@ def make_plan(dp) -> Plan:
         gathered_ops=list(trace.gathered_ops),
         whole_ops=list(getattr(trace, "whole_ops", [])),
         memory=memory,
+        traffic=traffic,
+        compiled=None if compiled is None else compiled.to_dict(),
     )
+
+
+def _gradient_bytes(weights, dtype) -> int:
+    """Bytes of the gradients of the float weights, in ``dtype`` (``None``: their own)."""
+    total = 0
+    for leaf in weights:
+        if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
+            total += math.prod(leaf.shape) * itemsize
+    return int(total)

@@ -232,6 +232,7 @@ class _Pending:
 
     def __init__(self, fuser: _Fuser, value, shard: bool, kind: str = "grad"):
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
+        self.scatter = True
 
     def get(self):
         if self.result is None:
@@ -245,8 +246,12 @@ class _Fuser:
     def __init__(self, layout: Layout, trace: Trace):
         self.layout, self.trace, self.pending = layout, trace, []
 
-    def add(self, value, kind: str = "grad") -> _Pending:
-        p = _Pending(self, value, kind == "grad" and self.layout.shards(value.shape, value.dtype), kind)
+    def add(self, value, kind: str = "grad", scatter: bool = True) -> _Pending:
+        """``scatter=False``: the sum is read by per-replica computation (a batch-norm statistic
+        over the whole batch), so it is all-reduced whatever its size."""
+        shard = scatter and kind == "grad" and self.layout.shards(value.shape, value.dtype)
+        p = _Pending(self, value, shard, kind)
+        p.scatter = scatter
         if kind == "grad":
             # A bucket that was already full goes now, while the backward pass continues. It waits
             # until the next gradient sum arrives, so that the shape-only ops following the last
@@ -262,7 +267,7 @@ class _Fuser:
         local gradient) instead. Exact, since the op moves no value across elements."""
         if old in self.pending:
             self.pending.remove(old)
-        return self.add(value, old.kind)
+        return self.add(value, old.kind, scatter=old.scatter)
 
     def flush(self, only: list[_Pending] | None = None) -> None:
         if only is None:
@@ -272,13 +277,14 @@ class _Fuser:
             self.pending = [q for q in self.pending if q not in only]
         groups: dict[tuple, list[_Pending]] = {}
         for p in pending:
-            groups.setdefault((p.kind, p.shard, p.value.dtype), []).append(p)
-        for (kind, shard, _), members in groups.items():
+            groups.setdefault((p.kind, p.shard, p.value.dtype, p.scatter), []).append(p)
+        for (kind, shard, _, scatter), members in groups.items():
             values = [p.value for p in members]
             if kind == "grad" and shard:
                 results = _fuse_reduce_scatter(self.layout, values, self.trace)
             elif kind == "grad":
-                results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)")
+                why = "gradient sum (small tensors)" if scatter else "a sum the forward pass reads (batch statistics)"
+                results = _fuse_all_reduce(self.layout, values, self.trace, why)
             else:
                 results = _fuse_partials(self.layout, values, kind, self.trace)
             for p, r in zip(members, results, strict=True):
@@ -364,7 +370,9 @@ class Rewriter:
     def equation(self, eqn, invals) -> list:
         name = eqn.primitive.name
         if is_grad_sum(eqn, self.layout.axes):
-            return [self.fuser.add(v) for v in invals]
+            # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
+            scatter = not any(v in self.forward for v in eqn.outvars)
+            return [self.fuser.add(v, scatter=scatter) for v in invals]
         if self._movable(eqn, invals):
             moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])
             return [self.fuser.move(invals[0], moved[0])]
@@ -393,6 +401,11 @@ class Rewriter:
                 return sharded
             self.trace.gathered_ops.append(f"{name}{[list(getattr(v, 'shape', ())) for v in vals]}")
             vals = [self.full(v, f"operand of {name}") for v in vals]
+            # A gathered value is the same on every replica; type it as the program had it.
+            vals = [
+                self.varying(v) if isinstance(var, core.Var) and _varying(var.aval) else v
+                for var, v in zip(eqn.invars, vals, strict=True)
+            ]
         return self.bind(eqn, vals)
 
     def _sliceable(self, v) -> bool:
@@ -467,6 +480,8 @@ class Rewriter:
             out = eqn.primitive.bind(*[self.varying(a) for a in args], **p)
             outs = out if eqn.primitive.multiple_results else [out]
             return [Sharded(o, shape) for o in outs]
+        if name == "pvary" and len(vals) == 1 and set(p["axes"]) <= set(self.layout.axes):
+            return [Sharded(self.varying(vals[0].shard), vals[0].shape)]  # a shard varies already
         if name == "reshard" and len(vals) == 1:  # a sharding annotation; shards are manual already
             return [vals[0]]
         if name == "reshape" and len(vals) == 1:

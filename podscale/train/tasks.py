@@ -203,13 +203,15 @@ def make_task(
     config: str | None = None,
     policy: Policy = BF16,
     bn_axis: str | None = None,
+    with_data: bool = True,
 ) -> Task:
     """Builds the task for CLI names, with errors that list the valid names.
 
     ``model`` is one of ``MODELS`` (small models; ``dataset`` picks their data, default synthetic)
     or an MLPerf workload of ``podscale.workloads`` (``config`` is then ``full`` or ``tiny``, the
     data set is the workload's own, ``policy`` sets the compute dtype and ``bn_axis`` the mesh
-    axis batch-norm statistics are averaged over).
+    axis batch-norm statistics are averaged over). ``with_data=False`` builds an MLPerf workload's
+    task without its data (to trace, compile and plan a full config: shapes come from the config).
     """
     if bn_axis not in (None, BN_GROUP):
         raise ValueError(
@@ -224,7 +226,7 @@ def make_task(
         cfg = workload.config(config)
         if dataset is not None:
             raise ValueError(f"model {model!r} brings its own data; drop --data {dataset}")
-        train_data, eval_data = workload.make_data(cfg, seed)
+        train_data, eval_data = workload.make_data(cfg, seed) if with_data else (None, None)
         module = workload.make_model(cfg, policy, bn_axis)
         return Task(module, model, train_data, eval_data, workload=workload, config=cfg)
     if config is not None:

@@ -1,0 +1,1 @@
+"""Reading compiled modules, and (later) cost formulas with their sources."""

@@ -1,0 +1,79 @@
+"""Reading collectives, their mesh axes, bytes and loop trip counts from a compiled module."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from podscale import make_mesh
+from podscale.perf import hlo
+
+TEXT = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]{0}) parameter(0)
+  %g = f32[64]{0} get-tuple-element(%p), index=1
+  %ar = f32[64]{0} all-reduce(%g), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  ROOT %t = (s32[], f32[64]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%outer_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]{0}) parameter(0)
+  %w = (s32[], f32[64]{0}) while(%p), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = (s32[], f32[64]{0}) copy(%w)
+}
+
+ENTRY %main (x: f32[64], y: bf16[16,8]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %y = bf16[16,8]{1,0} parameter(1)
+  %rs = f32[8]{0} reduce-scatter(%x), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+  %ag = bf16[16,64]{1,0} all-gather(%y), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}
+  %pair = (f32[64]{0}, bf16[16,8]{1,0}) all-reduce(%x, %y), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %cp = f32[64]{0} collective-permute(%x), channel_id=5, source_target_pairs={{0,1},{1,0}}
+  %loop = (s32[], f32[64]{0}) while(%t0), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  %free = (s32[], f32[64]{0}) while(%t0), condition=%cond, body=%inner_body
+  ROOT %o = f32[64]{0} copy(%x)
+}
+"""
+
+
+def test_kinds_bytes_axes_and_trip_counts_from_module_text():
+    module = hlo.read_text(TEXT, {"x": 4, "y": 2})
+    by_name = {c.name: c for c in module.collectives}
+    rs, ag, pair, cp, ar = by_name["rs"], by_name["ag"], by_name["pair"], by_name["cp"], by_name["ar"]
+    assert (rs.kind, rs.axes, rs.group_size, rs.buffer_bytes, rs.count) == ("reduce-scatter", ("x", "y"), 8, 256, 1)
+    assert rs.moved_bytes == 7 / 8 * 256
+    assert (ag.buffer_bytes, ag.dtype, ag.moved_bytes) == (16 * 8 * 2, "bf16", 7 * 256)  # the input shard
+    assert (pair.axes, pair.buffer_bytes, pair.moved_bytes) == (("y",), 256 + 256, 2 * 1 / 2 * 512)
+    assert (cp.kind, cp.moved_bytes) == ("collective-permute", 256)
+    # iota groups [2,4]<=[4,2]T(1,0): {0,2,4,6} and {1,3,5,7}, along x. The inner loop runs
+    # 3 times per trip of the outer one (5 trips), and once more in a loop without a trip count.
+    assert (ar.axes, ar.group_size, ar.count) == (("x",), 4, 3 * 5 + 1)
+    assert module.unknown_trip_counts == ["free"]
+    assert module.moved_bytes(["all-reduce"]) == pytest.approx(2 * 3 / 4 * 256 * 16 + 512)
+
+
+def test_a_compiled_loop_of_sums_is_counted_with_its_trips():
+    mesh = make_mesh((4, 2))
+
+    def f(x):
+        def body(c, _):
+            return c + jax.lax.psum(c, "x"), None
+
+        return jax.lax.scan(body, x, None, length=5)[0]
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    module = hlo.read(fn.lower(jnp.ones(256)).compile(), mesh)
+    (row,) = [r for r in module.totals() if r["kind"] == "all-reduce"]
+    assert (row["axes"], row["dtype"], row["runs"], row["buffer_bytes"]) == (["x"], "f32", 5, 5 * 1024)
+    assert module.memory["peak"] > 0
