@@ -250,6 +250,11 @@ def _bench_parser(sub) -> None:
         "bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D)"
     )
     p.add_argument("which", choices=["wus", "gradsum"])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="wus: an MLPerf workload (tiny config, its recipe) instead of the decoder",
+    )
     p.add_argument("--sizes", default="1,16,128", help="gradsum: gradient sizes in MiB per device")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     p.add_argument("--width", type=int, default=512)
@@ -267,9 +272,14 @@ def _run_bench(args) -> int:
     if args.which == "gradsum":
         return _run_bench_gradsum(args)
 
+    from podscale import workloads
     from podscale.bench.wus import bench_wus
 
-    result = bench_wus(steps=args.steps, width=args.width, depth=args.depth, vocab=args.vocab)
+    if args.model is not None and args.model not in workloads.NAMES:
+        raise ValueError(f"--model {args.model!r}: bench wus takes an MLPerf workload: {', '.join(workloads.NAMES)}")
+    result = bench_wus(
+        steps=args.steps, width=args.width, depth=args.depth, vocab=args.vocab, model=args.model, progress=True
+    )
     if args.json:
         print(json.dumps(result))
         return 0
@@ -280,9 +290,10 @@ def _run_bench(args) -> int:
         "step s",
         "update s",
         "peak MiB/device",
+        "bytes / limit",
         "collectives (KiB/device)",
         "max |dparam|",
-        title=f"weight update, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
+        title=f"weight update, {cfg['model']}, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
     )
     for opt, per in result.items():
         for variant, r in per.items():
@@ -294,6 +305,7 @@ def _run_bench(args) -> int:
                 f"{r['step_s']:.3f}",
                 f"{r['update_s']:.3f}",
                 f"{peak / 2**20:.1f}" if peak else "-",
+                f"{r['bytes_vs_limit']:.3f}",
                 coll,
                 f"{r['max_abs_param_diff']:.2e}",
             )

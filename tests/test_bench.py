@@ -1,20 +1,6 @@
 import pytest
 
-from podscale.bench.wus import bench_wus, hlo_collectives
-
-
-def test_hlo_collectives_reads_kinds_and_bytes():
-    hlo = """
-  %all-reduce.1 = f32[1024]{0} all-reduce(f32[1024]{0} %p), replica_groups={}
-  %rs = f32[128]{0} reduce-scatter(f32[1024]{0} %q), dimensions={0}
-  %ag = (f32[8,16]{1,0}, /*index=1*/bf16[4]{0}) all-gather(f32[1,16]{1,0} %a, bf16[1]{0} %b), dimensions={0}
-  %ags = (f32[2]{0}, f32[16]{0}) all-gather-start(f32[2]{0} %c), dimensions={0}
-"""
-    assert hlo_collectives(hlo) == {
-        "all-reduce": 4096,
-        "reduce-scatter": 512,
-        "all-gather": 8 * 16 * 4 + 4 * 2 + 16 * 4,
-    }
+from podscale.bench.wus import bench_wus
 
 
 @pytest.mark.slow
@@ -24,5 +10,18 @@ def test_bench_wus_reports_every_variant_on_a_tiny_model():
     assert set(per) == {"replicated", "sharded", "gspmd"}
     for r in per.values():
         assert {"step_s", "update_s", "peak_bytes_per_device", "collectives", "max_abs_param_diff"} <= set(r)
+        assert r["bytes_vs_limit"] > 0.9
     assert "reduce-scatter" in per["sharded"]["collectives"]
     assert per["sharded"]["max_abs_param_diff"] <= 1e-6 and per["gspmd"]["max_abs_param_diff"] <= 1e-5
+    assert per["sharded"]["bytes_vs_limit"] <= 1.05
+
+
+@pytest.mark.slow
+def test_bench_wus_runs_on_an_mlperf_workload_with_its_recipe():
+    result = bench_wus(steps=1, model="transformer-big")
+    assert result["config"]["model"] == "transformer-big" and set(result) == {"recipe", "config"}
+    sharded = result["recipe"]["sharded"]
+    assert sharded["bytes_vs_limit"] <= 1.05 and "reduce-scatter" in sharded["collectives"]
+    assert (
+        result["recipe"]["sharded"]["peak_bytes_per_device"] <= result["recipe"]["replicated"]["peak_bytes_per_device"]
+    )

@@ -337,3 +337,28 @@ def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
     assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_LR_DECAY_POLY_POWER] == 2
     assert logged[C.GLOBAL_BATCH_SIZE] == 128
     assert mlperf_log.time_to_target(events, 0.97)["seconds"] == summary["time_to_target_s"]
+
+
+def test_plan_of_a_workload_reads_at_80_columns_when_piped_and_json_has_the_same_content():
+    args = ("plan", "--model", "gnmt", "--config", "tiny", "--replicas", "8")
+    text = _run(*args).stdout  # piped: rich lays it out for 80 columns
+    assert max(len(line) for line in text.splitlines()) <= 80
+    plan = json.loads(_run(*args, "--json").stdout)
+    from podscale.parallel.plan import _size
+
+    for c in plan["compiled"]["collectives"]:  # every figure printed whole
+        assert _size(c["buffer_bytes"]) in text and _size(c["moved_bytes"]) in text
+    assert f"{plan['traffic']['ratio']:.3f}x" in text and plan["traffic"]["ratio"] <= 1.05
+    for key in ("weights", "optimizer_state", "gradients", "temporaries", "peak"):
+        assert plan["memory"][key] > 0
+
+
+@pytest.mark.slow
+def test_plan_of_a_full_config_needs_no_data_set():
+    plan = json.loads(
+        _run("plan", "--model", "transformer-big", "--config", "full", "--replicas", "8", "--json").stdout
+    )
+    assert plan["replicas"] == 8 and plan["traffic"]["ratio"] <= 1.05
+    kinds = {c["kind"] for c in plan["compiled"]["collectives"]}
+    assert {"reduce-scatter", "all-gather"} <= kinds
+    assert plan["memory"]["optimizer_state"] < plan["memory"]["optimizer_state_replicated"] / 4

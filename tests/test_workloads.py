@@ -2,6 +2,7 @@
 matches across replicas, and (slow) the full config compiling for one replica."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -239,10 +240,16 @@ def _plans(name: str, config: str):
     batch = task.batch_shapes(cfg.per_core_batch * 8)
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
     step = make_train_step(task, tx)
-    return [
-        data_parallel(step, make_mesh(), weight_update=wu).plan(state, batch, compile=True)
-        for wu in ("replicated", "sharded")
-    ]
+    plans = []
+    for wu in ("replicated", "sharded"):
+        dp = data_parallel(step, make_mesh(), weight_update=wu)
+        plans.append(dp.plan(state, batch, compile=True))
+        # XLA:CPU widens a bfloat16 sum to float32 when it compiles: read the program podscale
+        # hands to XLA, as a GPU or TPU compiles it.
+        lowered = dp.lower(dp.layout.stored_shapes(), batch).as_text()
+        sums = re.findall(r'"stablehlo\.(?:all_reduce|reduce_scatter)".*?\^bb0\(%\w+: tensor<(\w+)>', lowered, re.S)
+        assert sums and set(sums) <= {"f32", "i32"}, (name, set(sums))
+    return plans
 
 
 def _check_update_at_its_limit(replicated, sharded):

@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.bench.wus import hlo_collectives
 from podscale.parallel.gradsum import GradSum, PhaseRecord, make_grad_sum
 from podscale.parallel.mesh import make_mesh
+from podscale.perf import hlo
 
 VARIANTS = {
     "1d": (None, "1d", 1),
@@ -49,12 +49,7 @@ def ring_bytes(phases: list[PhaseRecord], sizes: dict[str, int]) -> dict[str, in
     """Bytes sent per device along each axis by ring collectives of the recorded phases."""
     out: dict[str, int] = {}
     for ph in phases:
-        p = int(np.prod([sizes[a] for a in ph.axes]))
-        factor = 2 if ph.kind == "all-reduce" else 1
-        if ph.kind == "all-gather":
-            sent = ph.bytes_per_device * (p - 1)  # contributes its piece, receives p-1 others
-        else:
-            sent = factor * ph.bytes_per_device * (p - 1) // p
+        sent = int(hlo.ring_bytes(ph.kind, int(np.prod([sizes[a] for a in ph.axes])), ph.bytes_per_device))
         key = ",".join(ph.axes)
         out[key] = out.get(key, 0) + sent
     return out
@@ -126,7 +121,7 @@ def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIA
                     }
                     for ph in r["phases"]
                 ],
-                "hlo": hlo_collectives(r["compiled"].as_text()),
+                "hlo": hlo.read(r["compiled"]).by_kind(),
                 "max_abs_error": r["err"],
             }
             for name, r in runs.items()

@@ -1,7 +1,8 @@
 """``podscale bench wus``: replicated vs sharded vs GSPMD weight update, side by side in one run.
 
 A decoder-only Transformer (about 29M parameters at the default size) at a per-replica batch of
-one 128-token sequence, with each optimizer, three ways:
+one 128-token sequence, with each optimizer, or (``model=``) an MLPerf workload's tiny config at
+its per-core batch with its own recipe, three ways:
 
 * ``replicated``: ``data_parallel(step, mesh)``: one fused all-reduce, every replica updates all;
 * ``sharded``: ``data_parallel(step, mesh, weight_update="sharded")``;
@@ -12,13 +13,15 @@ one 128-token sequence, with each optimizer, three ways:
 Figures per variant: ``step_s`` (median over timed steps), ``update_s`` (``step_s`` minus the
 median step of the same variant with plain SGD, whose update is one multiply-add: the cost of
 the optimizer beyond SGD, timed in the same interleaved loop), ``peak_bytes_per_device`` (``compiled.memory_analysis()``: arguments
-+ outputs + temporaries - aliased), ``collectives`` (kind -> bytes of the results per device, read
-from the compiled HLO), ``max_abs_param_diff`` against ``replicated`` after the same steps.
++ outputs + temporaries - aliased), ``collectives`` (kind -> bytes of the buffers each device
+contributes per step, read from the compiled module), ``bytes_vs_limit`` (bytes every collective of the compiled module sends
+per device per step, loops counted with their trip counts, over one ring all-reduce of the float32
+gradients: 1.0 is the limit of the sharded update; ``podscale.perf.hlo``), ``max_abs_param_diff``
+against ``replicated`` after the same steps.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from typing import Any
@@ -28,32 +31,14 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
+from rich.progress import Progress
 
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
+from podscale.perf import hlo
 from podscale.train import data, models
-from podscale.train.tasks import Task, make_train_step
-
-_COLLECTIVE = re.compile(
-    r"=\s*(\([^=]*\)|[a-z0-9]+\[[0-9,]*\][^ ]*)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\("
-)
-_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
-
-
-def hlo_collectives(hlo: str) -> dict[str, int]:
-    """Bytes of each kind of collective's results in a compiled (per-device) HLO module."""
-    out: dict[str, int] = {}
-    for shapes, kind, start in _COLLECTIVE.findall(re.sub(r"/\*.*?\*/", "", hlo)):
-        size = 0
-        found = _SHAPE.findall(shapes)
-        if start and kind == "all-gather":  # async form: (operands..., results...); count results
-            found = found[len(found) // 2 :]
-        for dtype, dims in found:
-            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-            size += n * _BYTES.get(dtype, 4)
-        out[kind] = out.get(kind, 0) + size
-    return out
+from podscale.train.tasks import Task, make_task, make_train_step
 
 
 def _peak(compiled) -> int | None:
@@ -111,11 +96,13 @@ class _Variant:
         if timed:
             self.times.append(time.perf_counter() - start)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, mesh, limit: float) -> dict[str, Any]:
+        module = hlo.read(self.compiled, mesh)
         return {
             "step_s": statistics.median(self.times),
             "peak_bytes_per_device": _peak(self.compiled),
-            "collectives": hlo_collectives(self.compiled.as_text()),
+            "collectives": module.by_kind(),
+            "bytes_vs_limit": module.moved_bytes() / limit if limit else None,
         }
 
 
@@ -128,12 +115,22 @@ def bench_wus(
     vocab: int = 8192,
     seq: int = 128,
     per_replica_batch: int = 1,
+    model: str | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Runs the benchmark; see the module docstring. Steps of all variants of one optimizer (and
-    of its plain-SGD baselines) are interleaved, so that the machine's noise hits them alike."""
+    of its plain-SGD baselines) are interleaved, so that the machine's noise hits them alike.
+    ``model``: an MLPerf workload (tiny config, its recipe as the one optimizer, ``"recipe"``)."""
     mesh = make_mesh()
     n = mesh.devices.size
-    task = _task(width, depth, vocab, seq)
+    makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
+    if model is None:
+        task = _task(width, depth, vocab, seq)
+    else:
+        task = make_task(model, config="tiny")
+        cfg = task.config
+        per_replica_batch, optimizers = cfg.per_core_batch, ("recipe",)
+        makers["recipe"] = lambda: task.workload.make_optimizer(cfg, cfg.train_steps)
     global_batch = n * per_replica_batch
     dp_for_batches = data_parallel(lambda s, b: (s, {}), mesh)
     batches = [
@@ -142,39 +139,44 @@ def bench_wus(
         )
         for i in range(steps + 1)
     ]
-    makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
-    results: dict[str, Any] = {}
-    for opt in optimizers:
-        runs = {}
-        for which in (opt, "sgd"):
-            tx = makers[which]() if which in makers else getattr(optax, which)(1e-4)
-            step = make_train_step(task, tx)
-            state = jax.device_get(task.init_state(jax.random.key(0), tx))
-            for variant in variants:
-                runs[which, variant] = _Variant(variant, step, mesh, state, batches[0])
-        for i, batch in enumerate(batches):
-            for run in runs.values():
-                run.step(batch, timed=i > 0)  # the first step warms up
-        per = {v: runs[opt, v].report() for v in variants}
-        ref = runs[opt, variants[0]].gather(runs[opt, variants[0]].state).params
-        for v in variants:
-            got = runs[opt, v].gather(runs[opt, v].state).params
-            per[v]["max_abs_param_diff"] = max(
-                float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True)
-            )
-            per[v]["update_s"] = per[v]["step_s"] - runs["sgd", v].report()["step_s"]
-        results[opt] = per
-        del runs
     shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params
+    floats = [x for x in jax.tree.leaves(shapes) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    limit = hlo.ring_bytes("all-reduce", n, sum(int(np.prod(x.shape)) * 4 for x in floats))
+    results: dict[str, Any] = {}
+    with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar:
+        work = bar.add_task("bench wus", total=len(optimizers) * 2 * len(variants) * (len(batches) + 1))
+        for opt in optimizers:
+            runs = {}
+            for which in (opt, "sgd"):
+                tx = makers[which]() if which in makers else getattr(optax, which)(1e-4)
+                step = make_train_step(task, tx)
+                state = jax.device_get(task.init_state(jax.random.key(0), tx))
+                for variant in variants:
+                    bar.update(work, description=f"{opt}: compiling {variant}" + (" (sgd)" if which != opt else ""))
+                    runs[which, variant] = _Variant(variant, step, mesh, state, batches[0])
+                    bar.advance(work)
+            for i, batch in enumerate(batches):
+                bar.update(work, description=f"{opt}: step {i + 1}/{len(batches)}")
+                for run in runs.values():
+                    run.step(batch, timed=i > 0)  # the first step warms up
+                    bar.advance(work)
+            per = {v: runs[opt, v].report(mesh, limit) for v in variants}
+            ref = runs[opt, variants[0]].gather(runs[opt, variants[0]].state).params
+            for v in variants:
+                got = runs[opt, v].gather(runs[opt, v].state).params
+                per[v]["max_abs_param_diff"] = max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True)
+                )
+                per[v]["update_s"] = per[v]["step_s"] - statistics.median(runs["sgd", v].times)
+            results[opt] = per
+            del runs
     results["config"] = {
+        "model": model or "decoder",
         "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)),
         "replicas": n,
         "per_replica_batch": per_replica_batch,
-        "seq_len": seq,
         "timed_steps": steps,
-        "width": width,
-        "depth": depth,
-        "vocab": vocab,
+        **({"seq_len": seq, "width": width, "depth": depth, "vocab": vocab} if model is None else {}),
     }
     return results

@@ -1025,7 +1025,12 @@ def _zero_carries(p: Partitioner, eqn, first: int, count: int) -> list[int]:
     """Carry slots initialised with a broadcast zero: a weight's gradient accumulated over the
     iterations of a backward loop. Tried as partial sums first, so that the sum is taken once,
     after the loop (and reduce-scattered there by the sharded update), not at every iteration."""
-    return [i for i in range(count) if eqn.invars[first + i] in p._zeros]
+    carries = eqn.invars[first : first + count]
+    return [
+        i
+        for i, v in enumerate(carries)
+        if isinstance(v, core.Var) and v in p._zeros and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+    ]
 
 
 def _scan(p: Partitioner, eqn, ins):

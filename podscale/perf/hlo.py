@@ -101,6 +101,13 @@ class Module:
         """Bytes each device sends in one step (loops counted with their trip counts)."""
         return sum(c.moved_bytes * c.count for c in self.collectives if c.kind in kinds)
 
+    def by_kind(self) -> dict[str, int]:
+        """Buffer bytes per device per step of each kind of collective."""
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[c.kind] = out.get(c.kind, 0) + c.buffer_bytes * c.count
+        return out
+
     def totals(self) -> list[dict]:
         """Per (kind, axes, dtype): runs per step, buffer bytes and moved bytes per step."""
         out: dict[tuple, dict] = {}
