@@ -284,20 +284,18 @@ def _run_bench(args) -> int:
         print(json.dumps(result))
         return 0
     cfg = result.pop("config")
+    from rich import box
+
     table = Table(
-        "optimizer",
-        "variant",
-        "step s",
-        "update s",
-        "peak MiB/device",
-        "bytes / limit",
-        "collectives (KiB/device)",
-        "max |dparam|",
         title=f"weight update, {cfg['model']}, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
+    for column in ("optimizer", "variant", "step s", "update s", "peak MiB", "bytes/limit", "max|dp|"):
+        table.add_column(column, justify="left" if column in ("optimizer", "variant") else "right", no_wrap=True)
+    lines = []
     for opt, per in result.items():
         for variant, r in per.items():
-            coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
             peak = r["peak_bytes_per_device"]
             table.add_row(
                 opt,
@@ -306,10 +304,15 @@ def _run_bench(args) -> int:
                 f"{r['update_s']:.3f}",
                 f"{peak / 2**20:.1f}" if peak else "-",
                 f"{r['bytes_vs_limit']:.3f}",
-                coll,
-                f"{r['max_abs_param_diff']:.2e}",
+                f"{r['max_abs_param_diff']:.1e}",
             )
-    Console().print(table)
+            coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
+            lines.append(f"{opt} {variant}: {coll or 'none'}")
+    console = Console()
+    console.print(table)
+    console.print("collectives, KiB per device per step:")
+    for line in lines:
+        console.print("  " + line)
     return 0
 
 
