@@ -35,8 +35,9 @@ SENSITIVE = {
 LOOSER = {
     # Updates that divide by a running difference of gradients (acprop) or by a random Hessian
     # estimate (sophia) amplify the summation-order difference. acprop: 6.4e-6 here, and 1.9e-6 on
-    # one device with the rows permuted (tested below); sophia: 1.3e-6 here, 3.3e-7 on one device
-    # with the rows permuted (plain adam: 4.5e-7), so 1e-6 is at the noise floor for it.
+    # one device with the rows permuted (tested below); sophia: 1.3e-6 here, and 3.3e-7 to 2.0e-6
+    # on one device with the rows permuted (three permutations; the 2.0e-6 one is tested below;
+    # plain adam: 4.5e-7).
     "optax.contrib.acprop": 1e-5,
     "optax.contrib.sophia": 1e-5,
 }
@@ -189,17 +190,22 @@ def test_reduce_on_plateau_reads_the_loss_like_one_device(weight_update):
 
 
 @pytest.mark.parametrize(
-    ("name", "steps", "bound"),
-    [("optax.contrib.galore", 1, 1e-4), ("optax.lbfgs", STEPS, 1e-4), ("optax.contrib.acprop", STEPS, TOL)],
+    ("name", "steps", "bound", "seed"),
+    [
+        ("optax.contrib.galore", 1, 1e-4, 0),
+        ("optax.lbfgs", STEPS, 1e-4, 0),
+        ("optax.contrib.acprop", STEPS, TOL, 0),
+        ("optax.contrib.sophia", STEPS, TOL, 1),
+    ],
 )
-def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_changes(name, steps, bound):
+def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_changes(name, steps, bound, seed):
     """Why SENSITIVE is not a podscale fault: the same single-device step on the same rows in another
     order (a mean over the batch, so mathematically equal) moves these optimizers apart."""
     tx = _build(name)
     params = _params()
     state = (params, tx.init(params))
     batches = [_data(i) for i in range(steps)]
-    perm = np.random.default_rng(0).permutation(32)
+    perm = np.random.default_rng(seed).permutation(32)
     permuted = [jax.tree.map(lambda x: x[perm], b) for b in batches]
     a, _ = run_single(_step(tx, name), state, batches)
     b, _ = run_single(_step(tx, name), state, permuted)
