@@ -72,11 +72,18 @@ class Workload:
     """``(model, variables, batch) -> per_example``: inference mode; includes ``eval_metric``."""
     eval_metric: str
     """The key of ``eval_metrics`` that ``--target`` refers to, e.g. ``exact_match``."""
+    mlperf_name: str = ""
+    """The MLPerf benchmark name (``submission_benchmark``: ``resnet``, ``transformer``, ...);
+    default: ``name``."""
     hparams: Callable[[Any, int], dict[str, Any]] | None = None
     """``(config, total_steps)``: the recipe's hyperparameters under mllog's standard keys
     (``mlperf_logging.mllog.constants``: ``opt_name``, ``opt_base_learning_rate``, warmup, ...)."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
+
+    def __post_init__(self):
+        if not self.mlperf_name:
+            object.__setattr__(self, "mlperf_name", self.name)
 
     def config(self, name: str):
         if name not in self.configs:

@@ -430,6 +430,7 @@ def hparams(cfg: BertConfig, total_steps: int) -> dict:
 
 WORKLOAD = Workload(
     name="bert-large",
+    mlperf_name="bert",
     description="BERT-large masked-LM pre-training with LAMB (MLPerf bert)",
     configs={"full": FULL, "tiny": TINY},
     reference=REFERENCE,

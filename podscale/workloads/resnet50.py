@@ -333,6 +333,7 @@ def eval_metrics(model: ResNet, variables: dict, batch) -> dict[str, jax.Array]:
 
 WORKLOAD = Workload(
     name="resnet50",
+    mlperf_name="resnet",
     description="ResNet-50 v1.5 image classification (MLPerf), LARS with batch-norm groups",
     configs={"full": FULL, "tiny": TINY},
     reference=Reference(

@@ -418,6 +418,7 @@ def hparams(cfg: TransformerConfig, total_steps: int) -> dict:
 
 WORKLOAD = Workload(
     name="transformer-big",
+    mlperf_name="transformer",
     description="Transformer big (Vaswani et al. 2017), WMT14 En-De, MLPerf v0.6 recipe",
     configs={"full": FULL, "tiny": TINY},
     reference=Reference(params=213_000_000, source="Vaswani et al. 2017, Attention Is All You Need, Table 3, 'big'"),
