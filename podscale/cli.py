@@ -8,10 +8,18 @@ import json
 import os
 import sys
 
-from podscale.parallel.mesh import parse_shape
+from podscale.parallel.mesh import parse_shape as _parse_shape
 from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed
 from podscale.train.checkpoint import CheckpointError
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--mesh``: argparse shows an ``ArgumentTypeError``'s own message."""
+    try:
+        return _parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--mesh {text!r}: ")) from None
 
 
 def _train_parser(sub) -> None:
@@ -56,7 +64,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
     p.add_argument("--eval-batch-size", type=int, default=None)
-    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="with --workdir (default 100)")
     p.add_argument("--workdir", default=None, help="checkpoints and metrics.jsonl go here")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
     p.add_argument("--seed", type=int, default=defaults.seed)
@@ -92,6 +100,10 @@ def _train_parser(sub) -> None:
     g.add_argument("--heartbeat-timeout", type=int, default=30, help="seconds before a silent peer is declared dead")
 
 
+_JSON_OUT = [None]
+"""Where ``--json`` output goes once ``train`` has pointed file descriptor 1 at stderr."""
+
+
 def _run_train(args) -> int:
     out = sys.stdout
     if args.json:
@@ -100,6 +112,7 @@ def _run_train(args) -> int:
         sys.stdout.flush()
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
+        _JSON_OUT[0] = out
     spec = distributed.ClusterSpec.from_env(
         coordinator_address=args.coordinator_address,
         num_processes=args.num_processes,
@@ -380,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             return _run_plan(args)
         return _run_train(args)
     except (ValueError, CheckpointError) as e:
-        print(f"podscale: error: {_as_flags(str(e))}", file=sys.stderr)
+        message = _as_flags(str(e))
+        print(f"podscale: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):  # scripts read one JSON object either way
+            print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
         return 2
 
 

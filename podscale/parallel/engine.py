@@ -357,6 +357,7 @@ class DataParallelStep:
         self.check_batch(batch)
         if self.layout is None:
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
+        _check_not_donated(state, "state")
         return self._compiled(state, batch)(state, batch)
 
     def lower(self, state, batch):
@@ -377,6 +378,7 @@ class DataParallelStep:
 
     def gather_state(self, state):
         """Returns the state in the user layout as host numpy arrays, on every process."""
+        _check_not_donated(state, "state")
         if self.layout is None:
             return state_layout.decide(state, self.mesh, None, 1).fetch(state)
         return self.layout.fetch(state)
@@ -441,3 +443,14 @@ def data_parallel(
         raise TypeError(f"data_parallel: unknown options {unknown}; a Strategy has {sorted(known)}")
     strategy = dataclasses.replace(strategy or Strategy(), **options)
     return DataParallelStep(step, mesh, strategy, donate_state=donate_state)
+
+
+def _check_not_donated(tree, name: str) -> None:
+    """A donated buffer passed again would abort the process inside XLA; refuse it here."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} was donated to an earlier step (donate_state=True) and "
+                "its buffers are gone: pass the state that step returned, or build the step with "
+                "data_parallel(..., donate_state=False) to keep the input"
+            )

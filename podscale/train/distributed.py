@@ -50,6 +50,20 @@ class ClusterSpec:
         )
         return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
 
+    def __post_init__(self):
+        if self.heartbeat_timeout_s is not None and not self.heartbeat_timeout_s > 0:
+            raise ValueError(
+                f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s}"
+            )
+        address = self.coordinator_address
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"--coordinator-address {address!r}: write it as HOST:PORT (e.g. 10.0.0.1:1234), the "
+                    "address of process 0's coordination service"
+                )
+
     @property
     def explicit(self) -> bool:
         given = [self.coordinator_address, self.num_processes, self.process_id]
@@ -105,7 +119,8 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     """Runs ``command`` as ``processes`` local processes of one JAX run; returns an exit code.
 
     Each child gets ``PODSCALE_COORDINATOR=127.0.0.1:PORT``, ``PODSCALE_NUM_PROCESSES`` and
-    ``PODSCALE_PROCESS_ID``. When one child fails, the others get ``grace_s`` seconds to stop with
+    ``PODSCALE_PROCESS_ID``. A command starting with ``podscale`` runs this interpreter's podscale
+    (``python -m podscale.cli``), so a venv need not be on PATH. When one child fails, the others get ``grace_s`` seconds to stop with
     their own error, then are killed. The exit code is the first failing child's, else 0.
     """
     if processes < 1:
@@ -114,6 +129,9 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
         raise ValueError(
             "podscale launch: give the command after --, e.g. podscale launch --processes 2 -- podscale train"
         )
+    if os.path.basename(command[0]) == "podscale":
+        # This interpreter's podscale, whatever (if anything) ``podscale`` is on PATH.
+        command = [sys.executable, "-m", "podscale.cli", *command[1:]]
     address = f"127.0.0.1:{_free_port()}"
     children = []
     for pid in range(processes):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any
@@ -32,6 +33,8 @@ from podscale.train.evaluate import distributed_eval
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.precision import check_state, policy_by_name
 from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
+
+DEFAULT_CHECKPOINT_EVERY = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,8 @@ class TrainConfig:
     """Evaluate on the held-out set every this many steps; 0 evaluates only at the end."""
     eval_batch_size: int | None = None
     """Global eval batch size (default: ``batch_size``); the last batch is padded and masked."""
-    checkpoint_every: int = 100
+    checkpoint_every: int | None = None
+    """Save a checkpoint every this many steps (needs ``workdir``; default 100 with it)."""
     workdir: str | None = None
     """Where checkpoints and ``metrics.jsonl`` go; without it nothing is saved."""
     resume: bool = False
@@ -94,12 +98,46 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
-        if self.checkpoint_every < 1:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
+        if self.checkpoint_every is not None and not self.workdir:
+            raise ValueError("--checkpoint-every needs --workdir, the directory the checkpoints go to")
+        if self.learning_rate is not None and not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"--learning-rate must be a finite number > 0, got {self.learning_rate}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be 0 or more (it seeds JAX's and NumPy's generators), got {self.seed}")
+        if self.target is not None and not 0 <= self.target <= 1:
+            raise ValueError(
+                f"--target {self.target}: the held-out metric it is compared with (accuracy, exact match, "
+                "masked-LM accuracy) is a fraction; give a value in [0, 1]"
+            )
+        if self.workdir is not None:
+            _check_writable_dir(self.workdir, "--workdir")
+        if self.export is not None:
+            folder = os.path.dirname(os.path.abspath(self.export))
+            if os.path.isdir(self.export):
+                raise ValueError(f"--export {self.export}: is a directory; give a file name such as params.npz")
+            if not os.path.isdir(folder):
+                raise ValueError(f"--export {self.export}: the folder {folder} does not exist; create it first")
+            if not os.access(folder, os.W_OK):
+                raise ValueError(f"--export {self.export}: the folder {folder} is not writable")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
         if self.resume and not self.workdir:
             raise ValueError("--resume needs --workdir, the directory of the run to continue")
+
+
+def _check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is a writable directory, or can be made one; checked before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path}: {existing} is a file, so the directory cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")
 
 
 def _metrics_path(config: TrainConfig) -> str | None:
@@ -167,7 +205,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     checkpointed = _CheckpointForm(layout)
 
     ckpt = (
-        Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every) if config.workdir else None
+        Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
+        if config.workdir
+        else None
     )
     resumed_from = None
     if ckpt and config.resume:
@@ -250,7 +290,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                 )
                 aside = time.perf_counter()
                 evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
-                if evaluating or (ckpt and done % config.checkpoint_every == 0):
+                if evaluating or (ckpt and done % ckpt.every == 0):
                     # Let the step finish before another program runs collectives on the same
                     # devices: on CPU, the eval's all-reduce could otherwise interleave with the
                     # step's and never complete.

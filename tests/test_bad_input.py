@@ -1,0 +1,103 @@
+"""Bad input is refused before any work, naming the flag or parameter and saying what to do."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import podscale
+from podscale.train.trainer import TrainConfig
+
+PODSCALE = [sys.executable, "-m", "podscale.cli"]
+
+
+def _cli(*args, env=None):
+    return subprocess.run([*PODSCALE, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+CLI_CASES = [
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0, got inf"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number > 0, got nan"),
+    (["--learning-rate", "0"], "--learning-rate must be a finite number > 0"),
+    (["--learning-rate=-1e-3"], "--learning-rate must be a finite number > 0"),
+    (["--target", "-1"], "--target -1.0: the held-out metric"),
+    (["--target", "2.0"], "give a value in [0, 1]"),
+    (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--mesh", "4*2"], "write the mesh shape as 8 or 4x2"),
+    (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a positive number of seconds"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --workdir"),
+    (["--resume"], "--resume needs --workdir"),
+    (["--export", "/nonexistent-podscale-dir/params.npz"], "the folder /nonexistent-podscale-dir does not exist"),
+    (
+        ["--coordinator-address", "garbage", "--num-processes", "2", "--process-id", "0"],
+        "--coordinator-address 'garbage': write it as HOST:PORT",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
+def test_train_refuses_bad_flags_with_a_message_and_exit_code_2(args, message):
+    proc = _cli("train", "--steps", "2", "--no-progress", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and "steps 2" not in proc.stdout  # refused before training
+
+
+def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("")
+    proc = _cli("train", "--steps", "2", "--no-progress", "--workdir", str(path))
+    assert proc.returncode == 2 and f"--workdir {path}: is a file, not a directory" in proc.stderr
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere")
+def test_a_workdir_that_is_not_writable_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="is not writable"):
+        TrainConfig(workdir=str(locked / "run"))
+
+
+def test_an_error_under_json_is_one_json_object():
+    proc = _cli("train", "--steps", "2", "--seed", "-1", "--json")
+    assert proc.returncode == 2
+    out = json.loads(proc.stdout)
+    assert out["exit_code"] == 2 and out["error"].startswith("--seed must be 0 or more")
+
+
+def test_the_same_checks_hold_in_python(tmp_path):
+    for kwargs, match in [
+        (dict(learning_rate=float("inf")), "--learning-rate"),
+        (dict(target=2.0), "--target"),
+        (dict(seed=-1), "--seed"),
+        (dict(checkpoint_every=3), "needs --workdir"),
+        (dict(export=str(tmp_path / "missing" / "p.npz")), "does not exist"),
+        (dict(export=str(tmp_path)), "is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**kwargs)
+
+
+def test_launch_runs_this_interpreters_podscale_without_the_venv_on_path():
+    env = dict(os.environ, PATH="/usr/bin:/bin")
+    proc = _cli("launch", "--processes", "1", "--", "podscale", "models", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert {m["name"] for m in json.loads(proc.stdout)} >= {"resnet50", "gnmt"}
+
+
+def test_reusing_a_donated_state_raises_instead_of_crashing():
+    def step(state, batch):
+        return {"w": state["w"] - 0.1 * jnp.mean(batch) * state["w"]}, {}
+
+    dp = podscale.data_parallel(step, podscale.make_mesh())
+    batch = jnp.ones((8, 2))
+    state = dp.place_state({"w": jnp.ones(4)}, batch)
+    new, _ = dp(state, batch)
+    with pytest.raises(ValueError, match=r"state\['w'\] was donated to an earlier step"):
+        dp(state, batch)
+    with pytest.raises(ValueError, match="donated"):
+        dp.gather_state(state)
+    assert dp.gather_state(new)["w"].tolist() == pytest.approx([0.9] * 4)
