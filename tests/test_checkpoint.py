@@ -81,3 +81,24 @@ def test_bad_checkpoint_and_eval_settings_name_the_flag(tmp_path):
         _config(tmp_path, checkpoint_every=0)
     with pytest.raises(ValueError, match="--eval-batch-size must be at least 1"):
         _config(tmp_path, eval_batch_size=0)
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_never_saves_it(tmp_path):
+    from podscale.train.checkpoint import Checkpointer
+    from podscale.train.trainer import NonFiniteError
+
+    # SGD at 1e4 on the small MLP overflows within a few steps.
+    config = _config(tmp_path / "run", optimizer="sgd", learning_rate=1e4, steps=40, checkpoint_every=1)
+    with pytest.raises(NonFiniteError, match=r"step \d+: the training loss is (nan|inf)") as err:
+        train(config)
+    bad = int(str(err.value).split(":")[0].removeprefix("step "))
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), 1)
+    saved = ckpt.saved_steps()
+    assert saved and max(saved) < bad  # the step whose loss was not finite was not saved
+    assert f"the last checkpoint, step {max(saved)}, is kept" in str(err.value)
+    import jax
+
+    from podscale.train.trainer import _all_finite
+
+    restored = ckpt._manager.restore(max(saved))  # what --resume would load: every value finite
+    assert bool(_all_finite(jax.tree.map(np.asarray, restored)))

@@ -47,6 +47,9 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
         return True
 
+    def saved_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
     def restore(self, like):
         """Restores the latest step into the structure, shapes and shardings of ``like``."""
         step = self.latest_step()

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -276,7 +277,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                     break
                 state, metrics = dp(state, batch)
                 if pending is not None:  # read the previous step's metrics while this one runs
-                    last_loss = _log_step(pending, record)
+                    last_loss = _log_step(pending, record, ckpt)
                 pending = (step, metrics)
                 if step == start:
                     jax.block_until_ready(state)  # the first step compiles; time from its end
@@ -295,8 +296,10 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                     # devices: on CPU, the eval's all-reduce could otherwise interleave with the
                     # step's and never complete.
                     jax.block_until_ready(state)
-                if ckpt:
-                    ckpt.maybe_save(done, state, checkpointed.save_form)
+                if ckpt and done % ckpt.every == 0:
+                    last_loss = _log_step(pending, record, ckpt)  # this step's loss, before saving it
+                    pending = None
+                    _save(ckpt, done, state, checkpointed.save_form)
                 reached = False
                 if evaluating:
                     first = block_first[0]
@@ -320,7 +323,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                 if reached:
                     break
             if pending is not None:
-                last_loss = _log_step(pending, record)
+                last_loss = _log_step(pending, record, ckpt)
             jax.block_until_ready(state)
             timed_until = time.perf_counter()
     finally:
@@ -340,7 +343,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     if reached:
         summary["time_to_target_s"] = time_to_target(parse(mlog.lines), config.target)["seconds"]
     if ckpt:
-        ckpt.maybe_save(final_step, state, checkpointed.save_form, force=True)
+        _save(ckpt, final_step, state, checkpointed.save_form, force=True)
         ckpt.close()
     elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
@@ -419,8 +422,38 @@ class _CheckpointForm:
         return self._load(restored) if self.layout.any_sharded else restored
 
 
-def _log_step(pending, record) -> float:
+class NonFiniteError(ValueError):
+    """The loss (or, at a checkpoint, the state) stopped being finite."""
+
+
+def _log_step(pending, record, ckpt=None) -> float:
     step, metrics = pending
     values = {k: float(v) for k, v in metrics.items()}
     record({"step": step + 1, **values})
+    if not math.isfinite(values["loss"]):
+        _non_finite(f"the training loss is {values['loss']}", step + 1, ckpt)
     return values["loss"]
+
+
+def _non_finite(what: str, step: int, ckpt) -> None:
+    last = ckpt.latest_step() if ckpt else None
+    kept = f"the last checkpoint, step {last}, is kept" if last is not None else "no checkpoint was saved"
+    raise NonFiniteError(
+        f"step {step}: {what}; stopped ({kept}; a non-finite state is never saved). Lower "
+        "--learning-rate, or check the data"
+    )
+
+
+@jax.jit
+def _all_finite(state) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def _save(ckpt, step: int, state, form, force: bool = False) -> None:
+    """Saves only a finite state (the loss was checked already; the weights are checked here)."""
+    if not (force or step % ckpt.every == 0) or step in ckpt.saved_steps():
+        return
+    if not bool(_all_finite(state)):
+        _non_finite("the state holds non-finite values", step, ckpt)
+    ckpt.maybe_save(step, state, form, force=force)
