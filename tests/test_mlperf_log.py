@@ -156,3 +156,18 @@ def test_blocks_state_their_epochs_as_mlperfs_rules_ask(tmp_path):
     stops = [e for e in events if e["key"] == C.BLOCK_STOP]
     assert [s["metadata"]["first_epoch_num"] for s in stops] == [b["metadata"]["first_epoch_num"] for b in blocks]
     assert sum(e["key"] == C.CACHE_CLEAR for e in events) == 1
+
+
+def test_the_summary_reports_wall_time_learning_rate_seed_and_configuration():
+    summary = train(TrainConfig(model="mlp", steps=2, seed=3, progress=False))
+    assert summary["seed"] == 3 and summary["learning_rate"] == 1e-3 and summary["wall_time_s"] > 0
+    assert summary["configuration"]["model"] == "mlp" and summary["configuration"]["steps"] == 2
+    assert summary["configuration"]["strategy"]["weight_update"] == "replicated"
+    recipe = train(TrainConfig(model="resnet50", config="tiny", steps=1, progress=False))
+    assert recipe["learning_rate"] == recipe_learning_rate("resnet50")
+
+
+def recipe_learning_rate(name):
+    from podscale import workloads
+
+    return workloads.get(name).config("tiny").learning_rate

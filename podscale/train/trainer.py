@@ -371,8 +371,21 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
         batch_size=batch_size,
         resumed_from=resumed_from,
         mllog=mlog.path,
+        seed=config.seed,
+        learning_rate=_base_learning_rate(task, config),
+        wall_time_s=time.perf_counter() - run_start,
+        configuration=json.loads(json.dumps(dataclasses.asdict(config), default=str)),
     )
     return summary
+
+
+def _base_learning_rate(task, config: TrainConfig) -> float:
+    """The peak learning rate the run used: the flag, the recipe's, or adam's default."""
+    if config.learning_rate is not None:
+        return config.learning_rate
+    if task.workload and config.optimizer is None:
+        return recipe_config(task, None).learning_rate
+    return 1e-3
 
 
 def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int, eval_batch: int) -> None:
