@@ -102,3 +102,26 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_never_saves_it(tmp_
 
     restored = ckpt._manager.restore(max(saved))  # what --resume would load: every value finite
     assert bool(_all_finite(jax.tree.map(np.asarray, restored)))
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        (dict(seed=1), "--seed 0"),
+        (dict(batch_size=32), "--batch-size 64"),
+        (dict(model="cnn"), "--model mlp"),
+        (dict(optimizer="sgd"), "--optimizer None"),
+        (dict(learning_rate=0.1), "--learning-rate None"),
+        (dict(data="digits"), "--data None"),
+    ],
+)
+def test_resume_refuses_another_run_naming_the_field(tmp_path, change, flag):
+    train(_config(tmp_path, steps=3))
+    with pytest.raises(ValueError, match=f"was started with {flag}, this one asks for"):
+        train(_config(tmp_path, resume=True, **change))
+
+
+def test_resume_may_change_steps_mesh_and_eval(tmp_path):
+    train(_config(tmp_path, steps=3))
+    out = train(_config(tmp_path, resume=True, steps=6, mesh=(4, 2), eval_every=2, checkpoint_every=2))
+    assert out["resumed_from"] == 3 and out["steps"] == 6

@@ -141,6 +141,56 @@ def _check_writable_dir(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {existing} is not writable")
 
 
+RUN_CONFIG = "run_config.json"
+FIXED_ON_RESUME = (
+    "model",
+    "config",
+    "data",
+    "optimizer",
+    "learning_rate",
+    "batch_size",
+    "seed",
+    "precision",
+    "bn_group_size",
+)
+"""What a resumed run must repeat: the model, its data and their order, the optimizer and its
+state. The rest may change on resume: ``--steps``, ``--mesh`` / ``--replicas`` / the process
+count (checkpoints hold whole tensors), ``--eval-every``, ``--eval-batch-size``,
+``--checkpoint-every``, ``--target``, the strategy (every strategy computes the same step) and
+where logs and exports go."""
+
+
+def _check_run_config(config: TrainConfig, batch_size: int, write: bool) -> None:
+    """A fresh run records ``FIXED_ON_RESUME`` in ``WORKDIR/run_config.json``; ``--resume``
+    refuses, before any work, a run that differs in one of them, naming the flag."""
+    path = os.path.join(config.workdir, RUN_CONFIG)
+    mine = {k: getattr(config, k) for k in FIXED_ON_RESUME} | {"batch_size": batch_size}
+    if not config.resume:
+        if write and not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
+            os.makedirs(config.workdir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(mine, f, indent=1)
+            os.replace(path + ".tmp", path)
+        return
+    if not os.path.exists(path):
+        if not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
+            return  # nothing to resume: the checkpoint restore says so
+        raise ValueError(
+            f"--resume: {path} is missing, so podscale cannot check that this run continues the one in "
+            f"--workdir {config.workdir}; start a new --workdir"
+        )
+    with open(path) as f:
+        saved = json.load(f)
+    for key in FIXED_ON_RESUME:
+        if key in saved and saved[key] != mine[key]:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"--resume: the run in {config.workdir} was started with {flag} {saved[key]}, this one asks for "
+                f"{mine[key]}; resume with the same {flag} (or start a new --workdir). What may change on "
+                "resume: --steps, --mesh/--replicas, --eval-every, --checkpoint-every, --target, the strategy"
+            )
+
+
 def _metrics_path(config: TrainConfig) -> str | None:
     if config.metrics_file:
         return config.metrics_file
@@ -191,6 +241,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
     eval_batch = config.eval_batch_size or batch_size
     if eval_batch % dp.replicas:
         raise ValueError(f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas")
+    if config.workdir:
+        _check_run_config(config, batch_size, write=lead)
 
     # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
     def init():
