@@ -12,6 +12,7 @@ from podscale.parallel.mesh import parse_shape as _parse_shape
 from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed
 from podscale.train.checkpoint import CheckpointError
+from podscale.train.interrupt import Interrupted
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         if args.command == "plan":
             return _run_plan(args)
         return _run_train(args)
+    except Interrupted as e:
+        print(f"podscale: {e}", file=sys.stderr)
+        return 128 + e.signum
     except (ValueError, CheckpointError) as e:
         message = _as_flags(str(e))
         print(f"podscale: error: {message}", file=sys.stderr)

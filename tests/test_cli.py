@@ -157,6 +157,40 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after a kill at step ~{kill_after}")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_saves_at_the_step_boundary_and_resume_is_bit_identical(tmp_path, sig):
+    """Preemption: one line, exit code 128 + the signal, no traceback; the checkpoint written at
+    the interrupted step resumes to the uninterrupted run's parameters."""
+    common = ["train", "--model", "mlp", "--data", "digits", "--steps", "300", "--checkpoint-every", "250"]
+    common += ["--no-progress"]
+    _run(*common, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
+    workdir = tmp_path / "stopped"
+    proc = subprocess.Popen([*PODSCALE, *common, "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= 10:
+            break
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and lines[-1].startswith(
+        f"podscale: interrupted by {signal.Signals(sig).name} at step"
+    )
+    assert lines[-1].endswith("continue with --resume")
+    step = int(lines[-1].split(" at step ")[1].split(";")[0])
+    assert 10 <= step < 300  # the run stopped early, and saved there because of the signal
+    resumed = _summary(
+        _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
+    )
+    assert resumed["resumed_from"] == step
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after {signal.Signals(sig).name} at step {step}")
+
+
 def test_a_dead_peer_stops_the_others_with_an_error(tmp_path):
     env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
     args = [*PODSCALE, "train", "--model", "mlp", "--steps", "1000000", "--no-progress", "--heartbeat-timeout", "10"]

@@ -31,6 +31,7 @@ from podscale.parallel.strategy import Strategy
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
+from podscale.train.interrupt import Interrupted, StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.precision import check_state, policy_by_name
 from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
@@ -207,8 +208,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     mlpath = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
     mlog = RunLog(mlpath, write=lead)
+    stop = StopRequest(enabled=jax.process_count() == 1)
     try:
-        return _train(config, mlog, run_start, lead)
+        with stop:
+            return _train(config, mlog, run_start, lead, stop)
     except BaseException:
         if mlog.running:
             mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
@@ -217,7 +220,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         mlog.close()
 
 
-def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> dict[str, Any]:
+def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest) -> dict[str, Any]:
     # MLPerf asks whether the system's caches were cleared before the run: podscale does not
     # clear them (its data sets are synthetic or small, read into memory).
     mlog.event(C.CACHE_CLEAR, False)
@@ -374,6 +377,15 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool) -> d
                 excluded += time.perf_counter() - aside
                 if reached:
                     break
+                if stop.signum is not None:
+                    jax.block_until_ready(state)
+                    if pending is not None:
+                        last_loss = _log_step(pending, record, ckpt)
+                        pending = None
+                    if ckpt:
+                        _save(ckpt, done, state, checkpointed.save_form, force=True)
+                        ckpt.close()
+                    raise Interrupted(done, stop.signum, saved=ckpt is not None)
             if pending is not None:
                 last_loss = _log_step(pending, record, ckpt)
             jax.block_until_ready(state)
