@@ -10,7 +10,7 @@ import sys
 
 from podscale.parallel.mesh import parse_shape as _parse_shape
 from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
-from podscale.train import distributed
+from podscale.train import distributed, supervise
 from podscale.train.checkpoint import CheckpointError
 from podscale.train.interrupt import Interrupted
 
@@ -99,10 +99,45 @@ def _train_parser(sub) -> None:
         help="let jax.distributed.initialize() detect the cluster (SLURM, TPU pods)",
     )
     g.add_argument("--heartbeat-timeout", type=int, default=30, help="seconds before a silent peer is declared dead")
+    g.add_argument(
+        "--join-timeout",
+        type=int,
+        default=60,
+        help="seconds the processes wait for each other to reach the coordinator",
+    )
 
 
 _JSON_OUT = [None]
 """Where ``--json`` output goes once ``train`` has pointed file descriptor 1 at stderr."""
+
+
+def _cluster_spec(args) -> distributed.ClusterSpec:
+    return distributed.ClusterSpec.from_env(
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        auto=args.distributed_auto or None,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        join_timeout_s=args.join_timeout,
+    )
+
+
+def _run_supervised(args, argv: list[str]) -> int | None:
+    """A process of a multi-process run trains in a child under :mod:`podscale.train.supervise`;
+    returns ``None`` where this process is to train itself (one process, or the child)."""
+    spec = _cluster_spec(args)
+    multi = spec.auto or (spec.explicit and spec.num_processes > 1)
+    if not multi or os.environ.get(supervise.ENV_SUPERVISED):
+        return None
+    return supervise.run(
+        argv,
+        process_id=spec.process_id,
+        num_processes=spec.num_processes,
+        coordinator=spec.coordinator_address,
+        heartbeat_s=spec.heartbeat_timeout_s,
+        join_s=spec.join_timeout_s,
+        json_out=args.json,
+    )
 
 
 def _run_train(args) -> int:
@@ -114,13 +149,9 @@ def _run_train(args) -> int:
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
         _JSON_OUT[0] = out
-    spec = distributed.ClusterSpec.from_env(
-        coordinator_address=args.coordinator_address,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        auto=args.distributed_auto or None,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-    )
+    spec = _cluster_spec(args)
+    if os.environ.get(supervise.ENV_SUPERVISED):
+        supervise.watch_parent()
     distributed.setup(args.replicas, spec)
 
     import jax
@@ -204,9 +235,8 @@ def _run_plan(args) -> int:
 
 def _run_models(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from podscale import workloads
+    from podscale import report, workloads
 
     rows = []
     for name in workloads.NAMES:
@@ -230,15 +260,13 @@ def _run_models(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = Table(
+    numbers = ("params (full)", "published", "diff", "params (tiny)", "batch (per core)")
+    table = report.table(
         "model",
-        "params (full)",
-        "published",
-        "diff",
-        "params (tiny)",
-        "MLPerf batch (per core)",
+        *numbers,
         "metric",
         title="MLPerf reference workloads (podscale train --model NAME --config full|tiny)",
+        numbers=numbers,
     )
     for r in rows:
         table.add_row(
@@ -251,7 +279,7 @@ def _run_models(args) -> int:
             r["eval_metric"],
         )
     console = Console()
-    console.print(table)
+    report.show(table, console)
     for r in rows:
         console.print(
             f"[bold]{r['name']}[/]: {r['description']}\n  parameters: {r['reference_source']}\n  recipe: {r['hyperparameters_source']}"
@@ -281,7 +309,8 @@ def _bench_parser(sub) -> None:
 def _run_bench(args) -> int:
     distributed.setup(args.replicas, distributed.ClusterSpec())
     from rich.console import Console
-    from rich.table import Table
+
+    from podscale import report
 
     if args.which == "gradsum":
         return _run_bench_gradsum(args)
@@ -298,15 +327,14 @@ def _run_bench(args) -> int:
         print(json.dumps(result))
         return 0
     cfg = result.pop("config")
-    from rich import box
-
-    table = Table(
+    numbers = ("step s", "update s", "peak MiB", "bytes/limit", "max|dp|")
+    table = report.table(
+        "optimizer",
+        "variant",
+        *numbers,
         title=f"weight update, {cfg['model']}, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
+        numbers=numbers,
     )
-    for column in ("optimizer", "variant", "step s", "update s", "peak MiB", "bytes/limit", "max|dp|"):
-        table.add_column(column, justify="left" if column in ("optimizer", "variant") else "right", no_wrap=True)
     lines = []
     for opt, per in result.items():
         for variant, r in per.items():
@@ -323,7 +351,7 @@ def _run_bench(args) -> int:
             coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
             lines.append(f"{opt} {variant}: {coll or 'none'}")
     console = Console()
-    console.print(table)
+    report.show(table, console)
     console.print("collectives, KiB per device per step:")
     for line in lines:
         console.print("  " + line)
@@ -331,9 +359,7 @@ def _run_bench(args) -> int:
 
 
 def _run_bench_gradsum(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+    from podscale import report
     from podscale.bench.gradsum import bench_gradsum
 
     try:
@@ -344,14 +370,15 @@ def _run_bench_gradsum(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    table = Table(
+    table = report.table(
         "gradient",
         "variant",
         "median s",
         "vs 1d",
-        "bytes sent per device, per axis (ring)",
+        "sent per device, per axis (ring)",
         "max |error|",
         title="gradient summation on 8 CPU devices",
+        numbers=("median s", "vs 1d", "max |error|"),
     )
     for size, per in result.items():
         base = per.get("1d", {}).get("median_s")
@@ -365,7 +392,7 @@ def _run_bench_gradsum(args) -> int:
                 axes,
                 f"{r['max_abs_error']:.1e}",
             )
-    Console().print(table)
+    report.show(table)
     return 0
 
 
@@ -392,7 +419,17 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             return _run_bench(args)
         if args.command == "plan":
             return _run_plan(args)
-        return _run_train(args)
+        supervised = _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
+        if supervised is not None:
+            return supervised
+        try:
+            return _run_train(args)
+        except Exception as e:
+            # A collective whose peer went away: the distributed service names the lost process
+            # shortly (see podscale.train.supervise); wait for it rather than print this.
+            if os.environ.get(supervise.ENV_SUPERVISED) and "gloo" in str(e).lower():
+                supervise.wait_for_verdict(e, args.heartbeat_timeout)
+            raise
     except Interrupted as e:
         print(f"podscale: {e}", file=sys.stderr)
         return 128 + e.signum

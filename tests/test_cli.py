@@ -31,6 +31,14 @@ def _params(path):
         return {k: f[k] for k in f.files}
 
 
+def _assert_bit_identical(tmp_path, after: str) -> None:
+    """``whole.npz`` (an uninterrupted run) and ``resumed.npz`` hold the same parameters."""
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after {after}")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -151,10 +159,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
         _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
     )
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= kill_after + 1
-    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after a kill at step ~{kill_after}")
+    _assert_bit_identical(tmp_path, f"a kill at step ~{kill_after}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -186,31 +191,115 @@ def test_sigterm_or_ctrl_c_saves_at_the_step_boundary_and_resume_is_bit_identica
         _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
     )
     assert resumed["resumed_from"] == step
-    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after {signal.Signals(sig).name} at step {step}")
+    _assert_bit_identical(tmp_path, f"{signal.Signals(sig).name} at step {step}")
 
 
-def test_a_dead_peer_stops_the_others_with_an_error(tmp_path):
-    env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
-    args = [*PODSCALE, "train", "--model", "mlp", "--steps", "1000000", "--no-progress", "--heartbeat-timeout", "10"]
-    procs = [
-        subprocess.Popen(args, env=dict(env, PODSCALE_PROCESS_ID=str(i)), stderr=subprocess.PIPE, text=True)
+def _two_processes(*args, **env_extra):
+    """Processes 0 and 1 of one run, started by hand as on two hosts (each under its supervisor)."""
+    env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2", **env_extra)
+    return env["PODSCALE_COORDINATOR"], [
+        subprocess.Popen(
+            [*PODSCALE, *args], env=dict(env, PODSCALE_PROCESS_ID=str(i)), stderr=subprocess.PIPE, text=True
+        )
         for i in range(2)
     ]
+
+
+def _wait_for_steps(procs, metrics, steps: int, timeout: float = 240) -> None:
+    """Until process 0 has logged ``steps`` steps (both train in lockstep: every step all-reduces)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= steps:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run did not start: {[p.poll() for p in procs]}")
+
+
+HEARTBEAT_S = 10
+PEER_LOST_BOUND_S = 20
+"""A survivor exits within the heartbeat timeout plus this (documented in the README)."""
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_dead_peer_ends_the_others_with_a_message_naming_it(tmp_path, victim):
+    """Whichever process dies (0 runs the coordinator), the other exits with code 3 and one
+    podscale line naming it, within the heartbeat timeout plus a bound; no C++ stack trace."""
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["train", "--model", "mlp", "--steps", "1000000", "--no-progress", "--metrics-file", str(metrics)]
+    address, procs = _two_processes(*args, "--heartbeat-timeout", str(HEARTBEAT_S))
     try:
-        time.sleep(12)  # both have joined and are training
-        assert all(p.poll() is None for p in procs), "the run did not start"
-        procs[1].send_signal(signal.SIGKILL)
+        _wait_for_steps(procs, metrics, 5)
+        procs[victim].send_signal(signal.SIGKILL)
         start = time.monotonic()
-        _, err = procs[0].communicate(timeout=90)
-        assert time.monotonic() - start < 90
-        assert procs[0].returncode != 0
-        assert "another task died" in err or "unhealthy" in err, err[-2000:]
+        survivor = procs[1 - victim]
+        _, err = survivor.communicate(timeout=HEARTBEAT_S + PEER_LOST_BOUND_S + 60)
+        took = time.monotonic() - start
+        assert survivor.returncode == 3, err[-3000:]
+        assert took < HEARTBEAT_S + PEER_LOST_BOUND_S, f"{took:.1f} s"
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"podscale: error: process {1 - victim} of 2: "), err[-3000:]
+        named = f"lost the coordinator at {address} (process 0)" if victim == 0 else "process 1 stopped responding"
+        assert named in last
+        assert "Traceback" not in err and "Check failure" not in err and "    @ " not in err
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_a_peer_that_never_starts_ends_in_a_bounded_wait_naming_the_coordinator(alone):
+    env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
+    env["PODSCALE_PROCESS_ID"] = str(alone)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*PODSCALE, "train", "--model", "mlp", "--steps", "5", "--no-progress", "--join-timeout", "5", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert time.monotonic() - start < 5 + 60  # the join timeout, plus starting Python and JAX under load
+    message = f"process {alone} of 2: the run did not assemble within --join-timeout 5 s"
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"podscale: error: {message}")
+    assert env["PODSCALE_COORDINATOR"] in proc.stderr and "Check failure" not in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 3
+
+
+def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identical(tmp_path):
+    """A preemption notice to process 1 only: both stop at the same step boundary, save one
+    checkpoint together and exit 143 with one line; two processes resumed from it end where an
+    uninterrupted two-process run ends."""
+    common = ["train", "--model", "mlp", "--data", "digits", "--steps", "300", "--checkpoint-every", "250"]
+    common += ["--no-progress"]
+    launch = ("launch", "--processes", "2", "--", *PODSCALE, *common)
+    _run(*launch, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
+    workdir = tmp_path / "stopped"
+    _, procs = _two_processes(*common, "--workdir", str(workdir))
+    try:
+        _wait_for_steps(procs, workdir / "metrics.jsonl", 10)
+        procs[1].send_signal(signal.SIGTERM)
+        lasts = []
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+            assert "Traceback" not in err
+            lasts.append(err.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert lasts[0] == lasts[1] and lasts[0].startswith("podscale: interrupted by SIGTERM to the run"), lasts
+    assert lasts[0].endswith("continue with --resume")
+    step = int(lasts[0].split(" at step ")[1].split(";")[0])
+    assert 10 <= step < 300
+    resumed = _summary(
+        _run(*launch, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
+    )
+    assert resumed["resumed_from"] == step
+    _assert_bit_identical(tmp_path, f"SIGTERM to process 1 at step {step}")
 
 
 def test_launch_needs_a_command():
@@ -378,10 +467,10 @@ def test_plan_of_a_workload_reads_at_80_columns_when_piped_and_json_has_the_same
     text = _run(*args).stdout  # piped: rich lays it out for 80 columns
     assert max(len(line) for line in text.splitlines()) <= 80
     plan = json.loads(_run(*args, "--json").stdout)
-    from podscale.parallel.plan import _size
+    from podscale.report import size
 
     for c in plan["compiled"]["collectives"]:  # every figure printed whole
-        assert _size(c["buffer_bytes"]) in text and _size(c["moved_bytes"]) in text
+        assert size(c["buffer_bytes"]) in text and size(c["moved_bytes"]) in text
     assert f"{plan['traffic']['ratio']:.3f}x" in text and plan["traffic"]["ratio"] <= 1.05
     for key in ("weights", "optimizer_state", "gradients", "temporaries", "peak"):
         assert plan["memory"][key] > 0

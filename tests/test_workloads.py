@@ -130,7 +130,7 @@ def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
-def test_podscale_models_lists_every_workload_with_its_counts(capsys):
+def test_podscale_models_lists_every_workload_with_its_counts(capsys, monkeypatch):
     from podscale.cli import main
 
     assert main(["models", "--json"]) == 0
@@ -139,6 +139,15 @@ def test_podscale_models_lists_every_workload_with_its_counts(capsys):
     for r in rows:
         assert abs(r["relative_difference"]) <= 0.02
         assert r["params_tiny"] < r["params_full"] and r["reference_source"] and r["hyperparameters_source"]
+    for columns in ("80", "40"):  # piped (rich's 80 columns) and a narrow terminal: figures whole
+        monkeypatch.setenv("COLUMNS", columns)
+        assert main(["models"]) == 0
+        text = capsys.readouterr().out
+        assert "…" not in text
+        for r in rows:
+            for figure in (r["params_full"], r["reference_params"], r["params_tiny"], r["global_batch"]):
+                assert f"{figure:,}" in text, (columns, figure)
+            assert f"{r['relative_difference']:+.1%}" in text and r["name"] in text
 
 
 @pytest.mark.parametrize("name", workloads.NAMES)

@@ -298,7 +298,8 @@ class DataParallelStep:
         leaves = [v for _, v in pairs]
         shards = [i for i, v in enumerate(leaves) if isinstance(v, Sharded)]
         why = "updated weights" if kind == "new_state" else kind
-        for i, g in zip(shards, gather(chunks, [leaves[i] for i in shards], trace, why) if shards else [], strict=True):
+        gathered = gather(chunks, [leaves[i] for i in shards], trace, why, update=kind == "new_state") if shards else []
+        for i, g in zip(shards, gathered, strict=True):
             leaves[i] = g
         return [_whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
 

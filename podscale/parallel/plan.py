@@ -12,6 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from podscale import report
 from podscale.perf.hlo import ring_bytes
 
 
@@ -60,7 +61,7 @@ class Plan:
         console.print(f"gradient sum: [bold]{g['mode']}[/] over {how}{extra}: {g['reason']}")
         leaves = Table(title="state layout (per device)")
         leaves.add_column("state leaf", overflow="fold", ratio=3)
-        leaves.add_column("shape", overflow="fold", ratio=1)
+        leaves.add_column("shape", no_wrap=True)
         leaves.add_column("layout", no_wrap=True)
         leaves.add_column("bytes", justify="right", no_wrap=True)
         leaves.add_column("why", overflow="fold", ratio=2)
@@ -69,10 +70,10 @@ class Plan:
                 leaf["path"],
                 "x".join(map(str, leaf["shape"])) or "()",
                 f"1/{self.replicas}" if leaf["sharded"] else "whole",
-                _size(leaf["bytes_per_device"]),
+                report.size(leaf["bytes_per_device"]),
                 leaf["reason"],
             )
-        console.print(leaves)
+        report.show(leaves, console)
         collectives = Table(title="collectives per step (podscale's)")
         collectives.add_column("collective", no_wrap=True)
         collectives.add_column("axes", no_wrap=True)
@@ -82,9 +83,9 @@ class Plan:
         for c in self.collectives:
             chunks = f" x{c['chunks']}" if c["chunks"] > 1 else ""
             collectives.add_row(
-                c["kind"] + chunks, ",".join(c["axes"]), _size(c["bytes_per_device"]), str(c["tensors"]), c["why"]
+                c["kind"] + chunks, ",".join(c["axes"]), report.size(c["bytes_per_device"]), str(c["tensors"]), c["why"]
             )
-        console.print(collectives)
+        report.show(collectives, console)
         if self.compiled is not None:
             table = Table(title="collectives per step (the compiled module)")
             table.add_column("collective", no_wrap=True)
@@ -99,10 +100,10 @@ class Plan:
                     ",".join(c["axes"]) or "?",
                     c["dtype"],
                     str(c["runs"]),
-                    _size(c["buffer_bytes"]),
-                    _size(c["moved_bytes"]),
+                    report.size(c["buffer_bytes"]),
+                    report.size(c["moved_bytes"]),
                 )
-            console.print(table)
+            report.show(table, console)
             if self.compiled["unknown_trip_counts"]:
                 console.print(
                     f"[yellow]loops without a known trip count (counted once):[/] {self.compiled['unknown_trip_counts']}"
@@ -110,39 +111,26 @@ class Plan:
         t = self.traffic
         if t:
             console.print(
-                f"bytes sent per device per step: gradient sum + weight gather {_size(t['update_bytes'])} = "
-                f"{t['ratio']:.3f}x one all-reduce of the gradients ({_size(t['all_reduce_bytes'])}); "
-                f"the model's own collectives {_size(t['model_bytes'])}"
+                f"bytes sent per device per step: gradient sum + weight gather {report.size(t['update_bytes'])} = "
+                f"{t['ratio']:.3f}x one all-reduce of the gradients ({report.size(t['all_reduce_bytes'])}); "
+                f"the model's own collectives {report.size(t['model_bytes'])}"
             )
         m = self.memory
         lines = [
-            f"weights {_size(m['weights'])} (replicated {_size(m['weights_replicated'])})",
-            f"optimizer state {_size(m['optimizer_state'])} (replicated {_size(m['optimizer_state_replicated'])})",
-            f"local gradients {_size(m['gradients'])}",
+            f"weights {report.size(m['weights'])} (replicated {report.size(m['weights_replicated'])})",
+            f"optimizer state {report.size(m['optimizer_state'])} (replicated {report.size(m['optimizer_state_replicated'])})",
+            f"local gradients {report.size(m['gradients'])}",
         ]
         if "temporaries" in m:
             lines += [
-                f"temporaries (activations, gradients, workspace) {_size(m['temporaries'])}",
-                f"peak {_size(m['peak'])}",
+                f"temporaries (activations, gradients, workspace) {report.size(m['temporaries'])}",
+                f"peak {report.size(m['peak'])}",
             ]
         console.print("memory per device: " + "; ".join(lines))
         if self.whole_ops:
             console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(self.whole_ops)}")
         if self.gathered_ops:
             console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(self.gathered_ops)}")
-
-
-def _size(n: float) -> str:
-    """Bytes with a binary unit, never more than 9 characters."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-_UPDATE = ("gradient sum", "updated weights", "reduce_", "sum inside")
-"""What the data-parallel update's own collectives are for (the rest belong to the model: batch
-norm over the whole batch, an op computed on whole values)."""
 
 
 def make_plan(dp, compiled=None) -> Plan:
@@ -180,7 +168,7 @@ def make_plan(dp, compiled=None) -> Plan:
     for c in trace.collectives:
         n = math.prod(sizes[a] for a in c.axes)
         sent = ring_bytes(c.kind, n, c.bytes_per_device)
-        if c.why.startswith(_UPDATE):
+        if c.update:
             update += sent
         else:
             model += sent

@@ -86,11 +86,15 @@ class Collective:
     why: str
     chunks: int = 1
     """Pipelined chunks the buffer is sent in (2-D gradient summation)."""
+    update: bool = False
+    """Part of the data-parallel update (gradient sums, the sharded update's norms, the gather
+    of updated weights), as opposed to what the model itself needs (batch statistics, values
+    made whole for an op)."""
 
 
-def _record(trace: Trace, phases: list[PhaseRecord], tensors: int, why: str) -> None:
+def _record(trace: Trace, phases: list[PhaseRecord], tensors: int, why: str, update: bool) -> None:
     for ph in phases:
-        trace.collectives.append(Collective(ph.kind, ph.axes, ph.bytes_per_device, tensors, why, ph.chunks))
+        trace.collectives.append(Collective(ph.kind, ph.axes, ph.bytes_per_device, tensors, why, ph.chunks, update))
 
 
 @dataclasses.dataclass
@@ -166,14 +170,14 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
         total = layout.grad_sum.all_reduce(buffer, phases)
-        _record(trace, phases, len(values), "gradient sum")
+        _record(trace, phases, len(values), "gradient sum", update=True)
         out, offset = [], 0
         for v, r in zip(values, rows, strict=True):
             out.append(total[:, offset : offset + r.shape[1]].reshape(-1)[: v.size].reshape(v.shape))
             offset += r.shape[1]
         return out
     local = layout.grad_sum.reduce_scatter(buffer, phases)
-    _record(trace, phases, len(values), "gradient sum")
+    _record(trace, phases, len(values), "gradient sum", update=True)
     out, offset = [], 0
     for v, r in zip(values, rows, strict=True):
         out.append(Sharded(local[offset : offset + r.shape[1]], tuple(v.shape)))
@@ -181,12 +185,12 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     return out
 
 
-def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str) -> list:
+def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
     phases: list[PhaseRecord] = []
     total = layout.grad_sum.all_reduce(buffer, phases)
-    _record(trace, phases, len(values), why)
+    _record(trace, phases, len(values), why, update)
     out, offset = [], 0
     for v in values:
         out.append(total[offset : offset + v.size].reshape(v.shape))
@@ -194,8 +198,8 @@ def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str) -> li
     return out
 
 
-def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> list:
-    """All-gathers sharded values to full ones, fused per dtype."""
+def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update: bool = False) -> list:
+    """All-gathers sharded values to full ones, fused per dtype (``update``: the updated weights)."""
     out: list = [None] * len(shards)
     by_dtype: dict[Any, list[int]] = {}
     for i, s in enumerate(shards):
@@ -213,7 +217,7 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str) -> lis
         buffer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         phases: list[PhaseRecord] = []
         full = layout.grad_sum.all_gather(buffer, phases)  # [n, local]
-        _record(trace, phases, len(members), why)
+        _record(trace, phases, len(members), why, update)
         offset = 0
         for i in members:
             s = shards[i]
@@ -284,7 +288,7 @@ class _Fuser:
                 results = _fuse_reduce_scatter(self.layout, values, self.trace)
             elif kind == "grad":
                 why = "gradient sum (small tensors)" if scatter else "a sum the forward pass reads (batch statistics)"
-                results = _fuse_all_reduce(self.layout, values, self.trace, why)
+                results = _fuse_all_reduce(self.layout, values, self.trace, why, update=scatter)
             else:
                 results = _fuse_partials(self.layout, values, kind, self.trace)
             for p, r in zip(members, results, strict=True):
@@ -303,6 +307,7 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
             buffer.size * buffer.dtype.itemsize,
             len(values),
             f"reduce_{kind} of whole sharded tensors (norms)",
+            update=True,
         )
     )
     out, offset = [], 0
@@ -448,7 +453,7 @@ class Rewriter:
             # Control flow that resolves a partial sum inside (a value that each iteration needs
             # whole): those sums stay all-reduces in the loop, the results are full values.
             self.trace.collectives.append(
-                Collective("all-reduce", self.layout.axes, 0, 0, f"sum inside {eqn.primitive.name}")
+                Collective("all-reduce", self.layout.axes, 0, 0, f"sum inside {eqn.primitive.name}", update=True)
             )
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))

@@ -7,8 +7,10 @@ flags or the ``PODSCALE_*`` variables that ``launch`` sets) or with JAX's own cl
 when one fails.
 
 A dead peer: JAX's coordination service notices missing heartbeats within
-``heartbeat_timeout_s`` and stops the surviving processes with an error; a collective waiting on
-the dead peer fails as soon as gloo sees the connection drop.
+``heartbeat_timeout_s`` and stops the surviving processes; a collective waiting on the dead peer
+fails as soon as gloo sees the connection drop, and then waits for that verdict. Processes that
+do not all join within ``join_timeout_s`` stop too. :mod:`podscale.train.supervise` turns each of
+these into one line naming the lost process or the coordinator.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ClusterSpec:
     auto: bool = False
     """Let ``jax.distributed.initialize()`` detect the cluster (SLURM, TPU pods, ...)."""
     heartbeat_timeout_s: int = 30
+    join_timeout_s: int = 60
+    """How long processes wait for all of them to reach the coordinator."""
 
     @classmethod
     def from_env(cls, **overrides) -> ClusterSpec:
@@ -55,6 +59,8 @@ class ClusterSpec:
             raise ValueError(
                 f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s}"
             )
+        if self.join_timeout_s is not None and not self.join_timeout_s > 0:
+            raise ValueError(f"--join-timeout must be a positive number of seconds, got {self.join_timeout_s}")
         address = self.coordinator_address
         if address is not None:
             host, _, port = address.rpartition(":")
@@ -92,13 +98,12 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     jax.config.update("jax_num_cpu_devices", local)
     if spec.explicit or spec.auto:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s}
+        kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s, "initialization_timeout": spec.join_timeout_s}
         if spec.explicit:
             kwargs.update(
                 coordinator_address=spec.coordinator_address,
                 num_processes=spec.num_processes,
                 process_id=spec.process_id,
-                initialization_timeout=60,
             )
         jax.distributed.initialize(**kwargs)
     if replicas is not None and jax.device_count() != replicas:

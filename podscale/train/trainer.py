@@ -34,6 +34,7 @@ from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.precision import check_state, policy_by_name
+from podscale.train.supervise import ENV_STDERR_TTY
 from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
 
 DEFAULT_CHECKPOINT_EVERY = 100
@@ -202,13 +203,20 @@ def _flat_params(params) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
+def _preemption_sync() -> bool:
+    """Whether JAX's preemption sync manager runs (multi-process runs with its service on)."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.preemption_sync_manager is not None
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """Trains as ``config`` says; returns the summary that ``--json`` prints."""
     run_start = time.perf_counter()
     lead = jax.process_index() == 0
     mlpath = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
     mlog = RunLog(mlpath, write=lead)
-    stop = StopRequest(enabled=jax.process_count() == 1)
+    stop = StopRequest(jax.process_count(), sync=_preemption_sync())
     try:
         with stop:
             return _train(config, mlog, run_start, lead, stop)
@@ -320,7 +328,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[eps]} ex/s"),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        # Under podscale's supervisor (multi-process) stderr is a pipe to a terminal.
+        console=Console(stderr=True, force_terminal=True if os.environ.get(ENV_STDERR_TTY) else None),
         disable=not (lead and config.progress),
     )
     try:
@@ -377,7 +386,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                 excluded += time.perf_counter() - aside
                 if reached:
                     break
-                if stop.signum is not None:
+                if stop.reached(done - start):
                     jax.block_until_ready(state)
                     if pending is not None:
                         last_loss = _log_step(pending, record, ckpt)
@@ -385,7 +394,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                     if ckpt:
                         _save(ckpt, done, state, checkpointed.save_form, force=True)
                         ckpt.close()
-                    raise Interrupted(done, stop.signum, saved=ckpt is not None)
+                    raise Interrupted(done, stop.stopped_by, saved=ckpt is not None, processes=jax.process_count())
             if pending is not None:
                 last_loss = _log_step(pending, record, ckpt)
             jax.block_until_ready(state)
