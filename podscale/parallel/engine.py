@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import _interpret, state_layout
+from podscale.parallel import _interpret, spatial, state_layout
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import BN_GROUP, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
@@ -115,11 +115,24 @@ class DataParallelStep:
         self.strategy = strategy or Strategy()
         self.donate_state = donate_state
         self.axes = self.strategy.axes(mesh)
+        self.space = self.strategy.space_axis(mesh)
         st = self.strategy
         self.grad_sum = make_grad_sum(
-            mesh, st.grad_sum, st.grad_sum_chunks, st.grad_sum_dtype, st.axis_costs, nbytes=st.bucket_bytes
+            mesh,
+            st.grad_sum,
+            st.grad_sum_chunks,
+            st.grad_sum_dtype,
+            st.axis_costs,
+            nbytes=st.bucket_bytes,
+            axes=self.axes,
         )
         self.layout: state_layout.StateLayout | None = None
+        self.images: list[bool] | None = None
+        """With ``spatial``: which batch leaves are images (their height is split)."""
+        self.windows: list = []
+        """With ``spatial``: the step's convolutions and pooling windows (``spatial.Window``)."""
+        self.uneven: list[str] = []
+        """With ``spatial``: the layers whose height the space axis does not divide."""
         self.trace: Trace | None = None
         self._global: tuple | None = None
         self._jitted = None
@@ -133,7 +146,8 @@ class DataParallelStep:
 
     @property
     def replicas(self) -> int:
-        return replica_count(self.mesh)
+        """Data-parallel replicas: the devices of the data axes (a space axis splits images)."""
+        return replica_count(self.mesh) // (self.mesh.shape[self.space] if self.space else 1)
 
     @property
     def group_axis(self) -> str | None:
@@ -142,12 +156,21 @@ class DataParallelStep:
 
     @property
     def batch_sharding(self) -> NamedSharding:
+        """How the batch's rows are split (over the data axes)."""
         return NamedSharding(self.mesh, P(self.axes))
 
-    @property
-    def state_sharding(self):
-        """The stored state's shardings (a pytree once prepared; replicated before)."""
-        return self.layout.shardings() if self.layout is not None else NamedSharding(self.mesh, P())
+    def batch_shardings(self, batch):
+        """Each batch leaf's sharding: rows over the data axes and, with ``spatial``, the height of
+        every image (a rank-4 NHWC leaf) over the space axis, which XLA's SPMD partitioner then
+        keeps through convolutions and pooling, exchanging halos between neighbours."""
+        if self.space is None:
+            return jax.tree.map(lambda _: self.batch_sharding, batch)
+        if self.images is None:
+            raise ValueError("place the state with dp.place_state(state, batch) before placing batches")
+        image = NamedSharding(self.mesh, P(self.axes, self.space))
+        return jax.tree.map(
+            lambda x: image if spatial.is_image(np.shape(x), self.windows) else self.batch_sharding, batch
+        )
 
     # -- preparing the layout ---------------------------------------------------------------
     def prepare(self, state, batch=None) -> state_layout.StateLayout:
@@ -162,6 +185,13 @@ class DataParallelStep:
         if batch is not None:
             self.check_batch(batch)
             forward = self._forward_inputs(abstract, batch)
+            if self.space:
+                self._check_spatial(abstract, batch)
+        elif self.space:
+            raise ValueError(
+                f"spatial={self.strategy.spatial} needs an example global batch to find the images and check "
+                "their heights: call place_state(state, batch) or prepare(state, batch)"
+            )
         elif self.sharded:
             raise ValueError(
                 "weight_update='sharded' needs an example global batch to decide which state "
@@ -191,6 +221,15 @@ class DataParallelStep:
             lowered = self.lower(self.layout.stored_shapes(), _shapes(batch))
         module = hlo.read(lowered.compile(), self.mesh) if compile else None
         return make_plan(self, module)
+
+    def _check_spatial(self, abstract_state, batch) -> None:
+        """Finds the image leaves of ``batch`` and refuses heights the space axis does not divide."""
+        found = list(spatial.windows(self.global_trace(abstract_state, batch).closed.jaxpr))
+        shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+        self.images = spatial.image_leaves(shapes, found)
+        self.windows = found
+        images = [s for s, im in zip(shapes, self.images, strict=True) if im]
+        self.uneven = spatial.check(found, self.strategy.spatial, self.space, images, self.strict)
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
         key = (
@@ -235,7 +274,9 @@ class DataParallelStep:
             found.append({i for i, v in enumerate(closed.jaxpr.invars[: gt.n_state]) if v in used})
             return jnp.zeros(())
 
-        mapped = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(self.axes),), out_specs=P())
+        mapped = jax.shard_map(
+            probe, mesh=self.mesh, in_specs=(P(self.axes),), out_specs=P(), axis_names=set(self.axes)
+        )
         jax.eval_shape(mapped, _shapes(batch))
         return found[0]
 
@@ -284,10 +325,13 @@ class DataParallelStep:
             return new_state, metrics
 
         specs = layout.specs()
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()))
+        # Manual over the data axes (podscale's partitioner); a space axis is left to XLA.
+        mapped = jax.shard_map(
+            body, mesh=self.mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()), axis_names=set(axes)
+        )
         return jax.jit(
             mapped,
-            in_shardings=(layout.shardings(), self.batch_sharding),
+            in_shardings=(layout.shardings(), self.batch_shardings(batch)),
             out_shardings=(layout.shardings(), NamedSharding(self.mesh, P())),
             donate_argnums=(0,) if self.donate_state else (),
         )
@@ -405,13 +449,12 @@ class DataParallelStep:
 
     def place_batch(self, local_batch, global_batch: int):
         """Builds the global batch from this process's rows (see :meth:`local_rows`)."""
-        sharding = self.batch_sharding
 
-        def put(x):
+        def put(x, sharding):
             x = np.asarray(x)
             return jax.make_array_from_process_local_data(sharding, x, (global_batch, *x.shape[1:]))
 
-        return jax.tree.map(put, local_batch)
+        return jax.tree.map(put, local_batch, self.batch_shardings(local_batch))
 
 
 def data_parallel(

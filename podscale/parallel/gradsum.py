@@ -246,6 +246,7 @@ def make_grad_sum(
     dtype: Any = None,
     axis_costs: Mapping[str, AxisCost] | str | None = None,
     nbytes: float = 2**24,
+    axes: tuple[str, ...] | None = None,
 ) -> GradSum:
     """Checks the knobs against the mesh and picks the 2-D axis order.
 
@@ -255,9 +256,12 @@ def make_grad_sum(
       dtype: sum gradients in this dtype, e.g. ``jnp.bfloat16`` (opt-in; default their own).
       axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``.
       nbytes: the buffer size the order is chosen for (the fusion bucket size).
+      axes: the data axes the sum runs over (default every mesh axis; a spatial strategy's space
+        axis is not one).
     """
-    axes = tuple(mesh.axis_names)
-    sizes = dict(mesh.shape)
+    data_only = axes is not None and tuple(axes) != tuple(mesh.axis_names)
+    axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
+    sizes = {a: mesh.shape[a] for a in axes}
     if mode not in MODES:
         raise ValueError(f"grad_sum={mode!r}: choose one of {', '.join(MODES)}")
     if chunks is not None and chunks < 1:
@@ -270,6 +274,11 @@ def make_grad_sum(
         if chunks not in (None, 1):
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
+    if data_only:
+        raise ValueError(
+            f"grad_sum='2d' sums over the mesh's data axes {axes}, and with a model axis (spatial) the 2-D "
+            "sum is not built yet; use grad_sum='1d'"
+        )
     if len(axes) != 2:
         extra = (
             " (bn_group_size adds a third axis: 2-D summation and batch-norm groups do not combine yet)"

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from podscale import report
+from podscale.parallel import spatial
 from podscale.perf.hlo import ring_bytes
 
 
@@ -45,6 +46,9 @@ class Plan:
     all-gathered (whole) values. Correct; each costs a collective of its operands."""
     traffic: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiled: dict[str, Any] | None = None
+    spatial: dict[str, Any] | None = None
+    """With ``spatial``: the space axis, its partitions, the layers whose height it does not
+    divide (XLA pads them), and, compiled, the halo exchanges' bytes per device per step."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,6 +112,20 @@ class Plan:
                 console.print(
                     f"[yellow]loops without a known trip count (counted once):[/] {self.compiled['unknown_trip_counts']}"
                 )
+        sp = self.spatial
+        if sp:
+            halo = (
+                f"; halo exchanges (collective-permute) {sp['halo_exchanges']} per step, "
+                f"{report.size(sp['halo_bytes_per_device'])} per device"
+                if "halo_bytes_per_device" in sp
+                else ""
+            )
+            console.print(
+                f"spatial: each image's height split {sp['partitions']} ways over {sp['axis']!r} "
+                f"({sp['layers']} convolution and pooling layers){halo}"
+            )
+            for note in sp["uneven_layers"]:
+                console.print(f"  [yellow]{note}[/]")
         t = self.traffic
         if t:
             console.print(
@@ -199,7 +217,25 @@ def make_plan(dp, compiled=None) -> Plan:
         memory=memory,
         traffic=traffic,
         compiled=None if compiled is None else compiled.to_dict(),
+        spatial=_spatial(dp, compiled),
     )
+
+
+def _spatial(dp, compiled) -> dict[str, Any] | None:
+    if not dp.space:
+        return None
+    out = {
+        "axis": dp.space,
+        "partitions": dp.strategy.spatial,
+        "image_leaves": sum(dp.images or []),
+        "layers": len(spatial.summary(dp.windows)),
+        "uneven_layers": list(dp.uneven),
+    }
+    if compiled is not None:
+        halos = [c for c in compiled.collectives if c.kind == "collective-permute"]
+        out["halo_exchanges"] = sum(c.count for c in halos)
+        out["halo_bytes_per_device"] = sum(c.buffer_bytes * c.count for c in halos)
+    return out
 
 
 def _gradient_bytes(weights, dtype) -> int:

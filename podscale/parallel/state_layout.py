@@ -71,7 +71,7 @@ class StateLayout:
 
     @property
     def n(self) -> int:
-        return math.prod(self.mesh.shape.values())
+        return math.prod(self.mesh.shape[a] for a in self.axes)
 
     @property
     def any_sharded(self) -> bool:
@@ -179,7 +179,7 @@ def decide(
     ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
     ``shard=False`` (the replicated update) keeps every leaf replicated.
     """
-    n = math.prod(mesh.shape.values())
+    n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype

@@ -6,8 +6,8 @@ its help the field's), and what the plan reports. Its fields check themselves wh
 made, and their errors name the parameter; the CLI maps parameter names to flags in one place
 (:func:`flag_name`).
 
-The data axes are named here once: the mesh axes the batch is split over. Today every mesh axis
-is a data axis; model axes (spatial, tensor) will be the others.
+The mesh axes get their roles here once: the data axes split the batch; with ``spatial=k`` the
+mesh's last axis (of size k) is the space axis, over which every image's height is split.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from podscale.parallel.gradsum import MODES, parse_axis_costs
+from podscale.parallel.mesh import BN_GROUP
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
 
 WEIGHT_UPDATES = ("replicated", "sharded")
@@ -63,7 +64,17 @@ class Strategy:
         choices=RNGS,
     )
 
+    spatial: int | None = _field(
+        None,
+        "split each image's height over the mesh's last axis, of this size (spatial partitioning: "
+        "convolutions exchange halos with their neighbours), e.g. --mesh 2x4 --spatial 4",
+    )
+
     def __post_init__(self):
+        if self.spatial is not None and self.spatial < 1:
+            raise ValueError(f"spatial must be at least 1, got {self.spatial}")
+        if self.spatial == 1:
+            object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
         if self.weight_update not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update={self.weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
         for name in ("min_shard_size", "bucket_bytes"):
@@ -84,17 +95,40 @@ class Strategy:
     def sharded(self) -> bool:
         return self.weight_update == "sharded"
 
+    def space_axis(self, mesh) -> str | None:
+        """The mesh axis each image's height is split over (``spatial``), or ``None``."""
+        if self.spatial is None:
+            return None
+        names, shape = tuple(mesh.axis_names), dict(mesh.shape)
+        if BN_GROUP in names:
+            raise ValueError(
+                f"spatial={self.spatial} with batch-norm groups (bn_group_size) is not built yet: the group "
+                "axis would split the space axis; drop one of them"
+            )
+        if len(names) < 2 or shape[names[-1]] != self.spatial:
+            raise ValueError(
+                f"spatial={self.spatial} needs a mesh whose last axis has {self.spatial} devices (the space "
+                f"axis) after at least one data axis, got mesh {shape}; make one with make_mesh((replicas, "
+                f"{self.spatial})), e.g. --mesh {max(mesh.size // self.spatial, 1)}x{self.spatial}"
+            )
+        if self.data_axes is not None and names[-1] in self.data_axes:
+            raise ValueError(
+                f"data_axes {self.data_axes} include {names[-1]!r}, the space axis of spatial={self.spatial}"
+            )
+        return names[-1]
+
     def axes(self, mesh) -> tuple[str, ...]:
-        """The data axes on ``mesh``; every mesh axis must be one (model axes are not built yet)."""
+        """The data axes on ``mesh``: every axis but the space axis (model axes: only spatial so far)."""
+        space = self.space_axis(mesh)
         if self.data_axes is None:
-            return tuple(mesh.axis_names)
+            return tuple(a for a in mesh.axis_names if a != space)
         unknown = [a for a in self.data_axes if a not in mesh.axis_names]
         if unknown:
             raise ValueError(f"data_axes {unknown} are not axes of the mesh {dict(mesh.shape)}")
-        rest = [a for a in mesh.axis_names if a not in self.data_axes]
+        rest = [a for a in mesh.axis_names if a not in self.data_axes and a != space]
         if rest:
             raise ValueError(
-                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}); podscale has no model axes yet: "
+                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), and the only model axis is spatial's: "
                 "leave data_axes out, or make the mesh of data axes only"
             )
         return tuple(a for a in mesh.axis_names if a in self.data_axes)  # mesh order: the batch's split order

@@ -175,6 +175,20 @@ def _groups(attrs: str) -> list[list[int]] | None:
     return None
 
 
+def _pair_axes(attrs: str, mesh_shape: dict[str, int] | None) -> tuple:
+    """The mesh axes a collective-permute's ``source_target_pairs`` move data along (a halo
+    exchange: the space axis)."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if not m or not mesh_shape:
+        return ()
+    names, dims = list(mesh_shape), list(mesh_shape.values())
+    varying = set()
+    for src, dst in re.findall(r"\{(\d+),(\d+)\}", m.group(1)):
+        a, b = np.unravel_index(int(src), dims), np.unravel_index(int(dst), dims)
+        varying |= {n for n, x, y in zip(names, a, b, strict=True) if x != y}
+    return tuple(n for n in names if n in varying)
+
+
 def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, devices: int) -> tuple[int, tuple]:
     """(group size, the mesh axes a group spans). Device ids are positions in the mesh's
     flattened device order (the program's device assignment)."""
@@ -247,7 +261,10 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             continue
         for name, kind, opcode, type_text, rest in instrs:
             total, dtype, sizes = _bytes(type_text)
-            size, axes = _axes(_groups(rest), mesh_shape, devices)
+            if kind == "collective-permute":
+                size, axes = 2, _pair_axes(rest, mesh_shape)
+            else:
+                size, axes = _axes(_groups(rest), mesh_shape, devices)
             if opcode == "all-gather-start":  # (operands..., results...)
                 total = sum(sizes[len(sizes) // 2 :])
             elif opcode == "collective-permute-start" and len(sizes) > 1:  # (operand, result, contexts)

@@ -1,0 +1,136 @@
+"""Spatial partitioning: each image's height split over a space axis equals one device on the
+whole image (float32, summation order only), with halo exchanges and no gathered activations."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import run_parallel, run_single
+from jax.sharding import Mesh
+
+from podscale import data_parallel, make_mesh
+from podscale.perf import hlo
+
+STEPS = 10
+
+
+class ConvNet(nn.Module):
+    """A ResNet-like stem and stage: 7x7 stride-2 convolution, batch norm, 3x3 stride-2 max-pool,
+    a residual 3x3 block, global average pool (every height a multiple of 8 for 32x32 images)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(8, (7, 7), strides=2, padding=3, use_bias=False)(x[..., None] if x.ndim == 3 else x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        y = nn.relu(nn.Conv(8, (3, 3), padding=1)(x))
+        x = nn.relu(x + nn.Conv(8, (3, 3), padding=1)(y))
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+def _setup(images=(32, 32), channels=3, rows=16):
+    model = ConvNet()
+    rng = np.random.default_rng(0)
+    shape = (rows, *images, channels) if channels else (rows, *images)
+    batches = [
+        {"image": rng.normal(size=shape).astype(np.float32), "label": rng.integers(0, 10, rows).astype(np.int32)}
+        for _ in range(STEPS)
+    ]
+    variables = model.init(jax.random.key(0), batches[0]["image"])
+    tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
+
+    def step(state, batch):
+        params, stats, opt = state
+
+        def loss_fn(p):
+            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["image"], mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), new
+
+        (loss, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), new["batch_stats"], opt), {"loss": loss}
+
+    state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    return step, state, batches
+
+
+def _relative(a, b) -> float:
+    """Largest difference over the largest magnitude, per leaf (a leaf of zeros compares absolutely)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-3))
+    return worst
+
+
+_REFERENCE = {}
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
+    step, state, batches = _setup()
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = run_single(step, state, batches)
+    ref, ref_metrics = _REFERENCE["ref"]
+    dp = data_parallel(step, make_mesh((8 // k, k)), spatial=k, weight_update=weight_update, min_shard_size=64)
+    out, metrics = run_parallel(dp, state, batches)
+    assert _relative(ref[0], state[0]) > 1e-2, "the parameters did not move: the check would be empty"
+    assert _relative(out, ref) <= 1e-6
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    assert dp.images == [True, False] and dp.uneven == []
+
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
+    halos = [c for c in module.collectives if c.kind == "collective-permute"]
+    assert halos and all(c.axes == ("y",) for c in halos), [(c.name, c.axes) for c in halos]
+    # No activation is gathered: the only all-gathers are the sharded update's weights (over x).
+    gathers = [c for c in module.collectives if c.kind == "all-gather"]
+    assert all(c.axes == ("x",) for c in gathers) and (weight_update == "sharded" or not gathers)
+
+
+def test_activation_memory_per_device_falls_with_the_partitions():
+    """Two replicas of one image each, the image split over k = 1, 2, 4 devices (2k devices)."""
+    step, state, batches = _setup(images=(64, 64), rows=2)
+    temps = {}
+    for k in (1, 2, 4):
+        mesh = Mesh(np.array(jax.devices()[: 2 * k]).reshape(2, k), ("x", "y"))
+        dp = data_parallel(step, mesh, spatial=k)  # k = 1: plain data parallelism (y has one device)
+        dp.prepare(state, batches[0])
+        temps[k] = hlo.memory_of(dp.lower(dp.layout.stored_shapes(), batches[0]).compile())["temporaries"]
+    assert temps[2] < 0.7 * temps[1] and temps[4] < 0.7 * temps[2], temps
+
+
+def test_a_height_the_space_axis_does_not_divide_is_listed_and_strict_refuses_it():
+    step, state, batches = _setup(images=(24, 24))  # 24 -> 12 -> 6: 4 does not divide 6
+    dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
+    out, _ = run_parallel(dp, state, batches[:3])
+    ref, _ = run_single(step, state, batches[:3])
+    assert _relative(out, ref) <= 1e-6  # XLA pads, exactly
+    assert dp.uneven and all("is not a multiple of 4" in note for note in dp.uneven)
+    assert any(note.startswith("layer Conv_1: height 6") for note in dp.uneven), dp.uneven
+    strict = data_parallel(step, make_mesh((2, 4)), spatial=4, strict=True)
+    with pytest.raises(ValueError, match=r"strict=True: refused before running; spatial=4 does not divide"):
+        strict.place_state(state, batches[0])
+
+
+def test_spatial_input_errors_name_the_mesh_axis_the_height_or_the_model():
+    step, state, batches = _setup()
+    with pytest.raises(ValueError, match=r"spatial=4 needs a mesh whose last axis has 4 devices.*--mesh 2x4"):
+        data_parallel(step, make_mesh((4, 2)), spatial=4)
+    with pytest.raises(ValueError, match=r"spatial=2 needs a mesh whose last axis"):
+        data_parallel(step, make_mesh(), spatial=2)
+    with pytest.raises(ValueError, match=r"spatial must be at least 1"):
+        data_parallel(step, make_mesh((4, 2)), spatial=0)
+    odd_step, odd_state, odd = _setup(images=(30, 32))
+    with pytest.raises(ValueError, match=r"the images have height 30 .*do not divide"):
+        data_parallel(odd_step, make_mesh((2, 4)), spatial=4).place_state(odd_state, odd[0])
+
+    def mlp_step(params, batch):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch["x"] @ p - batch["y"]) ** 2))(params)
+        return params - 0.1 * grads, {"loss": loss}
+
+    flat = {"x": np.ones((16, 4, 4), np.float32), "y": np.ones((16, 4, 3), np.float32)}
+    with pytest.raises(ValueError, match=r"no convolution or pooling over an image-shaped batch leaf"):
+        data_parallel(mlp_step, make_mesh((4, 2)), spatial=2).place_state(np.ones((4, 3), np.float32), flat)
