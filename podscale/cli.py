@@ -289,9 +289,11 @@ def _run_models(args) -> int:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D)"
+        "bench",
+        help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D), "
+        "spatial (one replica's images over k = 1, 2, 4, 8 devices)",
     )
-    p.add_argument("which", choices=["wus", "gradsum"])
+    p.add_argument("which", choices=["wus", "gradsum", "spatial"])
     p.add_argument(
         "--model",
         default=None,
@@ -314,6 +316,8 @@ def _run_bench(args) -> int:
 
     if args.which == "gradsum":
         return _run_bench_gradsum(args)
+    if args.which == "spatial":
+        return _run_bench_spatial(args)
 
     from podscale import workloads
     from podscale.bench.wus import bench_wus
@@ -355,6 +359,43 @@ def _run_bench(args) -> int:
     console.print("collectives, KiB per device per step:")
     for line in lines:
         console.print("  " + line)
+    return 0
+
+
+def _run_bench_spatial(args) -> int:
+    from rich.console import Console
+
+    from podscale import report
+    from podscale.bench.spatial import bench_spatial
+
+    result = bench_spatial(steps=max(args.steps, 1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    cfg = result.pop("config")
+    numbers = ("temporaries", "vs k=1", "halo/step", "halo/temps", "step s")
+    table = report.table(
+        "k",
+        *numbers,
+        title=f"spatial: {cfg['batch']} images {cfg['image']}x{cfg['image']}, one replica over k devices",
+        numbers=("k", *numbers),
+    )
+    for k, r in result.items():
+        table.add_row(
+            k,
+            report.size(r["temporaries_bytes_per_device"]),
+            f"{r['temporaries_vs_k1']:.2f}x",
+            report.size(r["halo_bytes_per_device"]),
+            f"{r['halo_vs_temporaries']:.3f}",
+            f"{r['step_s']:.4f}",
+        )
+    console = Console()
+    report.show(table, console)
+    console.print(
+        "temporaries: activations, their gradients and workspace per device (memory_analysis); halo: "
+        "collective-permute bytes per device per step. CPU devices share one memory: a halo is a copy "
+        "here, a torus link hop on a TPU."
+    )
     return 0
 
 

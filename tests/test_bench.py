@@ -25,3 +25,16 @@ def test_bench_wus_runs_on_an_mlperf_workload_with_its_recipe():
     assert (
         result["recipe"]["sharded"]["peak_bytes_per_device"] <= result["recipe"]["replicated"]["peak_bytes_per_device"]
     )
+
+
+def test_bench_spatial_shows_memory_falling_and_halos_appearing_with_k():
+    from podscale.bench.spatial import bench_spatial
+
+    result = bench_spatial(ks=(1, 2, 4), batch=2, image=32, features=8, steps=1)
+    rows = [result[str(k)] for k in (1, 2, 4)]
+    temps = [r["temporaries_bytes_per_device"] for r in rows]
+    assert temps[1] < temps[0] and temps[2] < temps[1], temps
+    assert rows[0]["halo_bytes_per_device"] == 0 and all(r["halo_bytes_per_device"] > 0 for r in rows[1:])
+    assert all(r["uneven_layers"] == 0 and r["step_s"] > 0 for r in rows)
+    # Every k computes the same step: the losses agree to float32 summation order.
+    assert max(r["final_loss"] for r in rows) - min(r["final_loss"] for r in rows) <= 1e-5

@@ -1,7 +1,6 @@
 """Spatial partitioning: each image's height split over a space axis equals one device on the
 whole image (float32, summation order only), with halo exchanges and no gathered activations."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,26 +11,13 @@ from jax.sharding import Mesh
 
 from podscale import data_parallel, make_mesh
 from podscale.perf import hlo
+from podscale.train.models import StemNet
 
 STEPS = 10
 
 
-class ConvNet(nn.Module):
-    """A ResNet-like stem and stage: 7x7 stride-2 convolution, batch norm, 3x3 stride-2 max-pool,
-    a residual 3x3 block, global average pool (every height a multiple of 8 for 32x32 images)."""
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        x = nn.Conv(8, (7, 7), strides=2, padding=3, use_bias=False)(x[..., None] if x.ndim == 3 else x)
-        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-        y = nn.relu(nn.Conv(8, (3, 3), padding=1)(x))
-        x = nn.relu(x + nn.Conv(8, (3, 3), padding=1)(y))
-        return nn.Dense(10)(x.mean((1, 2)))
-
-
 def _setup(images=(32, 32), channels=3, rows=16):
-    model = ConvNet()
+    model = StemNet()
     rng = np.random.default_rng(0)
     shape = (rows, *images, channels) if channels else (rows, *images)
     batches = [

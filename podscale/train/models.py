@@ -74,6 +74,26 @@ class SmallResNet(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+class StemNet(nn.Module):
+    """A ResNet's stem and one residual block on larger images: a 7x7 stride-2 convolution, batch
+    norm, a 3x3 stride-2 max-pool, a residual pair of 3x3 convolutions, global average pool. Every
+    height is the image's over 2 and 4, so a 64x64 image splits 8 ways (spatial partitioning)."""
+
+    features: int = 8
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        if x.ndim == 3:
+            x = x[..., None]
+        x = nn.Conv(self.features, (7, 7), strides=2, padding=3, use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        y = nn.relu(nn.Conv(self.features, (3, 3), padding=1)(x))
+        x = nn.relu(x + nn.Conv(self.features, (3, 3), padding=1)(y))
+        return nn.Dense(self.num_classes)(x.mean((1, 2)))
+
+
 class DecoderBlock(nn.Module):
     num_heads: int
     mlp_dim: int
