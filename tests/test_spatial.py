@@ -120,3 +120,18 @@ def test_spatial_input_errors_name_the_mesh_axis_the_height_or_the_model():
     flat = {"x": np.ones((16, 4, 4), np.float32), "y": np.ones((16, 4, 3), np.float32)}
     with pytest.raises(ValueError, match=r"no convolution or pooling over an image-shaped batch leaf"):
         data_parallel(mlp_step, make_mesh((4, 2)), spatial=2).place_state(np.ones((4, 3), np.float32), flat)
+
+
+def test_the_trainer_with_spatial_trains_like_data_parallelism(tmp_path):
+    """``podscale train --mesh 4x2 --spatial 2`` (in-process): the same parameters as the plain
+    4x2 data-parallel run, up to summation order, with the evaluation on the spatial mesh too."""
+    from podscale.parallel.strategy import Strategy
+    from podscale.train.trainer import TrainConfig, train
+
+    common = dict(model="resnet", data="digits", mesh=(4, 2), steps=8, eval_every=4, progress=False)
+    plain = train(TrainConfig(**common, export=str(tmp_path / "plain.npz")))
+    split = train(TrainConfig(**common, strategy=Strategy(spatial=2), export=str(tmp_path / "split.npz")))
+    assert split["replicas"] == 4 and plain["replicas"] == 8
+    with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "split.npz") as b:
+        assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) <= 1e-5
+    assert abs(split["eval_value"] - plain["eval_value"]) <= 1e-6
