@@ -10,14 +10,15 @@ from helpers import run_parallel, run_single
 from jax.sharding import Mesh
 
 from podscale import data_parallel, make_mesh
+from podscale.parallel.mesh import BN_GROUP
 from podscale.perf import hlo
 from podscale.train.models import StemNet
 
 STEPS = 10
 
 
-def _setup(images=(32, 32), channels=3, rows=16):
-    model = StemNet()
+def _setup(images=(32, 32), channels=3, rows=16, bn_axis=None):
+    model = StemNet(bn_axis=bn_axis)
     rng = np.random.default_rng(0)
     shape = (rows, *images, channels) if channels else (rows, *images)
     batches = [
@@ -68,12 +69,37 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
     assert dp.images == [True, False] and dp.uneven == []
 
+    if weight_update == "sharded":  # the update is sharded over data x space: 1/8 per device
+        stored = dp.place_state(state)
+        for x, leaf in zip(jax.tree.leaves(stored), dp.layout.leaves, strict=True):
+            if leaf.sharded:
+                assert x.addressable_shards[0].data.size * 8 == x.size == leaf.shard_len * (8 // k)
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     halos = [c for c in module.collectives if c.kind == "collective-permute"]
     assert halos and all(c.axes == ("y",) for c in halos), [(c.name, c.axes) for c in halos]
-    # No activation is gathered: the only all-gathers are the sharded update's weights (over x).
+    # No activation is gathered: the only all-gathers are the sharded update's (updated weights,
+    # gathered over the space axis, then the data axis), each smaller than the weights.
     gathers = [c for c in module.collectives if c.kind == "all-gather"]
-    assert all(c.axes == ("x",) for c in gathers) and (weight_update == "sharded" or not gathers)
+    weights = sum(leaf.bytes for leaf in dp.layout.leaves if leaf.weight)
+    assert weight_update == "sharded" or not gathers
+    assert all(c.buffer_bytes * c.group_size <= weights for c in gathers), [(c.name, c.buffer_bytes) for c in gathers]
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_spatial_with_batch_norm_groups_equals_one_device(weight_update):
+    """make_mesh((4, 2), bn_group_size=4, spatial=2): one group of the 4 replicas, each image over
+    2 devices; batch norm over the group's partitions is batch norm over the whole batch."""
+    step, state, batches = _setup()
+    grouped, _, _ = _setup(bn_axis=BN_GROUP)
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = run_single(step, state, batches)
+    ref, _ = _REFERENCE["ref"]
+    mesh = make_mesh((4, 2), bn_group_size=4, spatial=2)
+    assert mesh.axis_names == ("x", BN_GROUP, "y")
+    dp = data_parallel(grouped, mesh, spatial=2, weight_update=weight_update, min_shard_size=64)
+    out, _ = run_parallel(dp, state, batches)
+    assert dp.axes == ("x", BN_GROUP) and dp.replicas == 4
+    assert _relative(out, ref) <= 1e-6
 
 
 def test_activation_memory_per_device_falls_with_the_partitions():

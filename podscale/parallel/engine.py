@@ -198,7 +198,13 @@ class DataParallelStep:
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
         self.layout = state_layout.decide(
-            abstract, self.mesh, forward, self.min_shard_size, shard=self.sharded, order=self.grad_sum.order
+            abstract,
+            self.mesh,
+            forward,
+            self.min_shard_size,
+            shard=self.sharded,
+            order=self.grad_sum.order,
+            space=self.space,
         )
         return self.layout
 

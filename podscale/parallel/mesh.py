@@ -26,7 +26,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def make_mesh(
-    shape: int | Sequence[int] | None = None, axis_names: Sequence[str] | None = None, bn_group_size: int = 1
+    shape: int | Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+    bn_group_size: int = 1,
+    spatial: int | None = None,
 ) -> Mesh:
     """Builds a mesh over every device of every process.
 
@@ -37,6 +40,9 @@ def make_mesh(
       bn_group_size: k > 1 splits the last dimension into (last / k, k) and names the new, innermost
         axis ``BN_GROUP``: its k devices are neighbouring replicas, and a model whose batch norm
         averages its statistics over ``BN_GROUP`` normalizes over the group's combined batch.
+      spatial: with ``Strategy(spatial=k)`` the last dimension (k) is the space axis, and
+        ``bn_group_size`` splits the dimension before it instead: a group is neighbouring
+        replicas, each with its k partitions, and the space axis stays last.
 
     Devices are ordered by (process, id), so each process owns a contiguous block of the
     flattened mesh: the rows of a batch sharded over all axes that a process feeds are contiguous.
@@ -66,15 +72,23 @@ def make_mesh(
             f"Pass a shape whose product is {n}, for example ({n},)."
         )
     if bn_group_size != 1:
-        if bn_group_size < 1 or shape[-1] % bn_group_size:
+        split = -2 if spatial not in (None, 1) else -1  # the last data axis
+        if len(shape) < -split:
             raise ValueError(
-                f"bn_group_size={bn_group_size} must be a positive divisor of the last mesh dimension "
-                f"({axis_names[-1]}={shape[-1]} of mesh {shape}); groups are neighbouring replicas along it"
+                f"bn_group_size={bn_group_size} with spatial={spatial} needs a data axis before the space axis, "
+                f"got mesh {shape}"
+            )
+        if bn_group_size < 1 or shape[split] % bn_group_size:
+            which = "last data" if split == -2 else "last"
+            raise ValueError(
+                f"bn_group_size={bn_group_size} must be a positive divisor of the {which} mesh dimension "
+                f"({axis_names[split]}={shape[split]} of mesh {shape}); groups are neighbouring replicas along it"
             )
         if BN_GROUP in axis_names:
             raise ValueError(f"mesh axis_names {axis_names} already use {BN_GROUP!r}, the batch-norm group axis")
-        shape = (*shape[:-1], shape[-1] // bn_group_size, bn_group_size)
-        axis_names = (*axis_names, BN_GROUP)
+        at = len(shape) + split + 1  # just after the split dimension
+        shape = (*shape[: at - 1], shape[at - 1] // bn_group_size, bn_group_size, *shape[at:])
+        axis_names = (*axis_names[:at], BN_GROUP, *axis_names[at:])
     grid = np.array(devices, dtype=object).reshape(shape)
     return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(shape))
 

@@ -73,7 +73,7 @@ class Plan:
             leaves.add_row(
                 leaf["path"],
                 "x".join(map(str, leaf["shape"])) or "()",
-                f"1/{self.replicas}" if leaf["sharded"] else "whole",
+                f"1/{self.replicas * leaf['split']}" if leaf["sharded"] else "whole",
                 report.size(leaf["bytes_per_device"]),
                 leaf["reason"],
             )
@@ -164,6 +164,7 @@ def make_plan(dp, compiled=None) -> Plan:
             "padding_elements": leaf.padding,
             "padding_bytes": leaf.padding_bytes,
             "bytes_per_device": leaf.bytes_per_device(),
+            "split": leaf.split,
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }

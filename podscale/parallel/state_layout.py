@@ -33,6 +33,8 @@ class LeafLayout:
     weight: bool = False
     """Read by the forward pass (kept whole for it); otherwise optimizer or other state."""
     weak_type: bool = False
+    split: int = 1
+    """Devices each data replica's chunk is split over (a spatial strategy's space axis)."""
 
     @property
     def itemsize(self) -> int:
@@ -47,7 +49,7 @@ class LeafLayout:
         return self.padding * self.itemsize
 
     def bytes_per_device(self) -> int:
-        return self.shard_len * self.itemsize if self.sharded else self.bytes
+        return self.shard_len // self.split * self.itemsize if self.sharded else self.bytes
 
 
 def _itemsize(dtype) -> int:
@@ -64,6 +66,10 @@ class StateLayout:
     mesh: Mesh
     order: tuple[str, ...] | None = None
     """The mesh axes in the order chunks are laid out (the gradient sum's); default mesh order."""
+    space: str | None = None
+    """A spatial strategy's space axis: each data replica's chunk is split over it as well (XLA
+    partitions the update of a chunk over the space axis), so a sharded leaf is 1/(data x space)
+    per device."""
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -80,8 +86,15 @@ class StateLayout:
     def specs(self):
         return jax.tree.unflatten(self.treedef, [P(self.axes) if leaf.sharded else P() for leaf in self.leaves])
 
+    def _sharding(self, leaf: LeafLayout) -> NamedSharding:
+        if not leaf.sharded:
+            return NamedSharding(self.mesh, P())
+        return NamedSharding(self.mesh, P((*self.axes, self.space) if self.space else self.axes))
+
     def shardings(self):
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.specs())
+        """The stored leaves' shardings on the mesh (``specs`` name the data axes only, as the
+        ``shard_map`` manual over them sees its inputs)."""
+        return jax.tree.unflatten(self.treedef, [self._sharding(leaf) for leaf in self.leaves])
 
     def stored_shapes(self):
         def one(leaf):
@@ -122,10 +135,7 @@ class StateLayout:
         self.check(state)
         out = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            sharding = NamedSharding(
-                self.mesh, P(self.axes) if leaf.sharded else P()
-            )  # chunk i on device i of the order
-            out.append(_put(x, sharding, leaf))
+            out.append(_put(x, self._sharding(leaf), leaf))  # chunk i on device i of the order
         return jax.tree.unflatten(self.treedef, out)
 
     def fetch(self, stored):
@@ -173,6 +183,7 @@ def decide(
     min_shard_size: int,
     shard: bool = True,
     order: tuple[str, ...] | None = None,
+    space: str | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -206,6 +217,10 @@ def decide(
                 )
             )
         else:
-            length = -(-size // n)
-            leaves.append(LeafLayout(**kw, sharded=True, reason="sharded", shard_len=length, padding=length * n - size))
-    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order)
+            length, k = -(-size // n), mesh.shape[space] if space else 1
+            length = -(-length // k) * k  # the chunk splits over the space axis too
+            reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
+            leaves.append(
+                LeafLayout(**kw, sharded=True, reason=reason, shard_len=length, padding=length * n - size, split=k)
+            )
+    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, space)

@@ -100,10 +100,10 @@ class Strategy:
         if self.spatial is None:
             return None
         names, shape = tuple(mesh.axis_names), dict(mesh.shape)
-        if BN_GROUP in names:
+        if names[-1] == BN_GROUP:
             raise ValueError(
-                f"spatial={self.spatial} with batch-norm groups (bn_group_size) is not built yet: the group "
-                "axis would split the space axis; drop one of them"
+                f"spatial={self.spatial}: the mesh's last axis is the batch-norm group axis; build the mesh with "
+                f"make_mesh(shape, bn_group_size=..., spatial={self.spatial}), which keeps the space axis last"
             )
         if len(names) < 2 or shape[names[-1]] != self.spatial:
             raise ValueError(

@@ -81,13 +81,15 @@ class StemNet(nn.Module):
 
     features: int = 8
     num_classes: int = 10
+    bn_axis: str | None = None
+    """Average batch-norm statistics over this mesh axis (``BN_GROUP``: batch-norm groups)."""
 
     @nn.compact
     def __call__(self, x, train: bool = True):
         if x.ndim == 3:
             x = x[..., None]
         x = nn.Conv(self.features, (7, 7), strides=2, padding=3, use_bias=False)(x)
-        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.bn_axis)(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         y = nn.relu(nn.Conv(self.features, (3, 3), padding=1)(x))
         x = nn.relu(x + nn.Conv(self.features, (3, 3), padding=1)(y))

@@ -233,7 +233,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     # clear them (its data sets are synthetic or small, read into memory).
     mlog.event(C.CACHE_CLEAR, False)
     mlog.start(C.INIT_START)
-    mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size)
+    mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size, spatial=config.strategy.spatial)
     task = make_task(
         config.model,
         config.data,
