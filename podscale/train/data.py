@@ -66,6 +66,87 @@ class Digits:
         return {"image": (self._images[rows] / 16.0).astype(np.float32), "label": self._labels[rows].astype(np.int32)}
 
 
+class DigitDetection:
+    """A real-glyph detection set: scikit-learn's handwritten digits pasted at random scales and
+    non-overlapping positions on blank canvases, with exact boxes (the glyph's inked pixels).
+
+    The train canvases take glyphs from :class:`Digits`' train split, the held-out ones from its
+    test split, so no glyph is seen in both. Every canvas is a pure function of (split, index):
+    ``size`` canvases of ``canvas x canvas`` pixels with 1 to ``max_objects`` digits of
+    ``min_size`` to ``max_size`` pixels each (nearest-neighbour scaled). Examples: ``image``
+    float32 ``[canvas, canvas]`` in [0, 1]; ``boxes`` float32 ``[max_objects, 4]`` ltrb in [0, 1]
+    (rows past the canvas's objects are zero); ``labels`` int32 ``[max_objects]``: the digit + 1,
+    0 for no object. With ``encoder`` (``(boxes, labels) -> dict``), its arrays are added, e.g.
+    the SSD targets of every default box.
+    """
+
+    num_classes = 10
+
+    def __init__(
+        self,
+        split: str = "train",
+        size: int | None = None,
+        canvas: int = 64,
+        max_objects: int = 3,
+        min_size: int = 14,
+        max_size: int = 30,
+        encoder=None,
+    ):
+        if split not in ("train", "test"):
+            raise ValueError(f"DigitDetection split {split!r}: use 'train' or 'test'")
+        if not 8 <= min_size <= max_size <= canvas:
+            raise ValueError(
+                f"DigitDetection: need 8 <= min_size <= max_size <= canvas, got {min_size}, {max_size}, {canvas}"
+            )
+        self.split, self.canvas, self.max_objects = split, canvas, max_objects
+        self.min_size, self.max_size, self.encoder = min_size, max_size, encoder
+        self.size = size if size is not None else (4096 if split == "train" else 512)
+        self._glyphs = Digits(split)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def example(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([0 if self.split == "train" else 1, int(index)])
+        image = np.zeros((self.canvas, self.canvas), np.float32)
+        taken = np.zeros_like(image, dtype=bool)
+        boxes = np.zeros((self.max_objects, 4), np.float32)
+        labels = np.zeros(self.max_objects, np.int32)
+        count = int(rng.integers(1, self.max_objects + 1))
+        placed = 0
+        for _ in range(50 * count):  # rejection sampling of free squares
+            if placed == count:
+                break
+            s = int(rng.integers(self.min_size, self.max_size + 1))
+            y, x = (int(v) for v in rng.integers(0, self.canvas - s + 1, size=2))
+            if taken[y : y + s, x : x + s].any():
+                continue
+            glyph = self._glyphs.get(np.array([int(rng.integers(len(self._glyphs)))]))
+            pixels = glyph["image"][0][np.ix_(*(np.arange(s) * 8 // s,) * 2)]
+            image[y : y + s, x : x + s] = pixels
+            taken[y : y + s, x : x + s] = True
+            rows, cols = np.nonzero(pixels > 0)
+            boxes[placed] = (
+                np.array([x + cols.min(), y + rows.min(), x + cols.max() + 1, y + rows.max() + 1]) / self.canvas
+            )
+            labels[placed] = int(glyph["label"][0]) + 1
+            placed += 1
+        return image, boxes, labels
+
+    def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        examples = [self.example(int(i)) for i in np.asarray(indices)]
+        out = {
+            "image": np.stack([e[0] for e in examples]),
+            "boxes": np.stack([e[1] for e in examples]),
+            "labels": np.stack([e[2] for e in examples]),
+        }
+        if self.encoder is not None:
+            encoded = [self.encoder(b[lab > 0], lab[lab > 0]) for _, b, lab in examples]
+            for key in encoded[0]:
+                out[key] = np.stack([e[key] for e in encoded])
+        return out
+
+
 class SyntheticImages:
     """Images of Gaussian-like noise labelled by a fixed random linear teacher (learnable).
 
