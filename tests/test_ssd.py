@@ -115,3 +115,33 @@ def test_tiny_ssd_spatial_step_equals_one_device(k, weight_update, bn_groups):
     }
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     assert any(c.kind == "collective-permute" and c.axes == (mesh.axis_names[-1],) for c in module.collectives)
+
+
+@pytest.mark.slow
+def test_full_ssd300_compiles_for_one_replica_and_for_4_spatial_partitions():
+    """bf16 compute at one image per replica: whole, and split over 4 devices. SSD300's heights
+    (150, 75, 38, 19, 10, 5, 3, 1) are not all multiples of 4: XLA pads those layers, the plan
+    lists them, and the per-device temporaries still fall."""
+    from jax.sharding import Mesh
+
+    model = ssd.SSD(ssd.FULL, dtype=jnp.bfloat16)
+    tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.01, momentum=0.9))
+    boxes = len(ssd.FULL.boxes.xywh())
+    batch = {
+        "image": jax.ShapeDtypeStruct((1, 300, 300, 3), jnp.float32),
+        "box_labels": jax.ShapeDtypeStruct((1, boxes), jnp.int32),
+        "box_targets": jax.ShapeDtypeStruct((1, boxes, 4), jnp.float32),
+    }
+    variables = jax.eval_shape(lambda x: model.init(jax.random.key(0), x), batch["image"])
+    state = jax.eval_shape(lambda v: (v["params"], v["batch_stats"], tx.init(v["params"])), variables)
+    temps = {}
+    for k in (1, 4):
+        mesh = Mesh(np.array(jax.devices()[:k]).reshape(1, k), ("data", "space"))
+        dp = data_parallel(_step(model, tx), mesh, spatial=k)
+        dp.prepare(state, batch)
+        module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+        temps[k] = module.memory["temporaries"]
+        if k == 4:
+            assert any(c.kind == "collective-permute" for c in module.collectives)
+            assert any(note.startswith("layer _Block_0/Conv_0: height 75 ") for note in dp.uneven), dp.uneven[:3]
+    assert temps[4] < 0.8 * temps[1], temps

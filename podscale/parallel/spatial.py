@@ -47,6 +47,12 @@ def _where(eqn) -> str:
     names = [s for s in stack.split("/") if s and not s.startswith(("jvp(", "transpose(", "jit(", "pjit"))]
     if names:
         return "/".join(names)
+    # A function such as flax's max_pool: the first frame of the user's own code.
+    tb = eqn.source_info.traceback
+    for frame in tb.frames if tb is not None else ():
+        path = frame.file_name.replace("\\", "/")
+        if not any(f"/{lib}/" in path for lib in ("jax", "jaxlib", "flax", "optax")):
+            return f"{eqn.primitive.name} in {frame.function_name} ({path.rsplit('/', 1)[-1]}:{frame.line_num})"
     return source_info_util.summarize(eqn.source_info)
 
 
@@ -112,7 +118,9 @@ def check(found: list[Window], k: int, space: str, images: list[tuple[int, ...]]
     heights: dict[str, list[int]] = {}
     for w in found:  # the backward pass repeats the forward layers: one note per layer
         bad = heights.setdefault(w.where, [])
-        bad += [h for h in (w.height_in, w.height_out) if h % k and h not in bad]
+        for h in (w.height_in, w.height_out):
+            if h % k and h not in bad:
+                bad.append(h)
     uneven = [
         f"layer {where}: height {', '.join(map(str, bad))} is not a multiple of {k}; XLA pads it to "
         f"{', '.join(str(-(-h // k) * k) for h in bad)} rows over the {k} partitions (or regroups the "
