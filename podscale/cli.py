@@ -31,7 +31,7 @@ def _train_parser(sub) -> None:
     p.add_argument(
         "--model",
         default=defaults.model,
-        help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt",
+        help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt, ssd",
     )
     p.add_argument("--config", default=None, help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size)")
     p.add_argument("--data", default=None, help="digits or synthetic (default); MLPerf workloads bring their own")

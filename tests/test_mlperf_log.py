@@ -117,6 +117,7 @@ WORKLOAD_RUNS = {  # the time-to-target commands of docs/benchmarks.md
     "transformer-big": dict(steps=1000, eval_every=100, target=0.99),
     "gnmt": dict(steps=300, eval_every=25, target=0.95),
     "bert-large": dict(steps=600, eval_every=50, target=0.75),
+    "ssd": dict(steps=704, eval_every=64, target=0.5),
 }
 
 
@@ -135,6 +136,7 @@ def test_every_workloads_log_passes_mlperfs_compliance_checker(tmp_path, name):
         "transformer",
         "gnmt",
         "bert",
+        "ssd",
     )
     proc = _checker(path, tmp_path)
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -76,6 +76,15 @@ def test_tiny_data_fits_the_batch_shapes(name):
         assert (value.shape, value.dtype) == (shapes[key].shape, shapes[key].dtype), key
 
 
+CHAOTIC = {"ssd": 1e-4}
+"""Workloads whose step is discontinuous in roundoff, with the bound their parameters are held to
+after one step from the same state: SSD's hard negative mining ranks near-equal background
+losses, and a summation order that differs by an ulp can swap a pick (the loss moves by the tie's
+width, the gradient by that box's share). Chained steps amplify it even on one device
+(tests/test_ssd.py::test_ten_steps_of_ssd_are_chaotic_on_one_device), so these are checked step
+by step; tests/test_ssd.py holds the tiny SSD's spatial steps to 1e-6 where no pick flips."""
+
+
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_tiny_step_on_8_replicas_matches_one_device(name):
     """In float32: with bf16 compute each replica's gradient is rounded before the sum, and Adam
@@ -93,6 +102,15 @@ def test_tiny_step_on_8_replicas_matches_one_device(name):
         data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8)),
     ]
     for dp in runs:
+        if name in CHAOTIC:  # each step from one device's state at that step
+            before = state
+            for batch in batches:
+                want, want_metrics = run_single(make_train_step(task, tx), before, [batch])
+                out, metrics = run_parallel(dp, before, [batch])
+                assert max_abs_diff(want.params, out.params) <= CHAOTIC[name]
+                np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+                before = want
+            continue
         out, metrics = run_parallel(dp, state, batches)
         assert np.isfinite(metrics["loss"])
         assert max_abs_diff(ref.params, out.params) <= 1e-5
@@ -157,10 +175,10 @@ def test_recipes_log_their_hyperparameters_under_mllog_keys(name):
     workload = workloads.get(name)
     cfg = workload.config("tiny")
     logged = workload.hparams(cfg, cfg.train_steps)
-    assert logged[C.OPT_NAME] in (C.LARS, C.LAMB, C.ADAM)
+    assert logged[C.OPT_NAME] in (C.LARS, C.LAMB, C.ADAM, C.SGD)
     base = logged.get(C.OPT_BASE_LR, logged.get(C.LARS_OPT_BASE_LEARNING_RATE))
     assert base == cfg.learning_rate
-    assert all(isinstance(v, (int, float, str)) for v in logged.values())
+    assert all(isinstance(v, (int, float, str, list)) for v in logged.values())
 
 
 class _First:
@@ -192,11 +210,13 @@ def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
     got = distributed_eval(task.eval_outputs, mesh)(dp.place_state(state), padded_eval_batches(subset, dp, 32))
     outputs = jax.jit(task.eval_outputs)(state, subset.get(np.arange(100)))
     assert all(v.shape == (100,) for v in outputs.values())  # per example
-    per = np.asarray(outputs[task.eval_metric], np.float64)
+    # A whole-set metric (ssd's COCO mAP) is computed on the host: check its per-example accuracy.
+    metric = task.eval_metric if task.workload.evaluate is None else "accuracy"
+    per = np.asarray(outputs[metric], np.float64)
     if set(np.unique(per)) <= {0.0, 1.0}:  # counts of 0/1 in float32 are exact
-        assert got[task.eval_metric] == np.sum(per) / 100
+        assert got[metric] == np.sum(per) / 100
     else:  # masked-LM accuracy: a mean over each sequence's positions, summed in another order
-        np.testing.assert_allclose(got[task.eval_metric], np.sum(per) / 100, rtol=1e-6)
+        np.testing.assert_allclose(got[metric], np.sum(per) / 100, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -279,7 +299,16 @@ def _check_update_at_its_limit(replicated, sharded):
     kept = sum(leaf["bytes_per_device"] for leaf in state if not leaf["sharded"])
     m = sharded.memory
     assert m["optimizer_state"] <= (m["optimizer_state_replicated"] - kept) / 8 + kept + m["padding"]
-    assert sharded.memory["peak"] <= replicated.memory["peak"]
+    # The sharded update holds fused gradient buffers and gathered weights beside the activations:
+    # about twice the gradients' bytes. It saves more than that where the optimizer state is large
+    # (Adam, LAMB, LARS with its trust ratio), not for SGD with momentum beside SSD's 18 GiB of
+    # activations at 114 images per core (measured: +0.7%, 204 MiB).
+    slack = (
+        3 * sharded.memory["gradients"]
+        if sharded.memory["optimizer_state_replicated"] <= 1.01 * sharded.memory["weights_replicated"]
+        else 0
+    )
+    assert sharded.memory["peak"] <= replicated.memory["peak"] + slack
 
 
 @pytest.mark.parametrize("name", workloads.NAMES)

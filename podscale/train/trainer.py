@@ -289,7 +289,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"pass a larger --steps to train further"
         )
     evaluate = distributed_eval(make_eval_fn(task), mesh)
-    _log_run_config(mlog, config, task, dp, batch_size, eval_batch)
+    _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
     mlog.end(C.INIT_STOP)
     mlog.start(C.RUN_START)
     epoch = lambda done: done * batch_size / len(task.train_data)  # noqa: E731
@@ -373,6 +373,10 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                     )
                     mlog.start(C.EVAL_START, metadata={"epoch_num": epoch(done), "step_num": done})
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
+                    if task.workload and task.workload.evaluate:  # a whole-set metric (COCO mAP)
+                        whole = dp.gather_state(state)
+                        variables = {"params": whole.params, "batch_stats": whole.batch_stats}
+                        results.update(task.workload.evaluate(task.model, variables, task.eval_data))
                     at = {"epoch_num": epoch(done), "step_num": done}
                     mlog.end(C.EVAL_STOP, metadata=at)
                     mlog.event(C.EVAL_ACCURACY, results[task.eval_metric], metadata={**at, "metric": task.eval_metric})
@@ -461,7 +465,9 @@ def _base_learning_rate(task, config: TrainConfig) -> float:
     return 1e-3
 
 
-def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int, eval_batch: int) -> None:
+def _log_run_config(
+    mlog: RunLog, config: TrainConfig, task, dp, batch_size: int, eval_batch: int, batch_norm: bool
+) -> None:
     """The MLPerf log's run configuration: submission, batch, seed, data sizes, hyperparameters."""
     # MLPerf's benchmark names (resnet, transformer, bert, gnmt); the small models log their own.
     mlog.event(C.SUBMISSION_BENCHMARK, task.workload.mlperf_name if task.workload else config.model)
@@ -473,6 +479,8 @@ def _log_run_config(mlog: RunLog, config: TrainConfig, task, dp, batch_size: int
     mlog.event(C.GLOBAL_BATCH_SIZE, batch_size)
     mlog.event(C.TRAIN_SAMPLES, len(task.train_data))
     mlog.event(C.EVAL_SAMPLES, len(task.eval_data))
+    if batch_norm:  # the images each batch norm normalizes over: a replica's, times its group
+        mlog.event(C.MODEL_BN_SPAN, batch_size // dp.replicas * config.bn_group_size)
     if task.workload and config.optimizer is None:
         cfg = recipe_config(task, config.learning_rate)
         hparams = (

@@ -11,6 +11,7 @@ _MODULES = {
     "transformer-big": "podscale.workloads.transformer_big",
     "bert-large": "podscale.workloads.bert_large",
     "gnmt": "podscale.workloads.gnmt",
+    "ssd": "podscale.workloads.ssd",
 }
 NAMES = tuple(_MODULES)
 

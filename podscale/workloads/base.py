@@ -78,6 +78,10 @@ class Workload:
     hparams: Callable[[Any, int], dict[str, Any]] | None = None
     """``(config, total_steps)``: the recipe's hyperparameters under mllog's standard keys
     (``mlperf_logging.mllog.constants``: ``opt_name``, ``opt_base_learning_rate``, warmup, ...)."""
+    evaluate: Callable[[nn.Module, dict, Any], dict[str, float]] | None = None
+    """``(model, variables, eval_data) -> metrics`` over the whole held-out set, on the host, for a
+    metric that is not a mean over examples (COCO mAP); ``eval_metric`` is then one of its keys,
+    and ``eval_metrics`` gives the per-example ones (loss) beside it."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
 
