@@ -161,3 +161,27 @@ def test_the_trainer_with_spatial_trains_like_data_parallelism(tmp_path):
     with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "split.npz") as b:
         assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) <= 1e-5
     assert abs(split["eval_value"] - plain["eval_value"]) <= 1e-6
+
+
+@pytest.mark.parametrize(("k", "weight_update"), [(2, "sharded"), (4, "replicated")])
+def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, weight_update):
+    """The tiny ResNet-50 (LARS, float32) on 8x8 digits: heights 8, 4, 2, so at k = 4 XLA pads the
+    last stage (listed as uneven). After 10 steps it equals one device as closely as plain data
+    parallelism does (LARS at its peak of 8.0 grows summation-order roundoff past 1e-6)."""
+    from podscale.train.precision import FLOAT32
+    from podscale.train.tasks import make_task, make_train_step
+
+    task = make_task("resnet50", config="tiny", policy=FLOAT32)
+    tx = task.workload.make_optimizer(task.config, STEPS)
+    batches = [task.train_data.get(np.arange(i * 16, (i + 1) * 16)) for i in range(STEPS)]
+    state = task.init_state(jax.random.key(0), tx)
+    ref, _ = run_single(make_train_step(task, tx), state, batches)
+    dp = data_parallel(make_train_step(task, tx), make_mesh((8 // k, k)), spatial=k, weight_update=weight_update)
+    out, _ = run_parallel(dp, state, batches)
+    plain, _ = run_parallel(data_parallel(make_train_step(task, tx), make_mesh()), state, batches)
+    assert _relative(ref.params, state.params) > 1e-2
+    # LARS at a peak of 8.0 grows summation-order roundoff: as much as plain data parallelism's.
+    # (measured: spatial 1.6e-6 and 1.4e-6, plain 8-replica data parallelism 1.9e-6)
+    assert _relative(out.params, ref.params) <= max(1e-6, 2 * _relative(plain.params, ref.params))
+    assert bool(dp.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
+    assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {"image": True, "label": False}
