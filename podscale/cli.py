@@ -135,7 +135,7 @@ def _run_supervised(args, argv: list[str]) -> int | None:
         num_processes=spec.num_processes,
         coordinator=spec.coordinator_address,
         heartbeat_s=spec.heartbeat_timeout_s,
-        join_s=spec.join_timeout_s,
+        join_s=spec.join_timeout_s or (60 if spec.explicit else None),
         json_out=args.json,
     )
 
@@ -381,12 +381,13 @@ def _run_bench_spatial(args) -> int:
         numbers=("k", *numbers),
     )
     for k, r in result.items():
+        temps = r["temporaries_bytes_per_device"]  # None where the backend has no memory_analysis
         table.add_row(
             k,
-            report.size(r["temporaries_bytes_per_device"]),
-            f"{r['temporaries_vs_k1']:.2f}x",
+            report.size(temps) if temps is not None else "-",
+            f"{r['temporaries_vs_k1']:.2f}x" if r["temporaries_vs_k1"] is not None else "-",
             report.size(r["halo_bytes_per_device"]),
-            f"{r['halo_vs_temporaries']:.3f}",
+            f"{r['halo_vs_temporaries']:.3f}" if r["halo_vs_temporaries"] is not None else "-",
             f"{r['step_s']:.4f}",
         )
     console = Console()
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             # A collective whose peer went away: the distributed service names the lost process
             # shortly (see podscale.train.supervise); wait for it rather than print this.
             if os.environ.get(supervise.ENV_SUPERVISED) and "gloo" in str(e).lower():
-                supervise.wait_for_verdict(e, args.heartbeat_timeout)
+                supervise.wait_for_verdict(e, args.heartbeat_timeout, _JSON_OUT[0] if args.json else None)
             raise
     except Interrupted as e:
         print(f"podscale: {e}", file=sys.stderr)

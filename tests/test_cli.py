@@ -238,7 +238,9 @@ def test_a_dead_peer_ends_the_others_with_a_message_naming_it(tmp_path, victim):
         assert took < HEARTBEAT_S + PEER_LOST_BOUND_S, f"{took:.1f} s"
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"podscale: error: process {1 - victim} of 2: "), err[-3000:]
-        named = f"lost the coordinator at {address} (process 0)" if victim == 0 else "process 1 stopped responding"
+        named = (
+            f"lost the coordinator at {address} (process 0)" if victim == 0 else "process 1 stopped sending heartbeats"
+        )
         assert named in last
         assert "Traceback" not in err and "Check failure" not in err and "    @ " not in err
     finally:

@@ -18,14 +18,17 @@ def test_ssd300_has_the_mlperf_8732_default_boxes():
 
 
 def test_match_takes_overlaps_of_half_and_every_objects_best_box():
-    defaults = np.array([[0, 0, 0.5, 0.5], [0.5, 0.5, 1, 1], [0, 0.5, 0.5, 1], [0.1, 0.1, 0.6, 0.6]], np.float32)
+    defaults = np.array(
+        [[0, 0, 0.5, 0.5], [0.5, 0.5, 1, 1], [0, 0.5, 0.5, 1], [0.1, 0.1, 0.6, 0.6], [0, 0, 0.5, 0.25]], np.float32
+    )
     boxes = np.array([[0, 0, 0.5, 0.5], [0.55, 0.55, 0.7, 0.7]], np.float32)  # the second overlaps < 0.5
     labels, matched = D.match(boxes, np.array([3, 7]), defaults)
-    # Box 3 overlaps object 0 by 0.47 (< 0.5): background; object 1's best box (1) is forced.
-    assert labels.tolist() == [3, 7, 0, 0]
+    # Box 3 overlaps object 0 by 0.47 and box 4 by exactly 0.5 (not more): background; object 1's
+    # best box (1) is forced.
+    assert labels.tolist() == [3, 7, 0, 0, 0]
     np.testing.assert_array_equal(matched[:2], boxes)
     empty_labels, _ = D.match(np.zeros((0, 4), np.float32), np.zeros(0, np.int32), defaults)
-    assert empty_labels.tolist() == [0, 0, 0, 0]
+    assert empty_labels.tolist() == [0, 0, 0, 0, 0]
 
 
 def test_encode_and_decode_are_inverse():
@@ -39,7 +42,8 @@ def test_encode_and_decode_are_inverse():
 
 
 def _loss_reference(logits, offsets, labels, targets):
-    """The reference's Loss.forward, one image at a time in numpy."""
+    """The reference's Loss.forward transcribed, one image at a time in numpy: ``con_neg`` zeroes
+    the positives, ``con_rank`` ranks by it (descending), ``closs = con * (mask + neg_mask)``."""
     out = []
     for lg, of, lab, tg in zip(logits, offsets, labels, targets, strict=True):
         pos = lab > 0
@@ -51,11 +55,11 @@ def _loss_reference(logits, offsets, labels, targets):
         sl1 = np.where(d < 1, 0.5 * d * d, d - 0.5).sum(-1)[pos].sum()
         logp = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
         ce = -logp[np.arange(len(lab)), lab]
-        neg = np.where(pos, 0.0, ce)
-        hardest = np.argsort(-neg, kind="stable")[: min(3 * n, len(lab))]
-        chosen = pos.copy()
-        chosen[hardest] = True
-        out.append((sl1 + ce[chosen].sum()) / n)
+        con_neg = np.where(pos, 0.0, ce)
+        con_idx = np.argsort(-con_neg, kind="stable")
+        con_rank = np.argsort(con_idx, kind="stable")
+        neg_mask = con_rank < min(3 * n, len(lab))
+        out.append((sl1 + (ce * (pos.astype(float) + neg_mask.astype(float))).sum()) / n)
     return np.array(out)
 
 

@@ -54,7 +54,10 @@ def bench_spatial(
     devices = jax.devices()
     for k in ks:
         if k > len(devices):
-            raise ValueError(f"--spatial sizes: {k} needs {k} devices, there are {len(devices)}")
+            raise ValueError(
+                f"podscale bench spatial splits an image over up to {max(ks)} devices, there are {len(devices)}; "
+                f"pass --replicas {max(ks)}"
+            )
     model, tx = StemNet(features=features), optax.sgd(0.05, momentum=0.9)
     rng = np.random.default_rng(0)
     data = [

@@ -41,8 +41,9 @@ class ClusterSpec:
     auto: bool = False
     """Let ``jax.distributed.initialize()`` detect the cluster (SLURM, TPU pods, ...)."""
     heartbeat_timeout_s: int = 30
-    join_timeout_s: int = 60
-    """How long processes wait for all of them to reach the coordinator."""
+    join_timeout_s: int | None = None
+    """How long processes wait for all of them to reach the coordinator (``None``: 60 s with an
+    explicit address, JAX's own 300 s with cluster detection, where hosts may start staggered)."""
 
     @classmethod
     def from_env(cls, **overrides) -> ClusterSpec:
@@ -98,7 +99,10 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     jax.config.update("jax_num_cpu_devices", local)
     if spec.explicit or spec.auto:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s, "initialization_timeout": spec.join_timeout_s}
+        kwargs = {"heartbeat_timeout_seconds": spec.heartbeat_timeout_s}
+        join = spec.join_timeout_s if spec.join_timeout_s is not None else (60 if spec.explicit else None)
+        if join is not None:
+            kwargs["initialization_timeout"] = join
         if spec.explicit:
             kwargs.update(
                 coordinator_address=spec.coordinator_address,

@@ -23,8 +23,9 @@ class Interrupted(Exception):  # noqa: N818 (a request, not an error)
 
 class StopRequest:
     """While training, SIGTERM (preemption) and SIGINT (Ctrl-C) ask the loop to stop at the next
-    step boundary; a second one acts as usual. Only in the main thread, where Python runs signal
-    handlers.
+    step boundary; in a single-process run a second one acts as usual. Only in the main thread,
+    where Python runs signal handlers. (In a multi-process run JAX's handler swallows every
+    SIGTERM; podscale's supervisor ends the process on a second signal.)
 
     In a multi-process run every process must stop at the same step to save one checkpoint
     together: JAX's preemption sync manager (its own SIGTERM handler, installed by

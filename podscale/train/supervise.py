@@ -49,32 +49,48 @@ def run(
 ) -> int:
     """Runs ``podscale <argv>`` as a child and returns its exit code, or :data:`EXIT_PEER_LOST`
     with one line on stderr when JAX's distributed service ended it."""
-    env = dict(os.environ, **{ENV_SUPERVISED: "1"})
+    env = dict(os.environ, **{ENV_SUPERVISED: str(os.getpid())})
     if sys.stderr.isatty():
         env[ENV_STDERR_TTY] = "1"
-    # A session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it
-    # on once (the child stops at a step boundary on the first one, acts as usual on the next).
-    child = subprocess.Popen(
-        [sys.executable, "-m", "podscale.cli", *argv], env=env, stderr=subprocess.PIPE, start_new_session=True
-    )
-    old = {}
+    child = None
+    received = []
 
     def forward(signum, frame):
-        if child.poll() is None:
-            child.send_signal(signum)
+        # The first signal asks the run to stop at a step boundary; JAX's own SIGTERM handler
+        # swallows any further SIGTERM, so a second one ends this process of the run at once.
+        received.append(signum)
+        if child is not None and child.poll() is None:
+            if len(received) == 1:
+                child.send_signal(signum)
+            else:
+                child.kill()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        old[sig] = signal.signal(sig, forward)
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        # A session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it
+        # on once.
+        child = subprocess.Popen(
+            [sys.executable, "-m", "podscale.cli", *argv], env=env, stderr=subprocess.PIPE, start_new_session=True
+        )
+        if received:  # a signal that came before the child existed
+            child.send_signal(received[0])
         tail, fatal = _relay(child.stderr)
         code = child.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if len(received) > 1 and not fatal:
+        name = signal.Signals(received[-1]).name
+        print(
+            f"podscale: stopped by a second {name}, without saving; continue from the last checkpoint", file=sys.stderr
+        )
+        return 128 + received[-1]
     if not fatal:
         return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
     me = f"process {process_id} of {num_processes}" if process_id is not None else "this process"
-    message = f"{me}: {reason(tail.decode(errors='replace'), coordinator, heartbeat_s, join_s)}"
+    text = tail.decode(errors="replace")
+    text = text[text.find(_FATAL.decode()) :]  # JAX's last words, not the run's earlier output
+    message = f"{me}: {reason(text, coordinator, heartbeat_s, join_s)}"
     print(f"podscale: error: {message}", file=sys.stderr, flush=True)
     if json_out:
         print(json.dumps({"error": message, "exit_code": EXIT_PEER_LOST}), flush=True)
@@ -105,26 +121,30 @@ def _relay(pipe) -> tuple[bytes, bool]:
     return tail, fatal
 
 
-def reason(text: str, coordinator: str | None, heartbeat_s: int, join_s: int) -> str:
-    """What the distributed service's last words in ``text`` mean, in a user's terms."""
+def reason(text: str, coordinator: str | None, heartbeat_s: int, join_s: int | None) -> str:
+    """What JAX's fatal message ``text`` (from its "Terminating process" line on) means, in a
+    user's terms. A lost peer or coordinator is looked for first: a join that timed out names
+    the task registration (``RegisterTask``) that never completed."""
     where = f"the coordinator at {coordinator}" if coordinator else "the coordinator"
     again = "restart every process with --resume to continue from the last checkpoint in --workdir"
-    if "RegisterTask" in text or ("DEADLINE_EXCEEDED" in text and "Barrier" not in text):
-        return (
-            f"the run did not assemble within --join-timeout {join_s} s: not every process reached {where}. "
-            "Start all --num-processes processes with the same --coordinator-address (process 0 runs the "
-            "coordinator), and check that its host and port are reachable from here"
-        )
     lost = re.findall(r"Task (\d+) heartbeat timeout", text)
     if m := re.search(r"stopped sending heartbeats\):\s*\n([\d,\s]+)", text):
         lost += re.findall(r"\d+", m.group(1))
     if lost:
         who = ", ".join(f"process {p}" for p in sorted(set(lost), key=int))
         return (
-            f"{who} stopped responding (no heartbeat for --heartbeat-timeout {heartbeat_s} s): it died or "
-            f"hangs, and the run cannot go on without it; {again}"
+            f"{who} stopped sending heartbeats for --heartbeat-timeout {heartbeat_s} s (it died, or its "
+            f"host froze or lost the network), and the run cannot go on without it; {again}"
         )
-    if "leader task" in text or "coordination service" in text and "UNAVAILABLE" in text:
+    if "RegisterTask" in text:
+        waited = f"--join-timeout {join_s} s" if join_s else "JAX's initialization timeout"
+        return (
+            f"the run did not assemble within {waited}: not every process reached {where}. Start all "
+            "--num-processes processes with the same --coordinator-address (process 0 runs the coordinator), "
+            "and check that its host and port are reachable from here"
+        )
+    service = "coordination service" in text or "CoordinationService" in text
+    if "leader task" in text or service and ("UNAVAILABLE" in text or "DEADLINE" in text):
         return f"lost {where} (process 0): it died or cannot be reached, and the run cannot go on; {again}"
     status = re.search(r"absl::Status: ([^\n]*)", text)
     detail = status.group(1)[:300] if status else "no reason given"
@@ -133,8 +153,11 @@ def reason(text: str, coordinator: str | None, heartbeat_s: int, join_s: int) ->
 
 def watch_parent() -> None:
     """In the child: end this process soon after its supervisor dies (even by SIGKILL), so that
-    killing a supervised process kills its part of the run."""
-    parent = os.getppid()
+    killing a supervised process kills its part of the run; at once if it is gone already."""
+    expected = os.environ.get(ENV_SUPERVISED, "")
+    parent = int(expected) if expected.isdigit() else os.getppid()
+    if os.getppid() != parent:
+        os._exit(EXIT_PEER_LOST)
 
     def watch():
         while os.getppid() == parent:
@@ -144,7 +167,7 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="podscale-supervisor-watch", daemon=True).start()
 
 
-def wait_for_verdict(error: BaseException, heartbeat_s: int) -> None:
+def wait_for_verdict(error: BaseException, heartbeat_s: int, json_out=None) -> None:
     """In the child, after a collective failed (gloo's connection to a peer dropped): the
     distributed service names the lost process within the heartbeat timeout and ends this one,
     which the supervisor reports. If it does not, end with the collective's own error."""
@@ -156,10 +179,8 @@ def wait_for_verdict(error: BaseException, heartbeat_s: int) -> None:
         flush=True,
     )
     time.sleep(heartbeat_s + 10)
-    print(
-        f"podscale: error: a collective failed and no process was reported lost: {first}; restart every "
-        "process with --resume",
-        file=sys.stderr,
-        flush=True,
-    )
+    message = f"a collective failed and no process was reported lost: {first}; restart every process with --resume"
+    print(f"podscale: error: {message}", file=sys.stderr, flush=True)
+    if json_out is not None:
+        print(json.dumps({"error": message, "exit_code": EXIT_PEER_LOST}), file=json_out, flush=True)
     os._exit(EXIT_PEER_LOST)

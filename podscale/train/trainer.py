@@ -250,8 +250,11 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"
         )
     eval_batch = config.eval_batch_size or batch_size
-    if eval_batch % dp.replicas:
-        raise ValueError(f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas")
+    if eval_batch % mesh.size:  # the evaluation splits its rows over every device (spatial's too)
+        raise ValueError(
+            f"--eval-batch-size {eval_batch} is not divisible by the {mesh.size} devices the evaluation splits it "
+            f"over; use a multiple of {mesh.size}"
+        )
     if config.workdir:
         _check_run_config(config, batch_size, write=lead)
 

@@ -92,7 +92,7 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def match(boxes: np.ndarray, labels: np.ndarray, defaults_ltrb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The reference's ``Encoder.encode``: each default box takes the object it overlaps most if
-    that IoU is at least 0.5, and each object takes its best default box regardless. Returns
+    that IoU exceeds 0.5, and each object takes its best default box regardless. Returns
     ``(labels [num_defaults] int32 with 0 = background, matched ltrb boxes [num_defaults, 4])``."""
     n = len(defaults_ltrb)
     if len(boxes) == 0:
@@ -102,7 +102,7 @@ def match(boxes: np.ndarray, labels: np.ndarray, defaults_ltrb: np.ndarray) -> t
     best_default = overlaps.argmax(1)
     best_obj_iou[best_default] = 2.0  # every object keeps its best default box
     best_obj[best_default] = np.arange(len(boxes))
-    positive = best_obj_iou >= MATCH_IOU
+    positive = best_obj_iou > MATCH_IOU  # the reference's ``best_dbox_ious > criteria``
     out_labels = np.where(positive, labels[best_obj], 0).astype(np.int32)
     out_boxes = np.where(positive[:, None], boxes[best_obj], defaults_ltrb).astype(np.float32)
     return out_labels, out_boxes
@@ -130,8 +130,9 @@ def _smooth_l1(x):
 
 def ssd_loss(logits, offsets, labels, targets):
     """Per-image loss of the reference's ``Loss``: smooth-L1 over the positives' offsets plus
-    cross-entropy over the positives and the ``3 x positives`` hardest negatives (by their
-    cross-entropy), divided by the number of positives; an image without objects adds 0.
+    cross-entropy over the positives and the ``3 x positives`` hardest by rank of the negatives'
+    cross-entropy (positives ranked at 0), divided by the number of positives; an image without
+    objects adds 0.
 
     ``logits [N, D, classes + 1]``, ``offsets [N, D, 4]``, ``labels [N, D]`` (0 = background),
     ``targets [N, D, 4]`` (encoded). Returns ``[N]`` float32.
@@ -146,7 +147,9 @@ def ssd_loss(logits, offsets, labels, targets):
     order = jnp.argsort(-negatives, axis=1, stable=True)
     rank = jnp.argsort(order, axis=1, stable=True)
     hard = rank < jnp.minimum(NEGATIVES_PER_POSITIVE * num_pos, labels.shape[1])[:, None]
-    cls = (ce * (positive | hard)).sum(1)
+    # As the reference (``con * (mask + neg_mask)``): a positive whose rank falls among the
+    # hardest (possible when there are fewer negatives than 3x the positives) counts twice.
+    cls = (ce * (positive.astype(jnp.float32) + hard.astype(jnp.float32))).sum(1)
     return jnp.where(num_pos > 0, (box + cls) / jnp.maximum(num_pos, 1), 0.0)
 
 
@@ -175,8 +178,8 @@ def detect(
     per_class: int = 200,
     limit: int = 200,
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The reference's post-processing per image: softmax scores, per-class NMS of the boxes
-    above ``score_threshold``, the ``limit`` best over all classes. Returns per image
+    """The reference's post-processing per image: softmax scores; per class, the ``per_class``
+    best boxes above ``score_threshold``, then NMS; the ``limit`` best over all classes. Returns per image
     ``(boxes ltrb [K, 4], scores [K], labels [K])`` (labels from 1)."""
     probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     boxes_all = np.asarray(decode(jnp.asarray(offsets, jnp.float32), jnp.asarray(defaults_xywh)))
@@ -188,6 +191,8 @@ def detect(
             if not mask.any():
                 continue
             b, s = np.clip(boxes[mask], 0.0, 1.0), p[mask, c]
+            top = np.argsort(-s, kind="stable")[:per_class]  # the reference's best 200 before NMS
+            b, s = b[top], s[top]
             kept = nms(b, s, nms_threshold, per_class)
             found_b.append(b[kept])
             found_s.append(s[kept])
