@@ -18,7 +18,7 @@ MLPerf's ``eval_accuracy``. Expected result::
 
     podscale train --model ssd --config tiny --steps 704 --eval-every 64 --target 0.5 --no-progress
 
-reaches 0.5 mAP at step 384 (34 s on 8 CPU replicas).
+reaches 0.5 mAP at step 384 (29 s on 8 CPU replicas).
 
 """
 
