@@ -43,3 +43,13 @@ def run_parallel(dp, state, batches):
     for batch in batches:
         state, metrics = dp(state, batch)
     return dp.gather_state(state), jax.device_get(metrics)
+
+
+def max_relative_diff(a, b, floor: float = 1e-3) -> float:
+    """Over the leaves, the largest difference divided by the leaf's largest magnitude in ``b``
+    (at least ``floor``, so a leaf near zero compares absolutely)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), floor))
+    return worst

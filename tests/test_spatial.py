@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_parallel, run_single
+from helpers import max_relative_diff, run_parallel, run_single
 from jax.sharding import Mesh
 
 from podscale import data_parallel, make_mesh
+from podscale.bench.spatial import classifier_step
 from podscale.parallel.mesh import BN_GROUP
 from podscale.perf import hlo
 from podscale.train.models import StemNet
@@ -28,28 +29,8 @@ def _setup(images=(32, 32), channels=3, rows=16, bn_axis=None):
     variables = model.init(jax.random.key(0), batches[0]["image"])
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
 
-    def step(state, batch):
-        params, stats, opt = state
-
-        def loss_fn(p):
-            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["image"], mutable=["batch_stats"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), new
-
-        (loss, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt = tx.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), new["batch_stats"], opt), {"loss": loss}
-
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
-    return step, state, batches
-
-
-def _relative(a, b) -> float:
-    """Largest difference over the largest magnitude, per leaf (a leaf of zeros compares absolutely)."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-3))
-    return worst
+    return classifier_step(model, tx), state, batches
 
 
 _REFERENCE = {}
@@ -64,8 +45,8 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
     ref, ref_metrics = _REFERENCE["ref"]
     dp = data_parallel(step, make_mesh((8 // k, k)), spatial=k, weight_update=weight_update, min_shard_size=64)
     out, metrics = run_parallel(dp, state, batches)
-    assert _relative(ref[0], state[0]) > 1e-2, "the parameters did not move: the check would be empty"
-    assert _relative(out, ref) <= 1e-6
+    assert max_relative_diff(ref[0], state[0]) > 1e-2, "the parameters did not move: the check would be empty"
+    assert max_relative_diff(out, ref) <= 1e-6
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
     assert dp.images == [True, False] and dp.uneven == []
 
@@ -99,7 +80,7 @@ def test_spatial_with_batch_norm_groups_equals_one_device(weight_update):
     dp = data_parallel(grouped, mesh, spatial=2, weight_update=weight_update, min_shard_size=64)
     out, _ = run_parallel(dp, state, batches)
     assert dp.axes == ("x", BN_GROUP) and dp.replicas == 4
-    assert _relative(out, ref) <= 1e-6
+    assert max_relative_diff(out, ref) <= 1e-6
 
 
 def test_activation_memory_per_device_falls_with_the_partitions():
@@ -119,7 +100,7 @@ def test_a_height_the_space_axis_does_not_divide_is_listed_and_strict_refuses_it
     dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
     out, _ = run_parallel(dp, state, batches[:3])
     ref, _ = run_single(step, state, batches[:3])
-    assert _relative(out, ref) <= 1e-6  # XLA pads, exactly
+    assert max_relative_diff(out, ref) <= 1e-6  # XLA pads, exactly
     assert dp.uneven and all("is not a multiple of 4" in note for note in dp.uneven)
     assert any(note.startswith("layer Conv_1: height 6") for note in dp.uneven), dp.uneven
     strict = data_parallel(step, make_mesh((2, 4)), spatial=4, strict=True)
@@ -179,9 +160,9 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
     dp = data_parallel(make_train_step(task, tx), make_mesh((8 // k, k)), spatial=k, weight_update=weight_update)
     out, _ = run_parallel(dp, state, batches)
     plain, _ = run_parallel(data_parallel(make_train_step(task, tx), make_mesh()), state, batches)
-    assert _relative(ref.params, state.params) > 1e-2
+    assert max_relative_diff(ref.params, state.params) > 1e-2
     # LARS at a peak of 8.0 grows summation-order roundoff: as much as plain data parallelism's.
     # (measured: spatial 1.6e-6 and 1.4e-6, plain 8-replica data parallelism 1.9e-6)
-    assert _relative(out.params, ref.params) <= max(1e-6, 2 * _relative(plain.params, ref.params))
+    assert max_relative_diff(out.params, ref.params) <= max(1e-6, 2 * max_relative_diff(plain.params, ref.params))
     assert bool(dp.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
     assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {"image": True, "label": False}

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_parallel, run_single
+from helpers import max_relative_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
 from podscale.parallel.mesh import BN_GROUP
@@ -50,14 +50,6 @@ def _setup(bn_axis=None):
     return _step(ssd.SSD(ssd.TINY, bn_axis=bn_axis), tx), state, batches
 
 
-def _relative(a, b) -> float:
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-3))
-    return worst
-
-
 def _reference_states(step, state, batches):
     """One device's state before each step and after the last."""
     jstep, states = jax.jit(step), [jax.device_get(state)]
@@ -79,7 +71,7 @@ def test_ten_steps_of_ssd_are_chaotic_on_one_device():
     perm = np.random.default_rng(0).permutation(16)
     a, _ = run_single(step, state, batches)
     b, _ = run_single(step, state, [jax.tree.map(lambda x: x[perm], batch) for batch in batches])
-    assert _relative(a, b) > 1e-3
+    assert max_relative_diff(a, b) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -102,10 +94,12 @@ def test_tiny_ssd_spatial_step_equals_one_device(k, weight_update, bn_groups):
     else:
         mesh = make_mesh((replicas, k))
     dp = data_parallel(step, mesh, spatial=k, weight_update=weight_update, min_shard_size=64)
-    assert _relative(states[-1][0], states[0][0]) > 1e-2, "the parameters did not move: the check would be empty"
+    assert max_relative_diff(states[-1][0], states[0][0]) > 1e-2, (
+        "the parameters did not move: the check would be empty"
+    )
     for i, batch in enumerate(batches):
         out, _ = run_parallel(dp, states[i], [batch])
-        assert _relative(out, states[i + 1]) <= 1e-6, f"step {i + 1}"
+        assert max_relative_diff(out, states[i + 1]) <= 1e-6, f"step {i + 1}"
     assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {
         "box_labels": False,
         "box_targets": False,

@@ -32,7 +32,10 @@ from podscale.perf import hlo
 from podscale.train.models import StemNet
 
 
-def _step(model, tx):
+def classifier_step(model, tx):
+    """The plain single-device step of an image classifier with batch norm: state
+    ``(params, batch_stats, opt_state)``, batch ``{"image", "label"}``, mean cross-entropy."""
+
     def step(state, batch):
         params, stats, opt = state
 
@@ -72,7 +75,7 @@ def bench_spatial(
     runs = {}
     for k in ks:
         mesh = Mesh(np.array(devices[:k]).reshape(1, k), ("data", "space"))
-        dp = data_parallel(_step(model, tx), mesh, spatial=k)
+        dp = data_parallel(classifier_step(model, tx), mesh, spatial=k)
         placed = dp.place_state(state, data[0])
         compiled = dp.lower(placed, data[0]).compile()
         runs[k] = {"dp": dp, "state": placed, "module": hlo.read(compiled, mesh), "times": [], "final": None}
