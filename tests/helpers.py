@@ -53,3 +53,13 @@ def max_relative_diff(a, b, floor: float = 1e-3) -> float:
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         worst = max(worst, float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), floor))
     return worst
+
+
+def leaf_relative_error(a, b) -> float:
+    """Over the leaves, the largest relative error ``||x - y|| / ||y||`` (2-norms of the leaf; a
+    leaf of ``b`` that is all zeros compares absolutely)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y)) / (float(np.linalg.norm(y)) or 1.0))
+    return worst

@@ -250,24 +250,27 @@ def test_a_dead_peer_ends_the_others_with_a_message_naming_it(tmp_path, victim):
             p.wait()
 
 
-@pytest.mark.parametrize("alone", [0, 1])
-def test_a_peer_that_never_starts_ends_in_a_bounded_wait_naming_the_coordinator(alone):
-    env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
-    env["PODSCALE_PROCESS_ID"] = str(alone)
+def test_a_peer_that_never_starts_ends_in_a_bounded_wait_naming_the_coordinator():
+    """Process 0 alone (the coordinator, waiting for its peer) and process 1 alone (waiting for
+    the coordinator), side by side, each in its own two-process run that never assembles."""
+    procs = {}
     start = time.monotonic()
-    proc = subprocess.run(
-        [*PODSCALE, "train", "--model", "mlp", "--steps", "5", "--no-progress", "--join-timeout", "5", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert time.monotonic() - start < 5 + 60  # the join timeout, plus starting Python and JAX under load
-    message = f"process {alone} of 2: the run did not assemble within --join-timeout 5 s"
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"podscale: error: {message}")
-    assert env["PODSCALE_COORDINATOR"] in proc.stderr and "Check failure" not in proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 3
+    for alone in (0, 1):
+        env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
+        env["PODSCALE_PROCESS_ID"] = str(alone)
+        cmd = [*PODSCALE, "train", "--model", "mlp", "--steps", "5", "--no-progress", "--join-timeout", "5", "--json"]
+        procs[alone] = (env, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for alone, (env, proc) in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 3, err[-3000:]
+        assert time.monotonic() - start < 5 + 60  # the join timeout, plus starting Python and JAX under load
+        message = f"process {alone} of 2: the run did not assemble within --join-timeout 5 s"
+        assert err.strip().splitlines()[-1].startswith(f"podscale: error: {message}")
+        assert env["PODSCALE_COORDINATOR"] in err and "Check failure" not in err
+        assert json.loads(out.strip().splitlines()[-1])["exit_code"] == 3
 
 
 def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identical(tmp_path):

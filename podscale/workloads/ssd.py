@@ -63,6 +63,12 @@ class SSDConfig:
     channels: int = 3
     momentum: float = 0.9
     decay_epochs: tuple[int, ...] = (40, 50)
+    """Epochs of the x``decay_factor`` drops (the v0.7 ruleset's 40 and 50, or those scaled by a
+    multiple of 10%)."""
+    spatial: int = 1
+    """Partitions per image in the recipe (``--spatial``); ``per_core_batch`` is then per device."""
+    bn_group_size: int = 1
+    """Replicas per batch-norm group in the recipe (``--bn-group-size``)."""
     decay_factor: float = 0.1
     max_objects: int = 100
     """Ground-truth boxes per image in a batch (padded): COCO's images hold at most about 100."""
@@ -70,22 +76,27 @@ class SSDConfig:
     eval_size: int = 0
 
 
-_COCO_TRAIN = 117_266  # train2017 images with annotations, as the reference's loader keeps them
+_COCO_TRAIN = 118_287  # train2017, as the v0.7 JAX SSD counts an epoch (--num_examples_per_epoch)
 FULL = SSDConfig(
-    global_batch=912,
-    per_core_batch=114,
-    train_steps=round(55 * _COCO_TRAIN / 912),
+    global_batch=4096,
+    per_core_batch=1,
+    train_steps=round(120 * _COCO_TRAIN / 4096),
     source=(
-        "MLPerf Training v0.7, NVIDIA DGX-A100 SSD (mlcommons/training_results_v0.7 "
-        "NVIDIA/benchmarks/ssd/implementations/pytorch: config_DGXA100.sh, train.py): 8x114 = batch 912, "
-        "SGD momentum 0.9, lr 2.5e-3 x round(3.2e-3 / 2.5e-3 x 912 / 32) = 0.09, linear warmup 650 "
-        "iterations (warmup factor 0), weight decay 1.3e-4; step drops x0.1 at epochs 40 and 50 (the "
-        "v0.7 ruleset's boundaries); 55 epochs here (podscale's choice); bf16; target mAP 0.23"
+        "MLPerf Training v0.7, Google TPU v3-4096 JAX SSD (mlcommons/training_results_v0.7 "
+        "Google/benchmarks/ssd/tpu-v3-4096-JAX/run_and_time.sh, implementations/ssd-research-JAX-tpu-v3-4096: "
+        "ssd_train.py, ssd_constants.py): batch 4096 over 1024 replicas of 4 spatial partitions "
+        "(--num_partitions=4: one image per core), weight-update sharding, batch-norm groups of 16 cores "
+        "(4 replicas), bf16; SGD momentum 0.9, lr 0.0012 x 4096 / 32 = 0.1536, linear warmup 26 epochs "
+        "(warmup factor 0), weight decay 5e-4, x0.1 at epochs 64 and x0.01 at 80, at most 120 epochs; "
+        "target mAP 0.23"
     ),
-    learning_rate=0.09,
-    warmup_steps=650,
-    weight_decay=1.3e-4,
-    steps_per_epoch=_COCO_TRAIN / 912,
+    learning_rate=0.0012 * 4096 / 32,
+    warmup_steps=int(26 * _COCO_TRAIN / 4096),
+    weight_decay=5e-4,
+    steps_per_epoch=_COCO_TRAIN / 4096,
+    decay_epochs=(64, 80),
+    spatial=4,
+    bn_group_size=4,
     image_size=300,
     num_classes=80,
     boxes=detection.SSD300,
@@ -265,9 +276,13 @@ def make_data(cfg: SSDConfig, seed: int):
     return tiny_data("train", cfg.train_size), tiny_data("test", cfg.eval_size)
 
 
+def _decay_epochs(cfg: SSDConfig, total_steps: int) -> list[float]:
+    """The drops' epochs in a run of ``total_steps`` (the config's own at its ``train_steps``)."""
+    return [e * total_steps / cfg.train_steps for e in cfg.decay_epochs]
+
+
 def _boundaries(cfg: SSDConfig, total_steps: int) -> list[int]:
-    scale = total_steps / cfg.train_steps
-    return [max(1, round(e * cfg.steps_per_epoch * scale)) for e in cfg.decay_epochs]
+    return [max(1, round(e * cfg.steps_per_epoch)) for e in _decay_epochs(cfg, total_steps)]
 
 
 def _warmup(cfg: SSDConfig, total_steps: int) -> int:
@@ -305,7 +320,7 @@ def hparams(cfg: SSDConfig, total_steps: int) -> dict:
         C.OPT_LR_WARMUP_STEPS: _warmup(cfg, total_steps),
         C.OPT_LR_WARMUP_FACTOR: 0,
         # The epochs the drops fall at in this run (the config's, when --steps is its train_steps).
-        C.OPT_LR_DECAY_BOUNDARY_EPOCHS: [b / cfg.steps_per_epoch for b in _boundaries(cfg, total_steps)],
+        C.OPT_LR_DECAY_BOUNDARY_EPOCHS: _decay_epochs(cfg, total_steps),
         C.OPT_LR_DECAY_FACTOR: cfg.decay_factor,
         C.MAX_SAMPLES: 1,  # no random-crop resampling: each canvas is used as it is
     }
