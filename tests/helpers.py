@@ -55,11 +55,13 @@ def max_relative_diff(a, b, floor: float = 1e-3) -> float:
     return worst
 
 
-def leaf_relative_error(a, b) -> float:
-    """Over the leaves, the largest relative error ``||x - y|| / ||y||`` (2-norms of the leaf; a
-    leaf of ``b`` that is all zeros compares absolutely)."""
+def leaf_relative_error(a, b, floor: float = 1e-3) -> float:
+    """Over the leaves, the largest relative error ``||x - y|| / ||y||`` (2-norms of the leaf),
+    with ``||y||`` at least ``floor`` times the square root of its size: a leaf whose entries are
+    roundoff (an attention key bias, whose gradient is exactly zero) compares absolutely."""
     worst = 0.0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        worst = max(worst, float(np.linalg.norm(x - y)) / (float(np.linalg.norm(y)) or 1.0))
+        scale = max(float(np.linalg.norm(y)), floor * float(np.sqrt(max(y.size, 1))))
+        worst = max(worst, float(np.linalg.norm(x - y)) / scale)
     return worst

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import _interpret, spatial, state_layout
+from podscale.parallel import _interpret, spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import BN_GROUP, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
@@ -116,6 +116,14 @@ class DataParallelStep:
         self.donate_state = donate_state
         self.axes = self.strategy.axes(mesh)
         self.space = self.strategy.space_axis(mesh)
+        self.model = self.strategy.model_axis(mesh)
+        """With ``model_parallel``: the model axis the sharding rules split weights over."""
+        self.partition = self.space or self.model
+        if self.model and self.strategy.rules is None:
+            raise ValueError(
+                f"model_parallel={self.strategy.model_parallel} needs sharding rules: pass rules=Rules(...) or a "
+                f"built-in's name ({', '.join(tensor.RULES)})"
+            )
         st = self.strategy
         self.grad_sum = make_grad_sum(
             mesh,
@@ -133,6 +141,10 @@ class DataParallelStep:
         """With ``spatial``: the step's convolutions and pooling windows (``spatial.Window``)."""
         self.uneven: list[str] = []
         """With ``spatial``: the layers whose height the space axis does not divide."""
+        self.rule_notes: list[str] = []
+        """With ``model_parallel``: what the sharding rules left undone (``tensor.assign``)."""
+        self.model_dims: tuple[int | None, ...] | None = None
+        """With ``model_parallel``: per state leaf, the dimension split over the model axis."""
         self.trace: Trace | None = None
         self._global: tuple | None = None
         self._jitted = None
@@ -147,7 +159,7 @@ class DataParallelStep:
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the devices of the data axes (a space axis splits images)."""
-        return replica_count(self.mesh) // (self.mesh.shape[self.space] if self.space else 1)
+        return replica_count(self.mesh) // (self.mesh.shape[self.partition] if self.partition else 1)
 
     @property
     def group_axis(self) -> str | None:
@@ -197,6 +209,16 @@ class DataParallelStep:
                 "weight_update='sharded' needs an example global batch to decide which state "
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
+        if self.model:
+            assignment = tensor.assign(
+                self.strategy.rules,
+                abstract,
+                self.strategy.model_parallel,
+                self.model,
+                weights=forward,
+                strict=self.strict,
+            )
+            self.model_dims, self.rule_notes = assignment.dims, list(assignment.notes)
         self.layout = state_layout.decide(
             abstract,
             self.mesh,
@@ -204,7 +226,8 @@ class DataParallelStep:
             self.min_shard_size,
             shard=self.sharded,
             order=self.grad_sum.order,
-            space=self.space,
+            space=self.partition,
+            model_dims=self.model_dims,
         )
         return self.layout
 
@@ -331,7 +354,7 @@ class DataParallelStep:
             return new_state, metrics
 
         specs = layout.specs()
-        # Manual over the data axes (podscale's partitioner); a space axis is left to XLA.
+        # Manual over the data axes (podscale's partitioner); a space or model axis is left to XLA.
         mapped = jax.shard_map(
             body, mesh=self.mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()), axis_names=set(axes)
         )

@@ -276,7 +276,7 @@ def make_grad_sum(
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     if data_only:
         raise ValueError(
-            f"grad_sum='2d' sums over the mesh's data axes {axes}, and with a model axis (spatial) the 2-D "
+            f"grad_sum='2d' sums over the mesh's data axes {axes}, and with a model axis (spatial or model_parallel) the 2-D "
             "sum is not built yet; use grad_sum='1d'"
         )
     if len(axes) != 2:

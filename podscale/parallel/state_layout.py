@@ -35,6 +35,10 @@ class LeafLayout:
     weak_type: bool = False
     split: int = 1
     """Devices each data replica's chunk is split over (a spatial strategy's space axis)."""
+    model_dim: int | None = None
+    """With tensor partitioning: the dimension split over the model axis (its sharding rule)."""
+    model_split: int = 1
+    """Devices of the model axis ``model_dim`` is split over."""
 
     @property
     def itemsize(self) -> int:
@@ -49,7 +53,9 @@ class LeafLayout:
         return self.padding * self.itemsize
 
     def bytes_per_device(self) -> int:
-        return self.shard_len // self.split * self.itemsize if self.sharded else self.bytes
+        if self.sharded:
+            return self.shard_len // self.split * self.itemsize
+        return self.bytes // self.model_split
 
 
 def _itemsize(dtype) -> int:
@@ -67,9 +73,10 @@ class StateLayout:
     order: tuple[str, ...] | None = None
     """The mesh axes in the order chunks are laid out (the gradient sum's); default mesh order."""
     space: str | None = None
-    """A spatial strategy's space axis: each data replica's chunk is split over it as well (XLA
-    partitions the update of a chunk over the space axis), so a sharded leaf is 1/(data x space)
-    per device."""
+    """A spatial strategy's space axis or tensor partitioning's model axis: each data replica's
+    chunk is split over it as well (XLA partitions the update of a chunk over it), so a sharded
+    leaf is 1/(data x k) per device; a leaf with a ``model_dim`` is split over it along that
+    dimension."""
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -87,6 +94,10 @@ class StateLayout:
         return jax.tree.unflatten(self.treedef, [P(self.axes) if leaf.sharded else P() for leaf in self.leaves])
 
     def _sharding(self, leaf: LeafLayout) -> NamedSharding:
+        if leaf.model_dim is not None:
+            spec = [None] * len(leaf.shape)
+            spec[leaf.model_dim] = self.space
+            return NamedSharding(self.mesh, P(*spec))
         if not leaf.sharded:
             return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, P((*self.axes, self.space) if self.space else self.axes))
@@ -184,11 +195,13 @@ def decide(
     shard: bool = True,
     order: tuple[str, ...] | None = None,
     space: str | None = None,
+    model_dims: tuple[int | None, ...] | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
     ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
-    ``shard=False`` (the replicated update) keeps every leaf replicated.
+    ``shard=False`` (the replicated update) keeps every leaf replicated over the data axes.
+    ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``space``.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     leaves = []
@@ -202,7 +215,19 @@ def decide(
             weight=i in (forward_inputs or ()),
             weak_type=bool(getattr(x, "weak_type", False)),
         )
-        if not shard:
+        dim = model_dims[i] if model_dims else None
+        if dim is not None:
+            k = mesh.shape[space]
+            leaves.append(
+                LeafLayout(
+                    **kw,
+                    sharded=False,
+                    reason=f"dimension {dim} split over model axis {space!r} ({k} devices), whole over the replicas",
+                    model_dim=dim,
+                    model_split=k,
+                )
+            )
+        elif not shard:
             leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
         elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
             leaves.append(LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype})"))

@@ -18,6 +18,7 @@ from typing import Any
 
 from podscale.parallel.gradsum import MODES, parse_axis_costs
 from podscale.parallel.mesh import BN_GROUP
+from podscale.parallel.tensor import RULES
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
 
 WEIGHT_UPDATES = ("replicated", "sharded")
@@ -70,7 +71,34 @@ class Strategy:
         "convolutions exchange halos with their neighbours), e.g. --mesh 2x4 --spatial 4",
     )
 
+    model_parallel: int | None = _field(
+        None,
+        "split the weights the sharding rules name over the mesh's last axis, of this size (tensor "
+        "partitioning: attention heads, the MLP hidden dimension, the vocabulary), e.g. --mesh 4x2 --model-parallel 2",
+    )
+    rules: Any = _field(
+        None,
+        "the sharding rules of model_parallel: a podscale.parallel.tensor.Rules, or a built-in's name "
+        "(default: the model's own)",
+        choices=tuple(RULES),
+    )
+
     def __post_init__(self):
+        if self.model_parallel is not None and self.model_parallel < 1:
+            raise ValueError(f"model_parallel must be at least 1, got {self.model_parallel}")
+        if self.model_parallel == 1:
+            object.__setattr__(self, "model_parallel", None)  # one partition of the weights: data parallelism
+        if isinstance(self.rules, str):
+            if self.rules not in RULES:
+                raise ValueError(
+                    f"rules={self.rules!r}: no built-in sharding rules of that name; choose one of {', '.join(RULES)}"
+                )
+            object.__setattr__(self, "rules", RULES[self.rules])
+        if self.spatial not in (None, 1) and self.model_parallel is not None:
+            raise ValueError(
+                f"spatial={self.spatial} and model_parallel={self.model_parallel}: both use the mesh's last axis, "
+                "and podscale does not combine them yet; choose one"
+            )
         if self.spatial is not None and self.spatial < 1:
             raise ValueError(f"spatial must be at least 1, got {self.spatial}")
         if self.spatial == 1:
@@ -117,9 +145,30 @@ class Strategy:
             )
         return names[-1]
 
+    def model_axis(self, mesh) -> str | None:
+        """The mesh axis the sharding rules split weights over (``model_parallel``), or ``None``."""
+        if self.model_parallel is None:
+            return None
+        names, shape = tuple(mesh.axis_names), dict(mesh.shape)
+        if len(names) < 2 or shape[names[-1]] != self.model_parallel or names[-1] == BN_GROUP:
+            raise ValueError(
+                f"model_parallel={self.model_parallel} needs a mesh whose last axis has {self.model_parallel} devices "
+                f"(the model axis) after at least one data axis, got mesh {shape}; make one with make_mesh((replicas, "
+                f"{self.model_parallel})), e.g. --mesh {max(mesh.size // self.model_parallel, 1)}x{self.model_parallel}"
+            )
+        if self.data_axes is not None and names[-1] in self.data_axes:
+            raise ValueError(
+                f"data_axes {self.data_axes} include {names[-1]!r}, the model axis of model_parallel={self.model_parallel}"
+            )
+        return names[-1]
+
+    def partition_axis(self, mesh) -> str | None:
+        """The mesh axis left to XLA's partitioner: the space axis or the model axis, if any."""
+        return self.space_axis(mesh) or self.model_axis(mesh)
+
     def axes(self, mesh) -> tuple[str, ...]:
-        """The data axes on ``mesh``: every axis but the space axis (model axes: only spatial so far)."""
-        space = self.space_axis(mesh)
+        """The data axes on ``mesh``: every axis but the space or model axis."""
+        space = self.partition_axis(mesh)
         if self.data_axes is None:
             return tuple(a for a in mesh.axis_names if a != space)
         unknown = [a for a in self.data_axes if a not in mesh.axis_names]
@@ -128,7 +177,8 @@ class Strategy:
         rest = [a for a in mesh.axis_names if a not in self.data_axes and a != space]
         if rest:
             raise ValueError(
-                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), and the only model axis is spatial's: "
+                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), nor the last axis of spatial or "
+                "model_parallel: "
                 "leave data_axes out, or make the mesh of data axes only"
             )
         return tuple(a for a in mesh.axis_names if a in self.data_axes)  # mesh order: the batch's split order

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
+from podscale.parallel.tensor import RULES
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
@@ -244,7 +245,16 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
-    dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, config.strategy)
+    strategy = config.strategy
+    if strategy.model_parallel and strategy.rules is None:
+        if config.model not in RULES:
+            raise ValueError(
+                f"--model-parallel {strategy.model_parallel}: model {config.model!r} has no built-in sharding rules "
+                f"(these have: {', '.join(RULES)}); choose one with --rules, or call podscale.data_parallel with "
+                "rules=Rules(...) from Python"
+            )
+        strategy = dataclasses.replace(strategy, rules=config.model)
+    dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, strategy)
     if batch_size % dp.replicas:
         raise ValueError(
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"
@@ -268,6 +278,14 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag"
         )
     layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
+    if lead and dp.rule_notes:
+        Console(stderr=True).print(
+            f"podscale: the sharding rules {strategy.rules.name!r} leave {len(dp.rule_notes)} leaves as they are "
+            "(--strict refuses them):\n  " + "\n  ".join(dp.rule_notes),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
     checkpointed = _CheckpointForm(layout)
 
