@@ -465,6 +465,29 @@ def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
     assert logged[C.OPT_NAME] == C.LARS and logged[C.LARS_OPT_LR_DECAY_POLY_POWER] == 2
     assert logged[C.GLOBAL_BATCH_SIZE] == 128
     assert mlperf_log.time_to_target(events, 0.97)["seconds"] == summary["time_to_target_s"]
+    _passes_the_checker(log, tmp_path)
+
+
+def _passes_the_checker(log, cwd):
+    from test_mlperf_log import _checker
+
+    proc = _checker(str(log), cwd)
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "steps", "every", "target"), [("transformer-big", 1000, 100, 0.99), ("bert-large", 600, 50, 0.75)]
+)
+def test_tiny_transformers_reach_their_targets_with_two_way_model_parallelism(tmp_path, model, steps, every, target):
+    """The time-to-target runs of docs/benchmarks.md on a 4x2 mesh (4 replicas, each weight the
+    rules name split 2 ways), with MLPerf logs the compliance checker accepts."""
+    log = tmp_path / "mllog.txt"
+    args = ["train", "--model", model, "--config", "tiny", "--mesh", "4x2", "--model-parallel", "2"]
+    args += ["--steps", str(steps), "--eval-every", str(every), "--target", str(target)]
+    proc = _run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=600)
+    summary = _summary(proc)
+    assert summary["eval_value"] >= target and summary["replicas"] == 4
+    _passes_the_checker(log, tmp_path)
 
 
 def test_plan_of_a_workload_reads_at_80_columns_when_piped_and_json_has_the_same_content():
