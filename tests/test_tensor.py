@@ -2,6 +2,8 @@
 device (float32, summation order only); split leaves live 1/k per device; rule errors are
 reported before running and refused by strict."""
 
+import math
+
 import jax
 import numpy as np
 import optax
@@ -72,10 +74,21 @@ def test_tensor_partitioned_step_equals_one_device(name, shape, weight_update):
         if leaf.model_dim is not None
     ]
     assert any(leaf.path.startswith(".params") for leaf, _ in split)
-    assert any(".opt_state" in leaf.path for leaf, _ in split)  # the optimizer state of a split weight is split
     for leaf, x in split:
         assert leaf.bytes_per_device() * k == leaf.bytes
         assert x.addressable_shards[0].data.nbytes * k == leaf.bytes, leaf.path
+    # The optimizer state of a split weight: split the same way (replicated update), or sharded
+    # over every device, data x model (the sharded update: 1/(replicas x k) each, padding aside).
+    moments = [(leaf, x) for leaf, x in zip(dp.layout.leaves, jax.tree.leaves(stored), strict=True)]
+    split_weights = tuple(leaf.path.removeprefix(".params") for leaf, _ in split if leaf.path.startswith(".params"))
+    moments = [(leaf, x) for leaf, x in moments if ".opt_state" in leaf.path and leaf.path.endswith(split_weights)]
+    assert moments
+    for leaf, x in moments:
+        if weight_update == "replicated" or math.prod(leaf.shape) < dp.min_shard_size:
+            assert leaf.model_dim is not None and x.addressable_shards[0].data.nbytes * k == leaf.bytes
+        else:
+            assert leaf.sharded and leaf.split == k
+            assert x.addressable_shards[0].data.nbytes == leaf.bytes_per_device() <= -(-leaf.bytes // (8 * 4)) * 4
     module = hlo.read(dp.lower(stored, batches[0]).compile(), dp.mesh)
     model_axis = dp.mesh.axis_names[-1]
     assert any(c.kind == "all-reduce" and model_axis in c.axes for c in module.collectives)

@@ -160,6 +160,10 @@ class StateLayout:
         return jax.tree.unflatten(self.treedef, out)
 
 
+def _float(dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact)) and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _is_key(x) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -216,7 +220,8 @@ def decide(
             weak_type=bool(getattr(x, "weak_type", False)),
         )
         dim = model_dims[i] if model_dims else None
-        if dim is not None:
+        chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
+        if dim is not None and not chunked:
             k = mesh.shape[space]
             leaves.append(
                 LeafLayout(
