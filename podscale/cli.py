@@ -212,6 +212,7 @@ def _run_plan(args) -> int:
     import jax
 
     from podscale import data_parallel, make_mesh, workloads
+    from podscale.parallel.tensor import with_model_rules
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
     # A workload's plan needs no data set: every size comes from the config's shapes.
@@ -224,7 +225,7 @@ def _run_plan(args) -> int:
         batch_size = task.config.per_core_batch * mesh.size if task.workload else 64
     batch = task.batch_shapes(batch_size)
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
-    dp = data_parallel(make_train_step(task, tx), mesh, from_flags(args))
+    dp = data_parallel(make_train_step(task, tx), mesh, with_model_rules(from_flags(args), args.model))
     plan = dp.plan(state, batch, compile=True)
     if args.json:
         print(json.dumps(plan.to_dict()))

@@ -38,6 +38,7 @@ from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr;
 from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.extend import core
 
+from podscale.parallel import _interpret
 from podscale.parallel._interpret import varying_axes
 
 # -- layouts ---------------------------------------------------------------------------------
@@ -257,7 +258,8 @@ class Partitioner:
             if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
                 self._zeros.add(eqn.outvars[0])
             ins = [read(v) for v in eqn.invars]
-            outs = self.equation(eqn, ins)
+            with _interpret.source(eqn):
+                outs = self.equation(eqn, ins)
             for var, out in zip(eqn.outvars, outs, strict=True):
                 env[var] = out
         return [read(v) for v in jaxpr.outvars]

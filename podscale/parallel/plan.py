@@ -50,6 +50,10 @@ class Plan:
     """With ``spatial``: the space axis, its partitions, the layers whose height it does not
     divide (XLA pads them), and, compiled, the halo exchanges' bytes per device per step."""
 
+    tensor: dict[str, Any] | None = None
+    """With ``model_parallel``: the model axis, its partitions, the rules, what they left undone,
+    the split leaves' bytes per device and, compiled, the model axis's collectives per layer."""
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -126,6 +130,24 @@ class Plan:
             )
             for note in sp["uneven_layers"]:
                 console.print(f"  [yellow]{note}[/]")
+        tp = self.tensor
+        if tp:
+            console.print(
+                f"tensor: weights split {tp['partitions']} ways over {tp['axis']!r} by the rules {tp['rules']!r}: "
+                f"{tp['split_leaves']} leaves, {report.size(tp['split_bytes_per_device'])} per device of "
+                f"{report.size(tp['split_bytes'])}"
+            )
+            for note in tp["notes"]:
+                console.print(f"  [yellow]{note}[/]")
+            if tp.get("collectives"):
+                table = Table(title=f"collectives over the model axis {tp['axis']!r}, per layer", title_justify="left")
+                table.add_column("layer", overflow="fold")
+                table.add_column("kind", no_wrap=True)
+                table.add_column("runs", justify="right", no_wrap=True)
+                table.add_column("bytes/device", justify="right", no_wrap=True)
+                for c in tp["collectives"]:
+                    table.add_row(c["layer"] or "?", c["kind"], str(c["runs"]), report.size(c["bytes_per_device"]))
+                report.show(table, console)
         t = self.traffic
         if t:
             console.print(
@@ -191,7 +213,7 @@ def make_plan(dp, compiled=None) -> Plan:
             update += sent
         else:
             model += sent
-    summed = _gradient_bytes(weights, dp.grad_sum.dtype)
+    summed = _gradient_bytes(weights, dp.grad_sum.dtype, per_device=False)  # as the sum sees them
     limit = ring_bytes("all-reduce", dp.replicas, summed)
     traffic = {
         "gradient_bytes": summed,
@@ -219,7 +241,36 @@ def make_plan(dp, compiled=None) -> Plan:
         traffic=traffic,
         compiled=None if compiled is None else compiled.to_dict(),
         spatial=_spatial(dp, compiled),
+        tensor=_tensor(dp, compiled),
     )
+
+
+def _tensor(dp, compiled) -> dict[str, Any] | None:
+    if not dp.model:
+        return None
+    split = [leaf for leaf in dp.layout.leaves if leaf.model_dim is not None]
+    out = {
+        "axis": dp.model,
+        "partitions": dp.strategy.model_parallel,
+        "rules": dp.strategy.rules.name,
+        "notes": list(dp.rule_notes),
+        "split_leaves": len(split),
+        "split_bytes": sum(leaf.bytes for leaf in split),
+        "split_bytes_per_device": sum(leaf.bytes_per_device() for leaf in split),
+    }
+    if compiled is not None:
+        per: dict[tuple[str, str], dict[str, Any]] = {}
+        for c in compiled.collectives:
+            if dp.model not in c.axes:
+                continue
+            row = per.setdefault(
+                (c.layer, c.kind), {"layer": c.layer, "kind": c.kind, "runs": 0, "bytes_per_device": 0}
+            )
+            row["runs"] += c.count
+            row["bytes_per_device"] += c.buffer_bytes * c.count
+        out["collectives"] = list(per.values())
+        out["collective_bytes_per_device"] = sum(r["bytes_per_device"] for r in per.values())
+    return out
 
 
 def _spatial(dp, compiled) -> dict[str, Any] | None:
@@ -239,11 +290,12 @@ def _spatial(dp, compiled) -> dict[str, Any] | None:
     return out
 
 
-def _gradient_bytes(weights, dtype) -> int:
-    """Bytes of the gradients of the float weights, in ``dtype`` (``None``: their own)."""
+def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:
+    """Bytes per device of the gradients of the float weights (a split weight's are split alike),
+    in ``dtype`` (``None``: their own)."""
     total = 0
     for leaf in weights:
         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
-            total += math.prod(leaf.shape) * itemsize
+            total += math.prod(leaf.shape) * itemsize // (leaf.model_split if per_device else 1)
     return int(total)

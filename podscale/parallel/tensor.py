@@ -59,6 +59,20 @@ class Rules:
         object.__setattr__(self, "rules", rules)
 
 
+def with_model_rules(strategy, model: str):
+    """``strategy`` with the built-in rules of ``model`` when it asks for ``model_parallel``
+    without rules of its own; refuses a model without built-in rules."""
+    if not strategy.model_parallel or strategy.rules is not None:
+        return strategy
+    if model not in RULES:
+        raise ValueError(
+            f"--model-parallel {strategy.model_parallel}: model {model!r} has no built-in sharding rules (these "
+            f"have: {', '.join(RULES)}); choose one with --rules, or call podscale.data_parallel with "
+            "rules=Rules(...) from Python"
+        )
+    return dataclasses.replace(strategy, rules=RULES[model])
+
+
 def path_name(path) -> str:
     """A pytree key path as ``a/b/0/c``: dict keys, attribute names and indices joined by ``/``."""
     parts = []

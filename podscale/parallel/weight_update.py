@@ -361,7 +361,9 @@ class Rewriter:
                     blocked.append(eqn)
                     blocked_vars.update(eqn.outvars)
                     continue
-                for var, val in zip(eqn.outvars, self.equation(eqn, invals), strict=True):
+                with _interpret.source(eqn):
+                    outs = self.equation(eqn, invals)
+                for var, val in zip(eqn.outvars, outs, strict=True):
                     env[var] = val
             if blocked:
                 self.fuser.flush()

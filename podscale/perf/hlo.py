@@ -56,6 +56,7 @@ _CALLED = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation|branch_computations)="
     r"(\{[^}]*\}|%?[\w.\-]+)"
 )
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -76,6 +77,15 @@ class Collective:
     """The buffer each device contributes (see the module docstring)."""
     count: int
     """How many times one step runs it (the trip counts of the loops around it)."""
+    op_name: str = ""
+    """The op it came from (``metadata={op_name=...}``: the user's name stack, e.g.
+    ``jit(body)/shard_map/jvp(Transformer)/DecoderBlock_0/Dense_1/dot_general``)."""
+
+    @property
+    def layer(self) -> str:
+        """The layer of ``op_name`` (its module path, without transforms and the primitive), and
+        whether the forward or the backward pass runs it: ``DecoderBlock_0/Dense_1 (forward)``."""
+        return layer_of(self.op_name)
 
     @property
     def moved_bytes(self) -> float:
@@ -83,7 +93,7 @@ class Collective:
         return ring_bytes(self.kind, self.group_size, self.buffer_bytes)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "moved_bytes": self.moved_bytes}
+        return {**dataclasses.asdict(self), "moved_bytes": self.moved_bytes, "layer": self.layer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +215,21 @@ def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, dev
     return size, varying
 
 
+_SCOPES = frozenset({"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit"})
+_METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
+
+
+def layer_of(op_name: str) -> str:
+    """``jit(body)/shard_map/transpose(jvp(Transformer))/DecoderBlock_0/Dense_0/dot_general`` ->
+    ``DecoderBlock_0/Dense_0 (backward)``; ``""`` when ``op_name`` names no layer."""
+    parts = [p for p in op_name.split("/") if p]
+    backward = any(p.startswith("transpose(") for p in parts)
+    names = [p for p in parts[:-1] if "(" not in p and p not in _SCOPES and not _METHOD.match(p)]
+    if not names:
+        return ""
+    return "/".join(names) + (" (backward)" if backward else " (forward)")
+
+
 def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None) -> Module:
     """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes."""
     bodies: dict[str, list[tuple]] = {}
@@ -273,7 +298,8 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 total *= size  # the output is one shard of the input
             elif kind == "all-gather":
                 total //= size  # the output is every device's input
-            out.append(Collective(kind, name, axes, size, dtype, int(total), runs[comp]))
+            op = _OP_NAME.search(rest)
+            out.append(Collective(kind, name, axes, size, dtype, int(total), runs[comp], op.group(1) if op else ""))
     return Module(out, unknown, memory or {})
 
 

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
-from podscale.parallel.tensor import RULES
+from podscale.parallel.tensor import with_model_rules
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
@@ -245,15 +245,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
     batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
-    strategy = config.strategy
-    if strategy.model_parallel and strategy.rules is None:
-        if config.model not in RULES:
-            raise ValueError(
-                f"--model-parallel {strategy.model_parallel}: model {config.model!r} has no built-in sharding rules "
-                f"(these have: {', '.join(RULES)}); choose one with --rules, or call podscale.data_parallel with "
-                "rules=Rules(...) from Python"
-            )
-        strategy = dataclasses.replace(strategy, rules=config.model)
+    strategy = with_model_rules(config.strategy, config.model)
     dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, strategy)
     if batch_size % dp.replicas:
         raise ValueError(
