@@ -292,9 +292,10 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D), "
-        "spatial (one replica's images over k = 1, 2, 4, 8 devices)",
+        "spatial (one replica's images over k = 1, 2, 4, 8 devices), tp (a Transformer's weights split "
+        "k = 1, 2, 4 ways)",
     )
-    p.add_argument("which", choices=["wus", "gradsum", "spatial"])
+    p.add_argument("which", choices=["wus", "gradsum", "spatial", "tp"])
     p.add_argument(
         "--model",
         default=None,
@@ -319,6 +320,8 @@ def _run_bench(args) -> int:
         return _run_bench_gradsum(args)
     if args.which == "spatial":
         return _run_bench_spatial(args)
+    if args.which == "tp":
+        return _run_bench_tp(args)
 
     from podscale import workloads
     from podscale.bench.wus import bench_wus
@@ -397,6 +400,55 @@ def _run_bench_spatial(args) -> int:
         "temporaries: activations, their gradients and workspace per device (memory_analysis); halo: "
         "collective-permute bytes per device per step. CPU devices share one memory: a halo is a copy "
         "here, a torus link hop on a TPU."
+    )
+    return 0
+
+
+def _run_bench_tp(args) -> int:
+    from rich.console import Console
+
+    from podscale import report
+    from podscale.bench.tp import bench_tp
+
+    result = bench_tp(steps=max(args.steps, 1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    cfg = result.pop("config")
+    numbers = ("GFLOP/device", "vs 1 device", "weights", "opt state", "data axis", "model axis", "other", "step s")
+    table = report.table(
+        "k",
+        "mesh",
+        *numbers,
+        title=(
+            f"tp: transformer width {cfg['width']}, {cfg['heads']} heads, {cfg['depth']} layers, batch {cfg['batch']} "
+            f"x {cfg['seq']} tokens on {cfg['devices']} devices"
+        ),
+        numbers=("k", *numbers),
+    )
+    for k, r in result.items():
+        data_axis, model_axis = r["mesh"]
+        axes = r["collective_bytes_per_axis"]
+        other = sum(v for a, v in axes.items() if a not in (data_axis, model_axis))
+        table.add_row(
+            k,
+            "x".join(str(v) for v in r["mesh"].values()),
+            f"{r['flops_per_device'] / 1e9:.3f}",
+            f"{r['flops_vs_replica_on_one_device']:.3f}",
+            report.size(r["weight_bytes_per_device"]),
+            report.size(r["optimizer_bytes_per_device"]),
+            report.size(axes.get(data_axis, 0)),
+            report.size(axes.get(model_axis, 0)),
+            report.size(other),
+            f"{r['step_s']:.4f}",
+        )
+    console = Console()
+    report.show(table, console)
+    console.print(
+        "vs 1 device: a replica's batch on its k devices against that batch on one device (about 1/k when the work "
+        "is split). Axes: bytes each device's collectives move per step (data: the gradient sum; model: the "
+        "layers' all-reduces; other: collectives over both axes). CPU devices share one memory: a collective is "
+        "a copy here, link hops on a TPU."
     )
     return 0
 

@@ -38,3 +38,18 @@ def test_bench_spatial_shows_memory_falling_and_halos_appearing_with_k():
     assert all(r["uneven_layers"] == 0 and r["step_s"] > 0 for r in rows)
     # Every k computes the same step: the losses agree to float32 summation order.
     assert max(r["final_loss"] for r in rows) - min(r["final_loss"] for r in rows) <= 1e-5
+
+
+def test_bench_tp_splits_weights_and_work_and_computes_the_same_step():
+    from podscale.bench.tp import bench_tp
+
+    result = bench_tp(ks=(1, 2, 4), batch=8, seq=16, width=128, heads=4, vocab=256, steps=1)
+    rows = [result[str(k)] for k in (1, 2, 4)]
+    for k, r in zip((1, 2, 4), rows, strict=True):
+        assert r["weight_bytes_per_device"] * k <= rows[0]["weight_bytes_per_device"] * 1.1  # unsplit: norms, positions
+        assert abs(r["flops_vs_replica_on_one_device"] - 1 / k) <= 0.1 / k, r
+        assert r["rule_notes"] == 0 and r["step_s"] > 0
+    assert "y" not in rows[0]["collective_bytes_per_axis"] and all(
+        r["collective_bytes_per_axis"]["y"] > 0 for r in rows[1:]
+    )
+    assert max(r["final_loss"] for r in rows) - min(r["final_loss"] for r in rows) <= 1e-5

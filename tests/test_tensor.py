@@ -209,3 +209,9 @@ def test_global_norm_clipping_over_split_weights_equals_one_device():
     assert leaf_relative_error(out.params, ref.params) <= 1e-6
     grads = jax.grad(lambda p: task.train_outputs(state, p, batches[0])[0]["loss"].mean())(state.params)
     assert float(optax.global_norm(grads)) > 0.5  # so the clipping at 0.05 acts
+
+
+def test_one_replica_is_refused_before_running():
+    task, tx, _ = _small()
+    with pytest.raises(ValueError, match=r"leaves one replica.*--mesh 2x4 --model-parallel 4"):
+        data_parallel(make_train_step(task, tx), make_mesh((1, 8)), model_parallel=8, rules="transformer")

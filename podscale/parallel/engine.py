@@ -124,6 +124,15 @@ class DataParallelStep:
                 f"model_parallel={self.strategy.model_parallel} needs sharding rules: pass rules=Rules(...) or a "
                 f"built-in's name ({', '.join(tensor.RULES)})"
             )
+        if self.model and self.replicas == 1:
+            # XLA 0.10's SPMD partitioner rejects a sum over a manual axis of one device whose
+            # operand is split over an automatic one (RET_CHECK IsManualSubgroup): refuse it here.
+            k = self.strategy.model_parallel
+            raise ValueError(
+                f"model_parallel={k} on mesh {dict(mesh.shape)} leaves one replica, which podscale cannot run yet "
+                f"(XLA's partitioner refuses the data-axis sums); use at least two replicas, e.g. "
+                f"--mesh 2x{k // 2 or 1} --model-parallel {k // 2 or 1}"
+            )
         st = self.strategy
         self.grad_sum = make_grad_sum(
             mesh,
