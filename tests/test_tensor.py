@@ -154,25 +154,28 @@ def test_each_rule_error_is_reported_and_strict_refuses_it():
             "params/DecoderBlock_0/Dense_0/kernel [64, 256]: matched by rule 'Dense_0/kernel$' and rule "
             "'DecoderBlock_0/Dense_0/kernel$'; the first applies",
         ),
-        "indivisible": (  # the attention's 4 heads split 8 ways
-            RULES["transformer"],
-            "params/DecoderBlock_0/MultiHeadDotProductAttention_0/query/kernel [64, 4, 16]: dimension -2 (4) is not "
-            "divisible by mesh axis 'y' of 8 devices",
-        ),
         "large left whole": (
             Rules(tuple(r for r in RULES["transformer"].rules if "Dense_0/kernel" not in r[0])),
             "params/DecoderBlock_0/Dense_0/kernel [64, 256]: a large weight",
         ),
     }
     for what, (rules, message) in cases.items():
-        on = make_mesh((1, 8)) if what == "indivisible" else mesh
-        k = on.shape[on.axis_names[-1]]
-        dp = data_parallel(step, on, Strategy(model_parallel=k, rules=rules))
+        dp = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules))
         dp.prepare(state, batch)
         assert any(note.startswith(message) for note in dp.rule_notes), (what, dp.rule_notes)
-        strict = data_parallel(step, on, Strategy(model_parallel=k, rules=rules, strict=True))
+        strict = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules, strict=True))
         with pytest.raises(ValueError, match="strict=True: refused before running"):
             strict.prepare(state, batch)
+    # A dimension the axis does not divide (a vocabulary of 18 split 4 ways) stays whole.
+    shapes = {"params": {"embed": jax.ShapeDtypeStruct((18, 64), np.float32)}}
+    found = assign(Rules(((r"embed$", -2),)), shapes, 4, "model")
+    assert found.dims == (None,)
+    assert found.notes == (
+        "params/embed [18, 64]: dimension -2 (18) is not divisible by mesh axis 'model' of 4 devices; kept whole "
+        "(use a model axis that divides 18)",
+    )
+    with pytest.raises(ValueError, match=r"strict=True.*params/embed \[18, 64\]: dimension -2"):
+        assign(Rules(((r"embed$", -2),)), shapes, 4, "model", strict=True)
 
 
 def test_strategy_errors_name_the_mesh_axis_or_the_rule():
@@ -215,3 +218,12 @@ def test_one_replica_is_refused_before_running():
     task, tx, _ = _small()
     with pytest.raises(ValueError, match=r"leaves one replica.*--mesh 2x4 --model-parallel 4"):
         data_parallel(make_train_step(task, tx), make_mesh((1, 8)), model_parallel=8, rules="transformer")
+
+
+def test_the_trainer_refuses_model_parallelism_for_a_model_without_rules(tmp_path):
+    from podscale.train.trainer import TrainConfig, train
+
+    log = tmp_path / "mllog.txt"
+    with pytest.raises(ValueError, match=r"--model-parallel 2: model 'mlp' has no built-in sharding rules"):
+        train(TrainConfig(model="mlp", steps=2, mesh=(4, 2), strategy=Strategy(model_parallel=2), mllog=str(log)))
+    assert not log.exists()  # refused before the run began
