@@ -322,7 +322,10 @@ class DataParallelStep:
     def _build(self, batch):
         layout = self.layout
         axes = self.axes
-        chunks = Layout(self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes)
+        split = frozenset(leaf.shape for leaf in layout.leaves if leaf.model_dim is not None and leaf.weight)
+        chunks = Layout(
+            self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes, split_shapes=split
+        )
         abstract_state = jax.tree.unflatten(
             layout.treedef,
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves],

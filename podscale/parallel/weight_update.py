@@ -114,10 +114,19 @@ class Layout:
     """
 
     def __init__(
-        self, grad_sum: GradSum, min_shard_size: int, scatter: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        grad_sum: GradSum,
+        min_shard_size: int,
+        scatter: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        split_shapes: frozenset = frozenset(),
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
         self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
+        self.split_shapes = split_shapes
+        """Shapes of the weights split over a model axis (tensor partitioning): an all-reduced
+        gradient of such a shape is summed alone and unflattened, so that XLA keeps its split
+        (flattened into a fused buffer, it would first be gathered over the model axis)."""
 
     def alone(self, nbytes: int) -> bool:
         """Whether a tensor is large enough to get a collective of its own (a quarter bucket)."""
@@ -186,6 +195,11 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
 
 
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
+    if len(values) == 1 and layout.grad_sum.mode == "1d":  # as it is: no flattening
+        phases: list[PhaseRecord] = []
+        total = layout.grad_sum.all_reduce(values[0], phases)
+        _record(trace, phases, 1, why, update)
+        return [total]
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
     phases: list[PhaseRecord] = []
@@ -281,8 +295,9 @@ class _Fuser:
             self.pending = [q for q in self.pending if q not in only]
         groups: dict[tuple, list[_Pending]] = {}
         for p in pending:
-            groups.setdefault((p.kind, p.shard, p.value.dtype, p.scatter), []).append(p)
-        for (kind, shard, _, scatter), members in groups.items():
+            alone = p.kind == "grad" and not p.shard and tuple(p.value.shape) in self.layout.split_shapes
+            groups.setdefault((p.kind, p.shard, p.value.dtype, p.scatter, id(p) if alone else None), []).append(p)
+        for (kind, shard, _, scatter, _), members in groups.items():
             values = [p.value for p in members]
             if kind == "grad" and shard:
                 results = _fuse_reduce_scatter(self.layout, values, self.trace)
