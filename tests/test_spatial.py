@@ -178,3 +178,18 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
     assert max_relative_diff(out.params, ref.params) <= 2e-6  # no element far off either
     assert bool(dp.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
     assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {"image": True, "label": False}
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_spatial_with_the_2d_gradient_sum_over_two_data_axes_equals_one_device(weight_update):
+    """A 2x2x2 mesh: the 2-D sum over the two data axes (reduce-scatter along x, all-reduce along
+    y, all-gather back), each image's height over the third."""
+    step, state, batches = _setup()
+    ref, _ = run_single(step, state, batches)
+    dp = data_parallel(step, make_mesh((2, 2, 2)), spatial=2, grad_sum="2d", weight_update=weight_update)
+    out, _ = run_parallel(dp, state, batches)
+    assert max_relative_diff(out, ref) <= 1e-6
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
+    kinds = {(c.kind, c.axes) for c in module.collectives}
+    assert {("reduce-scatter", ("x",)), ("all-gather", ("x",)), ("collective-permute", ("z",))} <= kinds
+    assert not any(c.kind in ("all-reduce", "reduce-scatter") and c.axes == ("x", "y") for c in module.collectives)

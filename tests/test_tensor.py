@@ -227,3 +227,31 @@ def test_the_trainer_refuses_model_parallelism_for_a_model_without_rules(tmp_pat
     with pytest.raises(ValueError, match=r"--model-parallel 2: model 'mlp' has no built-in sharding rules"):
         train(TrainConfig(model="mlp", steps=2, mesh=(4, 2), strategy=Strategy(model_parallel=2), mllog=str(log)))
     assert not log.exists()  # refused before the run began
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_the_2d_gradient_sum_over_two_data_axes_with_a_model_axis_equals_one_device(weight_update):
+    task, tx, batches, state, ref = _reference("transformer")
+    dp = data_parallel(
+        make_train_step(task, tx),
+        make_mesh((2, 2, 2)),
+        model_parallel=2,
+        rules="transformer",
+        grad_sum="2d",
+        weight_update=weight_update,
+    )
+    out, _ = run_parallel(dp, state, batches)
+    assert leaf_relative_error(out.params, ref.params) <= 1e-6
+    module = hlo.read(dp.lower(dp.place_state(state, batches[0]), batches[0]).compile(), dp.mesh)
+    kinds = {(c.kind, c.axes) for c in module.collectives}
+    assert ("reduce-scatter", ("x",)) in kinds and any(
+        c.kind == "all-reduce" and c.axes == ("z",) for c in module.collectives
+    )
+
+
+def test_the_2d_sum_needs_two_data_axes_besides_the_model_axis():
+    task, tx, _ = _small()
+    with pytest.raises(ValueError, match=r"has 1 besides its last .*make_mesh\(\(x, y, k\)\)"):
+        data_parallel(
+            make_train_step(task, tx), make_mesh((4, 2)), model_parallel=2, rules="transformer", grad_sum="2d"
+        )

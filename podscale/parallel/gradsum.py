@@ -178,9 +178,12 @@ def modelled_seconds(
     return 2 * scatter + costs[second].ring(sizes[second], nbytes / sizes[first], steps_per_member=2)
 
 
-def choose_order(mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float) -> tuple[tuple[str, str], str]:
-    """The 2-D order with the lower modelled time for ``nbytes`` per device, and why."""
-    axes = tuple(mesh.axis_names)
+def choose_order(
+    mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float, axes: tuple[str, ...] | None = None
+) -> tuple[tuple[str, str], str]:
+    """The 2-D order over ``axes`` (default the mesh's) with the lower modelled time for ``nbytes``
+    per device, and why."""
+    axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
     sizes = dict(mesh.shape)
     if costs is None:
         return axes, "no per-axis costs given (pass axis_costs, or calibrate): mesh order"
@@ -274,10 +277,10 @@ def make_grad_sum(
         if chunks not in (None, 1):
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
-    if data_only:
+    if data_only and len(axes) != 2:
         raise ValueError(
-            f"grad_sum='2d' sums over the mesh's data axes {axes}, and with a model axis (spatial or model_parallel) the 2-D "
-            "sum is not built yet; use grad_sum='1d'"
+            f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(axes)} besides its "
+            f"last (the space or model axis): {axes}; make one with two, e.g. make_mesh((x, y, k))"
         )
     if len(axes) != 2:
         extra = (
@@ -292,7 +295,7 @@ def make_grad_sum(
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
     if isinstance(costs, str):
         raise ValueError(f"axis_costs={costs!r}: pass a dict of AxisCost per mesh axis, 'calibrate' or None")
-    order, reason = choose_order(mesh, costs, nbytes)
+    order, reason = choose_order(mesh, costs, nbytes, axes)
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
