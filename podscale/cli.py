@@ -303,9 +303,9 @@ def _bench_parser(sub) -> None:
     )
     p.add_argument("--sizes", default="1,16,128", help="gradsum: gradient sizes in MiB per device")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--width", type=int, default=None, help="wus and tp: the Transformer's width (default 512; tp 256)")
+    p.add_argument("--depth", type=int, default=None, help="wus and tp: its layers (default 8; tp 2)")
+    p.add_argument("--vocab", type=int, default=None, help="wus and tp: its vocabulary (default 8192; tp 512)")
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--json", action="store_true")
 
@@ -329,7 +329,12 @@ def _run_bench(args) -> int:
     if args.model is not None and args.model not in workloads.NAMES:
         raise ValueError(f"--model {args.model!r}: bench wus takes an MLPerf workload: {', '.join(workloads.NAMES)}")
     result = bench_wus(
-        steps=args.steps, width=args.width, depth=args.depth, vocab=args.vocab, model=args.model, progress=True
+        steps=args.steps,
+        width=args.width or 512,
+        depth=args.depth or 8,
+        vocab=args.vocab or 8192,
+        model=args.model,
+        progress=True,
     )
     if args.json:
         print(json.dumps(result))
@@ -410,7 +415,8 @@ def _run_bench_tp(args) -> int:
     from podscale import report
     from podscale.bench.tp import bench_tp
 
-    result = bench_tp(steps=max(args.steps, 1))
+    sizes = {name: getattr(args, name) for name in ("width", "depth", "vocab") if getattr(args, name)}
+    result = bench_tp(steps=max(args.steps, 1), **sizes)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -254,17 +254,22 @@ def test_a_peer_that_never_starts_ends_in_a_bounded_wait_naming_the_coordinator(
     """Process 0 alone (the coordinator, waiting for its peer) and process 1 alone (waiting for
     the coordinator), side by side, each in its own two-process run that never assembles."""
     procs = {}
+    ports = _free_ports(2)  # two different ports: two lone processes on one port would assemble
     start = time.monotonic()
     for alone in (0, 1):
-        env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2")
+        env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{ports[alone]}", PODSCALE_NUM_PROCESSES="2")
         env["PODSCALE_PROCESS_ID"] = str(alone)
         cmd = [*PODSCALE, "train", "--model", "mlp", "--steps", "5", "--no-progress", "--join-timeout", "5", "--json"]
         procs[alone] = (env, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for alone, (env, proc) in procs.items():
-        try:
-            out, err = proc.communicate(timeout=120)
-        finally:
+    outputs = {}
+    try:
+        for alone, (_, proc) in procs.items():
+            outputs[alone] = proc.communicate(timeout=120)
+    finally:
+        for _, proc in procs.values():
             proc.kill()
+    for alone, (env, proc) in procs.items():
+        out, err = outputs[alone]
         assert proc.returncode == 3, err[-3000:]
         assert time.monotonic() - start < 5 + 60  # the join timeout, plus starting Python and JAX under load
         message = f"process {alone} of 2: the run did not assemble within --join-timeout 5 s"
@@ -310,6 +315,18 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
 def test_launch_needs_a_command():
     proc = _run("launch", "--processes", "2", check=False)
     assert proc.returncode == 2 and "give the command after --" in proc.stderr
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` different free ports (each socket held open until all are chosen)."""
+    import contextlib
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _free_port() -> int:

@@ -66,8 +66,16 @@ def bench_tp(
 ) -> dict[str, Any]:
     """Runs the benchmark (see the module docstring); steps of every k are interleaved."""
     n = len(jax.devices())
-    if n % max(ks):
-        raise ValueError(f"podscale bench tp splits weights up to {max(ks)} ways on {n} devices; pass --replicas 8")
+    if n % max(ks) or n // max(ks) < 2:
+        raise ValueError(
+            f"podscale bench tp splits weights up to {max(ks)} ways and needs at least two replicas for each, so "
+            f"{2 * max(ks)} devices or a multiple; there are {n}: pass --replicas {2 * max(ks)}"
+        )
+    if width % heads or heads % max(ks) or vocab % max(ks) or (4 * width) % max(ks):
+        raise ValueError(
+            f"podscale bench tp: width {width}, {heads} heads and vocabulary {vocab} must split {max(ks)} ways "
+            f"(heads, vocabulary and the MLP's {4 * width} divisible by {max(ks)}; width by the heads)"
+        )
     model = Transformer(vocab_size=vocab, width=width, depth=depth, num_heads=heads, mlp_dim=4 * width, max_len=seq)
     tx = optax.adam(1e-3)
     rng = np.random.default_rng(0)

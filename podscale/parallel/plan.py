@@ -77,7 +77,11 @@ class Plan:
             leaves.add_row(
                 leaf["path"],
                 "x".join(map(str, leaf["shape"])) or "()",
-                f"1/{self.replicas * leaf['split']}" if leaf["sharded"] else "whole",
+                f"1/{self.replicas * leaf['split']}"
+                if leaf["sharded"]
+                else (
+                    f"1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "whole"
+                ),
                 report.size(leaf["bytes_per_device"]),
                 leaf["reason"],
             )
@@ -182,11 +186,13 @@ def make_plan(dp, compiled=None) -> Plan:
             "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
             "sharded": leaf.sharded,
-            "shard_shape": [leaf.shard_len] if leaf.sharded else list(leaf.shape),
+            "shard_shape": [leaf.shard_len // leaf.split] if leaf.sharded else _split_shape(leaf),
             "padding_elements": leaf.padding,
             "padding_bytes": leaf.padding_bytes,
             "bytes_per_device": leaf.bytes_per_device(),
             "split": leaf.split,
+            "model_dim": leaf.model_dim,
+            "model_split": leaf.model_split,
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }
@@ -243,6 +249,13 @@ def make_plan(dp, compiled=None) -> Plan:
         spatial=_spatial(dp, compiled),
         tensor=_tensor(dp, compiled),
     )
+
+
+def _split_shape(leaf) -> list[int]:
+    shape = list(leaf.shape)
+    if leaf.model_dim is not None:
+        shape[leaf.model_dim] //= leaf.model_split
+    return shape
 
 
 def _tensor(dp, compiled) -> dict[str, Any] | None:

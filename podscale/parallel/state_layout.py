@@ -90,6 +90,11 @@ class StateLayout:
     def any_sharded(self) -> bool:
         return any(leaf.sharded for leaf in self.leaves)
 
+    @property
+    def any_split(self) -> bool:
+        """Whether a leaf is split over a model axis (tensor partitioning)."""
+        return any(leaf.model_dim is not None for leaf in self.leaves)
+
     def specs(self):
         return jax.tree.unflatten(self.treedef, [P(self.axes) if leaf.sharded else P() for leaf in self.leaves])
 

@@ -268,6 +268,8 @@ class _Fuser:
         """``scatter=False``: the sum is read by per-replica computation (a batch-norm statistic
         over the whole batch), so it is all-reduced whatever its size."""
         shard = scatter and kind == "grad" and self.layout.shards(value.shape, value.dtype)
+        if shard and not self.layout.scatter and tuple(value.shape) in self.layout.split_shapes:
+            shard = False  # the replicated update sums a split weight's gradient as it is (see split_shapes)
         p = _Pending(self, value, shard, kind)
         p.scatter = scatter
         if kind == "grad":

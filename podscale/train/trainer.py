@@ -464,7 +464,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         seed=config.seed,
         learning_rate=_base_learning_rate(task, config),
         wall_time_s=time.perf_counter() - run_start,
-        configuration=json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        configuration=json.loads(
+            json.dumps(dataclasses.asdict(dataclasses.replace(config, strategy=dp.strategy)), default=str)
+        ),
     )
     return summary
 
@@ -516,8 +518,11 @@ class _CheckpointForm:
         self._load = jax.jit(layout.store, out_shardings=layout.shardings())
         self._replicated = replicated
 
+    def _converts(self) -> bool:
+        return self.layout.any_sharded or self.layout.any_split
+
     def save_form(self, state):
-        return self._save(state) if self.layout.any_sharded else state
+        return self._save(state) if self._converts() else state
 
     def like(self):
         return jax.tree.unflatten(
@@ -526,7 +531,7 @@ class _CheckpointForm:
         )
 
     def load(self, restored):
-        return self._load(restored) if self.layout.any_sharded else restored
+        return self._load(restored) if self._converts() else restored
 
 
 class NonFiniteError(ValueError):
