@@ -492,6 +492,16 @@ def _passes_the_checker(log, cwd):
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def test_tiny_ssd_reaches_its_map_target_and_logs_it(tmp_path):
+    """The SSD time-to-target run of docs/benchmarks.md: COCO mAP by pycocotools at least 0.5,
+    with an MLPerf log the compliance checker accepts."""
+    log = tmp_path / "mllog.txt"
+    args = ["train", "--model", "ssd", "--config", "tiny", "--steps", "704", "--eval-every", "64", "--target", "0.5"]
+    summary = _summary(_run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=600))
+    assert summary["eval_value"] >= 0.5 and summary["time_to_target_s"] is not None
+    _passes_the_checker(log, tmp_path)
+
+
 @pytest.mark.parametrize(
     ("model", "steps", "every", "target"), [("transformer-big", 1000, 100, 0.99), ("bert-large", 600, 50, 0.75)]
 )

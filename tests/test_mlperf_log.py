@@ -114,10 +114,10 @@ def _checker(log, cwd):
 
 WORKLOAD_RUNS = {  # the time-to-target commands of docs/benchmarks.md
     "gnmt": dict(steps=300, eval_every=25, target=0.95),
-    "ssd": dict(steps=704, eval_every=64, target=0.5),
 }
-"""resnet50's run and checker are tests/test_cli.py's LARS run; transformer-big's and bert-large's
-are its runs with --model-parallel 2 (their step equals plain data parallelism's: test_tensor)."""
+"""resnet50's and ssd's runs and checks are tests/test_cli.py's, through the command line;
+transformer-big's and bert-large's are its runs with --model-parallel 2 (their step equals plain
+data parallelism's: tests/test_tensor.py)."""
 
 
 @pytest.mark.slow
