@@ -50,6 +50,20 @@ def classifier_step(model, tx):
     return step
 
 
+def interleave(runs, batches) -> None:
+    """Runs every run's step on each batch in turn, so that the machine's noise hits them alike;
+    each run (a dict with ``dp``, ``state`` and a ``times`` list) gets its step times, the first
+    call untimed, and its last ``loss``."""
+    for i, b in enumerate(batches):
+        for r in runs:
+            start = time.perf_counter()
+            r["state"], metrics = r["dp"](r["state"], b)
+            jax.block_until_ready(r["state"])
+            if i:  # the first call runs the compiled program once more: not timed
+                r["times"].append(time.perf_counter() - start)
+            r["loss"] = float(metrics["loss"])
+
+
 def bench_spatial(
     ks=(1, 2, 4, 8), batch: int = 8, image: int = 64, features: int = 16, steps: int = 4
 ) -> dict[str, Any]:
@@ -79,14 +93,7 @@ def bench_spatial(
         placed = dp.place_state(state, data[0])
         compiled = dp.lower(placed, data[0]).compile()
         runs[k] = {"dp": dp, "state": placed, "module": hlo.read(compiled, mesh), "times": [], "final": None}
-    for i, b in enumerate(data):
-        for r in runs.values():
-            start = time.perf_counter()
-            r["state"], metrics = r["dp"](r["state"], b)
-            jax.block_until_ready(r["state"])
-            if i:  # the first call runs the compiled program once more: not timed
-                r["times"].append(time.perf_counter() - start)
-            r["loss"] = float(metrics["loss"])
+    interleave(runs.values(), data)
     out: dict[str, Any] = {"config": {"batch": batch, "image": image, "features": features, "steps": steps}}
     base = runs[ks[0]]["module"].memory.get("temporaries")
     for k, r in runs.items():

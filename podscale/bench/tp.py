@@ -22,7 +22,6 @@ partitioned program's overhead rather than the compute a k-times-smaller slice s
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -30,6 +29,7 @@ import jax
 import numpy as np
 import optax
 
+from podscale.bench.spatial import interleave
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
@@ -91,14 +91,7 @@ def bench_tp(
         compiled = dp.lower(placed, data[0]).compile()
         plan = dp.plan(compile=False)
         runs[k] = {"dp": dp, "state": placed, "compiled": compiled, "plan": plan, "times": []}
-    for i, b in enumerate(data):
-        for r in runs.values():
-            start = time.perf_counter()
-            r["state"], metrics = r["dp"](r["state"], b)
-            jax.block_until_ready(r["state"])
-            if i:  # the first call runs the compiled program once more: not timed
-                r["times"].append(time.perf_counter() - start)
-            r["loss"] = float(metrics["loss"])
+    interleave(runs.values(), data)
     out: dict[str, Any] = {
         "config": {
             "batch": batch,

@@ -127,39 +127,36 @@ class Strategy:
         """The mesh axis each image's height is split over (``spatial``), or ``None``."""
         if self.spatial is None:
             return None
-        names, shape = tuple(mesh.axis_names), dict(mesh.shape)
+        names = tuple(mesh.axis_names)
         if names[-1] == BN_GROUP:
             raise ValueError(
                 f"spatial={self.spatial}: the mesh's last axis is the batch-norm group axis; build the mesh with "
                 f"make_mesh(shape, bn_group_size=..., spatial={self.spatial}), which keeps the space axis last"
             )
-        if len(names) < 2 or shape[names[-1]] != self.spatial:
-            raise ValueError(
-                f"spatial={self.spatial} needs a mesh whose last axis has {self.spatial} devices (the space "
-                f"axis) after at least one data axis, got mesh {shape}; make one with make_mesh((replicas, "
-                f"{self.spatial})), e.g. --mesh {max(mesh.size // self.spatial, 1)}x{self.spatial}"
-            )
-        if self.data_axes is not None and names[-1] in self.data_axes:
-            raise ValueError(
-                f"data_axes {self.data_axes} include {names[-1]!r}, the space axis of spatial={self.spatial}"
-            )
-        return names[-1]
+        return self._last_axis(mesh, "spatial", self.spatial, "space")
 
     def model_axis(self, mesh) -> str | None:
         """The mesh axis the sharding rules split weights over (``model_parallel``), or ``None``."""
         if self.model_parallel is None:
             return None
-        names, shape = tuple(mesh.axis_names), dict(mesh.shape)
-        if len(names) < 2 or shape[names[-1]] != self.model_parallel or names[-1] == BN_GROUP:
+        if mesh.axis_names[-1] == BN_GROUP:
             raise ValueError(
-                f"model_parallel={self.model_parallel} needs a mesh whose last axis has {self.model_parallel} devices "
-                f"(the model axis) after at least one data axis, got mesh {shape}; make one with make_mesh((replicas, "
-                f"{self.model_parallel})), e.g. --mesh {max(mesh.size // self.model_parallel, 1)}x{self.model_parallel}"
+                f"model_parallel={self.model_parallel}: the mesh's last axis is the batch-norm group axis; "
+                "tensor partitioning takes a mesh without one"
+            )
+        return self._last_axis(mesh, "model_parallel", self.model_parallel, "model")
+
+    def _last_axis(self, mesh, field: str, k: int, role: str) -> str:
+        """The mesh's last axis, checked to have ``k`` devices after at least one data axis."""
+        names, shape = tuple(mesh.axis_names), dict(mesh.shape)
+        if len(names) < 2 or shape[names[-1]] != k:
+            raise ValueError(
+                f"{field}={k} needs a mesh whose last axis has {k} devices (the {role} axis) after at least one "
+                f"data axis, got mesh {shape}; make one with make_mesh((replicas, {k})), e.g. "
+                f"--mesh {max(mesh.size // k, 1)}x{k}"
             )
         if self.data_axes is not None and names[-1] in self.data_axes:
-            raise ValueError(
-                f"data_axes {self.data_axes} include {names[-1]!r}, the model axis of model_parallel={self.model_parallel}"
-            )
+            raise ValueError(f"data_axes {self.data_axes} include {names[-1]!r}, the {role} axis of {field}={k}")
         return names[-1]
 
     def partition_axis(self, mesh) -> str | None:
