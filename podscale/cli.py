@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -288,6 +289,167 @@ def _run_models(args) -> int:
     return 0
 
 
+def _project_parser(sub) -> None:
+    p = sub.add_parser(
+        "project",
+        help="project the step time of a model's compiled step to 16-4096 chips of a TPU or GPU system",
+    )
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--config", default=None, help="MLPerf workloads: tiny or full")
+    p.add_argument("--data", default=None)
+    p.add_argument("--optimizer", default=None, help="default adam; MLPerf workloads: their recipe")
+    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--system", default="tpu-v3", help="tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, a100, h100, h200")
+    p.add_argument("--chips", default="16,64,256,1024", help="comma-separated chip counts")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--per-chip-batch", type=int, default=None, help="examples per chip (default: the workload's)")
+    b.add_argument("--global-batch", type=int, default=None, help="the global batch at every chip count")
+    p.add_argument(
+        "--strategies",
+        default=",".join(project_strategies()),
+        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d (weight update and gradient sum)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="write step time and throughput against chips to this .png")
+    p.add_argument("--list-systems", action="store_true", help="print the systems and their figures' sources")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="measure this CPU, predict each workload's step at 1, 2, 4, 8 replicas and podscale bench wus's "
+        "variants, run them, print predicted / measured",
+    )
+    p.add_argument("--validate-models", default=None, help="--validate: comma-separated workloads (default all)")
+    p.add_argument("--steps", type=int, default=5, help="--validate: timed steps per run")
+    add_flags(p, Strategy(weight_update="sharded"))
+
+
+def project_strategies() -> tuple[str, ...]:
+    from podscale.perf.project import DEFAULT_STRATEGIES
+
+    return DEFAULT_STRATEGIES
+
+
+def _parse_chips(text: str) -> list[int]:
+    try:
+        chips = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--chips {text!r}: comma-separated whole numbers, e.g. 16,64,256,1024") from None
+    if not chips or any(c < 1 for c in chips):
+        raise ValueError(f"--chips {text!r}: give at least one positive chip count")
+    return chips
+
+
+def _run_project(args) -> int:
+    if args.validate:
+        distributed.setup(8, distributed.ClusterSpec())
+        from podscale.perf.validate import print_validation, validate
+
+        models = args.validate_models.split(",") if args.validate_models else None
+        result = validate(models=models, steps=args.steps, progress=not args.json)
+        print(json.dumps(result)) if args.json else print_validation(result)
+        return 0
+    from podscale.perf import systems
+
+    if args.list_systems:
+        return _print_systems(args.json)
+    system = systems.get(args.system)
+    chips = _parse_chips(args.chips)
+    from podscale.perf.network import Topology
+    from podscale.perf.project import MAX_CPU_DEVICES
+
+    for c in chips:
+        Topology(system, c)  # an unknown size or one the system cannot hold: refused before compiling
+    devices = min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in chips))
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    from podscale import workloads
+    from podscale.parallel.tensor import with_model_rules
+    from podscale.perf.project import project
+    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
+
+    strategy = with_model_rules(from_flags(args), args.model)
+    k = strategy.spatial or strategy.model_parallel or 1
+    task = make_task(args.model, args.data, config=args.config, with_data=args.model not in workloads.NAMES)
+    steps = task.config.train_steps if task.workload else 100
+    tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=steps)
+    per_device = task.config.per_core_batch if task.workload else 32
+    rows = []
+    names = [s for s in args.strategies.split(",") if s]
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
+    for c in chips:
+        devices_c = c * system.devices_per_chip
+        replicas = devices_c // k
+        if args.global_batch is not None:
+            if args.global_batch % replicas:
+                raise ValueError(
+                    f"--global-batch {args.global_batch}: the {replicas} replicas of {c} chips "
+                    f"({devices_c} devices / {k}) do not divide it; use a multiple of {replicas}"
+                )
+            replica_batch = args.global_batch // replicas
+        elif args.per_chip_batch is not None:
+            total = args.per_chip_batch * c
+            if total % replicas:
+                raise ValueError(
+                    f"--per-chip-batch {args.per_chip_batch}: {c} chips x {args.per_chip_batch} = {total} examples "
+                    f"do not split over {replicas} replicas; use a multiple of {replicas // math.gcd(replicas, c)}"
+                )
+            replica_batch = total // replicas
+        else:
+            replica_batch = per_device * k
+        rows += project(
+            make_train_step(task, tx),
+            state,
+            task.batch_shapes,
+            system=system,
+            chips=[c],
+            strategies=names,
+            base=strategy,
+            replica_batch=replica_batch,
+            progress=None if args.json else lambda m: print(m, file=sys.stderr),
+        )
+    from podscale.perf.project import mark_fastest, render
+
+    rows = mark_fastest(rows)
+    if args.plot:
+        from podscale.perf.project import plot
+
+        plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
+    if args.json:
+        print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}))
+    else:
+        render(rows, system, f"{args.model} ({args.config or 'default'})")
+    return 0
+
+
+def _print_systems(as_json: bool) -> int:
+    from rich.console import Console
+
+    from podscale import report
+    from podscale.perf import systems
+
+    if as_json:
+        print(json.dumps([dataclasses.asdict(s) for s in systems.SYSTEMS.values()]))
+        return 0
+    numbers = ("bf16 TFLOP/s", "HBM GiB", "HBM GB/s", "link GB/s", "max chips")
+    table = report.table("system", *numbers, title="systems (per chip; links one way)", numbers=numbers)
+    for s in systems.SYSTEMS.values():
+        link = s.link_bandwidth or s.nvlink_bandwidth
+        table.add_row(
+            s.name,
+            f"{s.peak_flops / 1e12:g}",
+            f"{s.hbm_bytes / 2**30:.0f}",
+            f"{s.hbm_bandwidth / 1e9:g}",
+            f"{link / 1e9:g}",
+            str(s.max_chips),
+        )
+    console = Console()
+    report.show(table, console)
+    for s in systems.SYSTEMS.values():
+        console.print(f"[bold]{s.name}[/]: {s.description}\n  " + "; ".join(s.sources))
+    return 0
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -503,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     _train_parser(sub)
     _plan_parser(sub)
     _bench_parser(sub)
+    _project_parser(sub)
     mp = sub.add_parser("models", help="list the MLPerf reference workloads with their parameter counts")
     mp.add_argument("--json", action="store_true")
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
@@ -520,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             return _run_bench(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "project":
+            return _run_project(args)
         supervised = _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
         if supervised is not None:
             return supervised

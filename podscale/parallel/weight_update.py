@@ -35,6 +35,11 @@ from podscale.parallel import _interpret
 from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
 from podscale.parallel.gradsum import GradSum, PhaseRecord
 
+UPDATE_SCOPE = "podscale_update"
+"""The name scope of the gradient sums and of everything downstream of them (the optimizer update,
+the weight gather): compiled ops carry it in their ``op_name``, so :mod:`podscale.perf` can tell
+the update's cost from the forward and backward passes'."""
+
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
 on its own costs more than updating it redundantly saves (it is fused with the others anyway)."""
@@ -214,6 +219,11 @@ def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, updat
 
 def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update: bool = False) -> list:
     """All-gathers sharded values to full ones, fused per dtype (``update``: the updated weights)."""
+    with jax.named_scope(UPDATE_SCOPE):
+        return _gather(layout, shards, trace, why, update)
+
+
+def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update: bool) -> list:
     out: list = [None] * len(shards)
     by_dtype: dict[Any, list[int]] = {}
     for i, s in enumerate(shards):
@@ -290,6 +300,10 @@ class _Fuser:
         return self.add(value, old.kind, scatter=old.scatter)
 
     def flush(self, only: list[_Pending] | None = None) -> None:
+        with jax.named_scope(UPDATE_SCOPE):
+            self._flush(only)
+
+    def _flush(self, only: list[_Pending] | None) -> None:
         if only is None:
             pending, self.pending = self.pending, []
         else:
@@ -341,6 +355,7 @@ class Rewriter:
         self.layout, self.trace = layout, trace
         self.fuser = _Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
+        self._update: dict[int, Any] = {}  # values downstream of a gradient sum (id -> value, kept alive)
 
     def run(self, closed, args) -> list:
         """Evaluates a traced step (the top-level jaxpr)."""
@@ -378,14 +393,30 @@ class Rewriter:
                     blocked.append(eqn)
                     blocked_vars.update(eqn.outvars)
                     continue
-                with _interpret.source(eqn):
-                    outs = self.equation(eqn, invals)
+                if self._in_update(invals):
+                    with jax.named_scope(UPDATE_SCOPE), _interpret.source(eqn):
+                        outs = self.equation(eqn, invals)
+                    self._update.update((id(o), o) for o in outs)
+                else:
+                    with _interpret.source(eqn):
+                        outs = self.equation(eqn, invals)
                 for var, val in zip(eqn.outvars, outs, strict=True):
                     env[var] = val
             if blocked:
                 self.fuser.flush()
             todo = blocked
         return [read(v) for v in jaxpr.outvars]
+
+    def _in_update(self, invals) -> bool:
+        """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
+        the forward pass reads, such as a batch statistic, is not the update's)."""
+        for v in invals:
+            if isinstance(v, _Pending):
+                if v.kind != "grad" or v.scatter:
+                    return True
+            elif isinstance(v, Sharded) or id(v) in self._update:
+                return True
+        return False
 
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+PHASES = ("forward", "backward", "update")
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -106,6 +107,16 @@ class Module:
     memory: dict[str, int]
     """``memory_analysis()``: ``arguments``, ``outputs``, ``aliased``, ``temporaries`` and
     ``peak`` (= arguments + outputs + temporaries - aliased) bytes per device."""
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    """The ops that do work, each with its FLOPs, bytes and runs per step (see :class:`Op`)."""
+
+    def flops(self, phases: Sequence[str] = PHASES) -> float:
+        """FLOPs per device per step (loops counted with their trip counts)."""
+        return sum(o.flops * o.count for o in self.ops if o.phase in phases)
+
+    def op_bytes(self, phases: Sequence[str] = PHASES) -> float:
+        """Bytes the ops read and write per device per step."""
+        return sum(o.bytes * o.count for o in self.ops if o.phase in phases)
 
     def moved_bytes(self, kinds: Sequence[str] = KINDS) -> float:
         """Bytes each device sends in one step (loops counted with their trip counts)."""
@@ -144,6 +155,8 @@ class Module:
             "unknown_trip_counts": self.unknown_trip_counts,
             "memory": self.memory,
             "moved_bytes": self.moved_bytes(),
+            "flops": {p: self.flops([p]) for p in PHASES},
+            "op_bytes": {p: self.op_bytes([p]) for p in PHASES},
         }
 
 
@@ -215,7 +228,9 @@ def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, dev
     return size, varying
 
 
-_SCOPES = frozenset({"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit"})
+_SCOPES = frozenset(
+    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", "podscale_update"}
+)
 _METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
 
 
@@ -230,10 +245,151 @@ def layer_of(op_name: str) -> str:
     return "/".join(names) + (" (backward)" if backward else " (forward)")
 
 
+_NO_COST = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "conditional",
+        "call",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "iota",
+    }
+)
+_FLOP_PER_ELEMENT = frozenset(
+    {
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "maximum",
+        "minimum",
+        "negate",
+        "abs",
+        "exponential",
+        "exponential-minus-one",
+        "log",
+        "log-plus-one",
+        "tanh",
+        "logistic",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "power",
+        "remainder",
+        "atan2",
+        "sine",
+        "cosine",
+        "erf",
+        "compare",
+        "select",
+        "clamp",
+        "floor",
+        "ceil",
+        "round-nearest-even",
+        "round-nearest-afz",
+        "sign",
+        "and",
+        "or",
+        "xor",
+        "not",
+    }
+)
+_TRANSCENDENTAL = frozenset(
+    {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt", "power"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op of the compiled module that does work: a fusion, a dot, a convolution, a copy, ...
+    (collectives are :class:`Collective`). Figures are per device per run."""
+
+    name: str
+    opcode: str
+    flops: float
+    """Dot and convolution FLOPs (2 per multiply-add) plus one per element of elementwise
+    arithmetic, reductions and transcendentals, summed over a fusion's body."""
+    matmul_flops: float
+    """The part of ``flops`` in dots and convolutions (the part a matrix unit runs)."""
+    bytes: float
+    """Operands read plus the result written (a fusion: its parameters and its result; a slice of a
+    parameter counts the slice; an in-place dynamic-update-slice counts the update)."""
+    matmul_dtype: str
+    """The operand dtype of its (first) dot or convolution; ``""`` without one."""
+    count: int
+    """Runs per step (the trip counts of the loops around it)."""
+    phase: str
+    """``forward``, ``backward`` (a ``transpose(...)`` in its ``op_name``) or ``update`` (podscale's
+    update scope: the gradient sums' consumers, the optimizer, the weight gather)."""
+    op_name: str = ""
+    dtype: str = ""
+    """The dtype of its (first) result."""
+
+
+def _phase(op_name: str) -> str:
+    if "podscale_update" in op_name:
+        return "update"
+    return "backward" if "transpose(" in op_name else "forward"
+
+
+def _split_operands(rest: str) -> tuple[list[str], str]:
+    """``rest`` starts after an instruction's ``(``: its operand names and the attributes after."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    inner, attrs = rest[: i - 1], rest[i:]
+    return re.findall(r"%([\w.\-]+)", inner), attrs
+
+
+def _elements(type_text: str) -> int:
+    m = _ARRAY.search(type_text)
+    if not m:
+        return 0
+    return math.prod(int(d) for d in m.group(2).split(",") if d) if m.group(2) else 1
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _ARRAY.search(type_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m and m.group(2) else []
+
+
+def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: str) -> tuple[float, float, str]:
+    """(FLOPs, matmul FLOPs, matmul operand dtype) of one instruction."""
+    out = _elements(type_text)
+    if opcode == "dot":
+        lhs = _dims(operand_types[0]) if operand_types else []
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
+        f = 2.0 * out * k
+        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+    if opcode == "convolution":
+        kernel = _dims(operand_types[1]) if len(operand_types) > 1 else []
+        m = re.search(r"dim_labels=[^_]+_([^-]+)->", attrs)
+        o = m.group(1).index("o") if m and "o" in m.group(1) else len(kernel) - 1
+        k = math.prod(kernel) // max(kernel[o], 1) if kernel else 1
+        f = 2.0 * out * k
+        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+    if opcode in ("reduce", "reduce-window"):
+        return float(sum(_elements(t) for t in operand_types[: max(1, len(operand_types) // 2)])), 0.0, ""
+    if opcode in _FLOP_PER_ELEMENT:
+        return float(out), 0.0, ""
+    return 0.0, 0.0, ""
+
+
 def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None) -> Module:
     """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes."""
-    bodies: dict[str, list[tuple]] = {}
+    comps: dict[str, list[tuple]] = {}
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    fusion_bodies: set[str] = set()
     unknown: list[str] = []
     entry, current = None, None
     devices = 0
@@ -244,7 +400,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
         h = _HEADER.match(line)
         if h:
             current = h.group(2)
-            bodies[current] = []
+            comps[current] = []
             if h.group(1):
                 entry = current
             continue
@@ -254,6 +410,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
         if not i:
             continue
         name, type_text, opcode, rest = i.groups()
+        operands, attrs = _split_operands(rest)
         trips = 1
         if opcode == "while":
             t = _TRIP.search(rest)
@@ -261,12 +418,15 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 trips = int(t.group(1))
             else:
                 unknown.append(name)
-        for role, target in _CALLED.findall(rest):
+        for role, target in _CALLED.findall(attrs):
             for callee in re.findall(r"%?([\w.\-]+)", target):
+                if role == "to_apply":
+                    continue  # a reducer, costed by its reduce
+                if opcode == "fusion" or (opcode.endswith("-start") and role == "calls"):
+                    fusion_bodies.add(callee)
+                    continue
                 calls[current].append((callee, trips if role in ("body", "condition") else 1))
-        base = opcode.removesuffix("-start")
-        if base in KINDS and not opcode.endswith("-done"):
-            bodies[current].append((name, base, opcode, type_text, rest))
+        comps[current].append((name, type_text, opcode, operands, attrs, rest))
     if entry is None:
         raise ValueError("no ENTRY computation in the module text")
     runs: dict[str, int] = defaultdict(int)
@@ -276,31 +436,92 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             raise ValueError(f"computation nesting deeper than 64 at {comp}")
         runs[comp] += times
         for callee, trips in calls.get(comp, ()):
-            if callee in bodies:
+            if callee in comps:
                 visit(callee, times * trips, depth + 1)
 
     visit(entry, 1)
-    out = []
-    for comp, instrs in bodies.items():
-        if not runs.get(comp):
+    types = {c: {ins[0]: ins[1] for ins in instrs} for c, instrs in comps.items()}
+    out, ops = [], []
+    for comp, instrs in comps.items():
+        if not runs.get(comp) or comp in fusion_bodies:
             continue
-        for name, kind, opcode, type_text, rest in instrs:
-            total, dtype, sizes = _bytes(type_text)
-            if kind == "collective-permute":
-                size, axes = 2, _pair_axes(rest, mesh_shape)
-            else:
-                size, axes = _axes(_groups(rest), mesh_shape, devices)
-            if opcode == "all-gather-start":  # (operands..., results...)
-                total = sum(sizes[len(sizes) // 2 :])
-            elif opcode == "collective-permute-start" and len(sizes) > 1:  # (operand, result, contexts)
-                total = sizes[1]
-            if kind == "reduce-scatter":
-                total *= size  # the output is one shard of the input
-            elif kind == "all-gather":
-                total //= size  # the output is every device's input
+        for name, type_text, opcode, operands, attrs, rest in instrs:
+            base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
-            out.append(Collective(kind, name, axes, size, dtype, int(total), runs[comp], op.group(1) if op else ""))
-    return Module(out, unknown, memory or {})
+            op_name = op.group(1) if op else ""
+            if base in KINDS:
+                if opcode.endswith("-done"):
+                    continue
+                out.append(_collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name))
+                continue
+            if opcode in _NO_COST or opcode.endswith("-done") or opcode.endswith("-start"):
+                continue
+            operand_types = [types[comp].get(o, "") for o in operands]
+            flops, mm, dtype, nbytes = _op_cost(comps, types, opcode, type_text, operand_types, attrs)
+            out_dtype = _bytes(type_text)[1]
+            ops.append(Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype))
+    return Module(out, unknown, memory or {}, ops)
+
+
+def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
+    """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
+    if opcode != "fusion":
+        flops, mm, dtype = _instr_flops(opcode, type_text, operand_types, attrs)
+        if opcode == "dynamic-slice":
+            return flops, mm, dtype, 2.0 * _bytes(type_text)[0]
+        if opcode == "dynamic-update-slice":
+            return flops, mm, dtype, 2.0 * _bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
+        return flops, mm, dtype, float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    body = comps.get(m.group(1), []) if m else []
+    btypes = types.get(m.group(1), {}) if m else {}
+    flops = mm = 0.0
+    dtype = ""
+    params: dict[str, int] = {}  # parameter name -> index
+    readers: dict[str, list[tuple[str, str, int]]] = defaultdict(list)  # operand -> (opcode, result type, position)
+    root = None
+    for name, t, opc, operands, a, rest in body:
+        if opc == "parameter":
+            params[name] = int(re.match(r"(\d+)", rest).group(1)) if re.match(r"(\d+)", rest) else len(params)
+            continue
+        for pos, o in enumerate(operands):
+            readers[o].append((opc, t, pos))
+        f, g, d = _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)
+        flops, mm, dtype = flops + f, mm + g, dtype or d
+        root = (name, t, opc, operands)
+    in_place = None
+    nbytes = 0.0
+    if root is not None and root[2] == "dynamic-update-slice":
+        in_place = root[3][0]
+        nbytes += 2.0 * _bytes(btypes.get(root[3][1], ""))[0]  # the update, read and written
+    else:
+        nbytes += _bytes(type_text)[0]
+    for pname, index in params.items():
+        if pname == in_place:
+            continue
+        uses = readers.get(pname, [])
+        if uses and all(opc == "dynamic-slice" and pos == 0 for opc, _, pos in uses):
+            nbytes += sum(_bytes(t)[0] for _, t, _ in uses)  # only the slices are read
+        elif index < len(operand_types):
+            nbytes += _bytes(operand_types[index])[0]
+    return flops, mm, dtype, nbytes
+
+
+def _collective(name, kind, opcode, type_text, rest, mesh_shape, devices, count, op_name) -> Collective:
+    total, dtype, sizes = _bytes(type_text)
+    if kind == "collective-permute":
+        size, axes = 2, _pair_axes(rest, mesh_shape)
+    else:
+        size, axes = _axes(_groups(rest), mesh_shape, devices)
+    if opcode == "all-gather-start":  # (operands..., results...)
+        total = sum(sizes[len(sizes) // 2 :])
+    elif opcode == "collective-permute-start" and len(sizes) > 1:  # (operand, result, contexts)
+        total = sizes[1]
+    if kind == "reduce-scatter":
+        total *= size  # the output is one shard of the input
+    elif kind == "all-gather":
+        total //= size  # the output is every device's input
+    return Collective(kind, name, axes, size, dtype, int(total), count, op_name)
 
 
 def memory_of(compiled) -> dict[str, int]:

@@ -1,0 +1,175 @@
+"""What one collective costs on a system: ring formulas per link, and where a group's devices sit.
+
+**Ring formulas** (the alpha-beta cost of the ring algorithms, Thakur, Rabenseifner and Gropp,
+"Optimization of Collective Communication Operations in MPICH", 2005, with scaling-book's per-link
+bandwidths and hop latency, "Sharded Matrices"). Over a group of ``n`` devices, with ``W`` the
+one-way bandwidth of the link each device sends over and ``a`` the latency of one step:
+
+* all-gather of a shard ``S`` (``V = n S``) and reduce-scatter of ``V``: ``(n - 1) / n * V / W``
+  on a one-way ring, half that on a bidirectional ring (a torus dimension with wrap-around: two
+  counter-rotating rings, each with half the data; scaling-book's ``V / W_ici`` with ``W_ici`` the
+  bidirectional bandwidth). Steps: ``n - 1`` one way, ``ceil((n - 1) / 2)`` both ways (each shard
+  goes halfway round in each direction: scaling-book's ``T_min |X| / 2``).
+* all-reduce: a reduce-scatter then an all-gather (twice the above).
+* all-to-all of ``V`` per device: the busiest link carries ``floor(n/2) ceil(n/2) / n * V`` one way
+  on a line, half that on a ring (scaling-book: "AllGather / 4 for a bidirectional ring").
+* collective-permute (a halo exchange): one hop, ``S / W + a``.
+
+The time is latency plus bandwidth (``steps * a + bytes / W``), not their maximum: a ring step
+waits for the step before it.
+
+**Placement.** A TPU torus is numbered with the cores of a chip fastest, then the chips along the
+first torus dimension, then the next. A group whose chips lie along one dimension is a ring if it
+covers that whole dimension and the dimension wraps around, else a line (scaling-book: no
+wrap-around "typically doubles the time"); a group over several dimensions is one ring snaking
+through them (as paper 1's 1-D summation over the whole pod). Groups interleaved along a dimension
+(every ``s``-th chip: the data axis when a replica spans ``s`` chips) share its links ``s`` ways,
+and a hop spans ``s`` links. A chip's devices in different groups share its links; a chip's devices
+in one group first combine on the chip (at HBM bandwidth). On GPUs a group within one node rings
+over NVLink (each GPU sends at its NVLink bandwidth through the switch); a group across nodes is
+bound by each GPU's own NIC, a ring step over the network costing ``network_latency``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from podscale.perf.systems import System
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+
+def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float, bidirectional: bool) -> float:
+    """Seconds for one ring collective of ``kind`` over ``n`` devices. ``nbytes`` is the buffer
+    each device contributes (an all-gather's shard, the others' operand), ``bandwidth`` the one-way
+    bytes/s of each device's link, ``latency`` seconds per step."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; one of {KINDS}")
+    if kind == "collective-permute":
+        return nbytes / bandwidth + latency
+    if n <= 1:
+        return 0.0
+    ways = 2 if bidirectional else 1
+    steps = math.ceil((n - 1) / 2) if bidirectional else n - 1
+    if kind == "all-to-all":
+        return (n // 2) * ((n + 1) // 2) / n * nbytes / (ways * bandwidth) + steps * latency
+    volume = n * nbytes if kind == "all-gather" else nbytes
+    one = (n - 1) / n * volume / (ways * bandwidth) + steps * latency
+    return 2 * one if kind == "all-reduce" else one
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """How a group's collective runs: the ring it forms and what it shares."""
+
+    chips: int
+    """Members after combining a chip's own devices (the ring's length)."""
+    bandwidth: float
+    latency: float
+    bidirectional: bool
+    on_chip: int = 1
+    """Devices of the group per chip (combined at HBM bandwidth first)."""
+    where: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positions(coords: np.ndarray, length: int) -> tuple[int, int]:
+    """(distinct positions, stride) of a group's coordinates along one dimension."""
+    values = sorted(set(coords.tolist()))
+    stride = min((b - a for a, b in zip(values, values[1:], strict=False)), default=length)
+    return len(values), stride
+
+
+class Topology:
+    """The devices of ``chips`` chips of ``system``, placed as described in the module docstring."""
+
+    def __init__(self, system: System, chips: int):
+        self.system, self.chips = system, chips
+        self.devices = chips * system.devices_per_chip
+        if system.kind == "tpu":
+            self.shape, self.wraps = system.torus(chips)
+        elif system.kind == "gpu":
+            if chips > system.max_chips:
+                raise ValueError(f"--chips {chips}: system {system.name!r} is modelled up to {system.max_chips} GPUs")
+            if chips > system.node_size and chips % system.node_size:
+                raise ValueError(
+                    f"--chips {chips}: {system.name!r} nodes hold {system.node_size} GPUs; choose a multiple of it"
+                )
+            self.shape, self.wraps = (min(chips, system.node_size), max(1, chips // system.node_size)), (True, False)
+        else:
+            raise ValueError(f"system {system.name!r} has no modelled topology (kind {system.kind!r})")
+
+    def describe(self) -> str:
+        s = self.system
+        if s.kind == "tpu":
+            dims = "x".join(map(str, self.shape))
+            wraps = ", ".join(f"{d}{' (wraps)' if w else ''}" for d, w in zip(self.shape, self.wraps, strict=True))
+            return f"{self.chips} chips as a {dims} torus slice ({wraps}), {s.devices_per_chip} devices per chip"
+        return f"{self.shape[1]} node(s) of {self.shape[0]} GPUs"
+
+    def path(self, group: list[int], share: int) -> Path:
+        """The ring of ``group`` (device ids); ``share``: groups of the same collective with a
+        device on one chip (they share its links)."""
+        s = self.system
+        if s.kind == "gpu":
+            nodes = {d // s.node_size for d in group}
+            if len(nodes) == 1:
+                return Path(len(group), s.nvlink_bandwidth, s.hop_latency, False, where="NVLink")
+            return Path(len(group), s.network_bandwidth, s.network_latency, False, where="network")
+        dpc = s.devices_per_chip
+        chips = np.asarray(group) // dpc
+        distinct = sorted(set(chips.tolist()))
+        on_chip = len(group) // len(distinct)
+        if len(distinct) == 1:
+            return Path(1, s.device_hbm_bandwidth, 0.0, True, on_chip, "on chip")
+        coords = np.array(np.unravel_index(np.asarray(distinct), self.shape, order="F")).T
+        spans = []
+        for d, length in enumerate(self.shape):
+            n, stride = _positions(coords[:, d], length)
+            if n > 1:
+                spans.append((d, n, stride))
+        bandwidth = min(s.link_bandwidth / (stride * share) for _, _, stride in spans)
+        latency = s.hop_latency * max(stride for _, _, stride in spans)
+        if len(spans) == 1:
+            d, n, stride = spans[0]
+            ring = n * stride == self.shape[d] and self.wraps[d]
+            where = (
+                f"torus dim {d} ({'ring' if ring else 'line'} of {n}{f', every {stride}th chip' if stride > 1 else ''})"
+            )
+            return Path(n, bandwidth, latency, ring, on_chip, where)
+        return Path(
+            len(distinct), bandwidth, latency, True, on_chip, f"ring through torus dims {[d for d, _, _ in spans]}"
+        )
+
+    def time(self, kind: str, groups: list[list[int]], nbytes: float) -> tuple[float, Path]:
+        """Seconds for one run of a collective whose groups are ``groups`` (all its groups: they
+        run at once), each device contributing ``nbytes``."""
+        group = groups[0]
+        if kind == "collective-permute":
+            s = self.system
+            if s.kind == "gpu":
+                bw, lat = (
+                    (s.nvlink_bandwidth, s.hop_latency)
+                    if self.devices <= s.node_size
+                    else (s.network_bandwidth, s.network_latency)
+                )
+            else:
+                bw, lat = s.link_bandwidth / max(1, s.devices_per_chip), s.hop_latency
+            return ring_time(kind, 2, nbytes, bw, lat, False), Path(2, bw, lat, False, where="neighbour")
+        dpc = self.system.devices_per_chip
+        chip_of = group[0] // dpc
+        share = sum(1 for g in groups if any(d // dpc == chip_of for d in g)) if dpc > 1 else 1
+        path = self.path(group, share)
+        t = 0.0
+        if path.on_chip > 1:  # the chip's own devices combine first, at HBM speed
+            t += ring_time(kind, path.on_chip, nbytes, self.system.device_hbm_bandwidth, 0.0, False)
+            if kind == "all-gather":
+                nbytes *= path.on_chip
+        if path.chips > 1:
+            t += ring_time(kind, path.chips, nbytes, path.bandwidth, path.latency, path.bidirectional)
+        return t, path

@@ -1,0 +1,408 @@
+"""Projecting the user's own compiled step to a pod: ``podscale project``.
+
+For each chip count and strategy the step is compiled here, on CPU devices, for the target's own
+device count and mesh (so the collectives, their groups and bytes, the sharded update's shard
+sizes and the memory per device are the ones XLA produces for that pod), then costed on the system
+(:mod:`podscale.perf.systems`):
+
+* **compute**: each op of the compiled module (:mod:`podscale.perf.hlo`, loop bodies times their
+  trip counts) by a roofline, ``max(matmul FLOPs / peak, bytes / HBM bandwidth)`` with the peak of
+  the matmul's operand dtype; elementwise FLOPs are taken as bound by their bytes. Ops in
+  podscale's update scope are the *update*; the rest, forward and backward.
+* **communication**: each collective by :mod:`podscale.perf.network` on the groups it runs over,
+  times its runs per step.
+* **overlap** (only where the schedule allows it, and only on systems with asynchronous
+  collectives): podscale sends a gradient buffer as soon as the backward pass has filled it, so
+  the gradient sums (the update scope's reduce-scatters and all-reduces) but the last can run
+  while the backward pass continues: up to the backward pass's compute time of them is hidden.
+  The last sum, the sharded update's weight gather (the next forward pass needs it), the norms'
+  all-reduces and the model's own collectives (batch-norm statistics, halo exchanges, tensor
+  partitioning's all-reduces: the next op waits for each) are exposed.
+
+``step = compute + update + exposed communication``; examples/s is the global batch over it; MFU is
+the forward and backward matmul FLOPs per device over the step time at the chip's bf16 peak; memory
+per chip is the compiled module's peak per device times the chip's devices, against its HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from podscale.parallel.strategy import Strategy
+from podscale.perf import hlo
+from podscale.perf.network import Topology
+from podscale.perf.systems import System
+
+DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
+STRATEGIES = {
+    "replicated": {"weight_update": "replicated", "grad_sum": "1d"},
+    "sharded": {"weight_update": "sharded", "grad_sum": "1d"},
+    "replicated-2d": {"weight_update": "replicated", "grad_sum": "2d"},
+    "sharded-2d": {"weight_update": "sharded", "grad_sum": "2d"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One chip count and strategy, projected."""
+
+    chips: int
+    strategy: str
+    devices: int
+    mesh: dict[str, int]
+    topology: str
+    global_batch: int
+    replica_batch: int
+    compute_s: float
+    update_s: float
+    communication_s: float
+    """Every collective's time, hidden or not."""
+    exposed_s: float
+    hidden_s: float
+    step_s: float
+    examples_per_s: float
+    mfu: float
+    memory_per_chip: float
+    hbm_per_chip: float
+    fits: bool
+    collectives: list[dict[str, Any]]
+    """Per (kind, axes, update or model): runs, buffer bytes, seconds per step, the path."""
+    flops_per_device: float
+    compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
+    with a smaller first axis, scaled as :func:`cost` says."""
+    fastest: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
+    """The mesh (axis -> size) a strategy runs on ``topology``'s devices: the space or model axis
+    (``k``) last and innermost (a replica's devices are neighbours); with the 2-D sum, the data
+    axes are the rest of the first torus dimension's devices (GPU: of a node) and the others."""
+    s = topology.system
+    k = strategy.spatial or strategy.model_parallel or 1
+    n = topology.devices
+    if n % k:
+        raise ValueError(f"{topology.describe()}: its {n} devices are not a multiple of the last axis's {k}")
+    replicas = n // k
+    if strategy.grad_sum == "2d":
+        inner = topology.shape[0] * s.devices_per_chip if s.kind == "tpu" else min(n, s.node_size)
+        if inner % k or inner // k < 2 or replicas // (inner // k) < 2:
+            raise ValueError(
+                f"grad_sum 2d on {topology.describe()} with a last axis of {k}: needs two data axes of at "
+                f"least 2 (the first dimension's {inner} devices / {k}, and the rest)"
+            )
+        shape: tuple[int, ...] = (replicas // (inner // k), inner // k)
+    else:
+        shape = (replicas,)
+    if k > 1:
+        shape = (*shape, k)
+    names = {1: ("data",), 2: ("x", "y"), 3: ("x", "y", "z")}[len(shape)]
+    return dict(zip(names, shape, strict=True))
+
+
+MAX_CPU_DEVICES = 2048
+"""JAX's CPU client here refuses programs over more devices ("Multiprocess computations aren't
+implemented on the CPU backend" past 2048)."""
+
+
+def compile_shape(target: dict[str, int], available: int) -> tuple[dict[str, int], str | None, int]:
+    """The mesh to compile on: the target, or, past ``available`` devices, the target with its
+    first (outermost data) axis halved until it fits. Returns (mesh, reduced axis or None, factor
+    by which the reduced axis is smaller)."""
+    shape = dict(target)
+    first = next(iter(shape))
+    factor = 1
+    while math.prod(shape.values()) > available:
+        if shape[first] % 2 or shape[first] < 4:
+            raise ValueError(
+                f"mesh {target}: too large to compile on {available} CPU devices, and its axis {first!r} cannot "
+                "be halved to fit; project fewer chips"
+            )
+        shape[first] //= 2
+        factor *= 2
+    return shape, (first if factor > 1 else None), factor
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence | None = None) -> Mesh:
+    available = list(devices if devices is not None else jax.devices("cpu"))
+    n = math.prod(shape.values())
+    if len(available) < n:
+        raise ValueError(
+            f"compiling for mesh {shape} needs {n} CPU devices, but this process has {len(available)}: start "
+            f"Python with jax.config.update('jax_num_cpu_devices', {min(n, MAX_CPU_DEVICES)}) before using JAX "
+            "(podscale project does)"
+        )
+    grid = np.array(available[:n], dtype=object).reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _groups(shape: dict[str, int], axes: tuple[str, ...], size: int) -> list[list[int]]:
+    """The device groups (positions in the mesh) of a collective over ``axes``."""
+    names = list(shape)
+    ids = np.arange(math.prod(shape.values())).reshape(tuple(shape.values()))
+    if not axes:  # groups that follow no mesh axes: take consecutive devices
+        return ids.reshape(-1, size).tolist()
+    order = [names.index(a) for a in names if a not in axes] + [names.index(a) for a in axes]
+    return ids.transpose(order).reshape(-1, math.prod(shape[a] for a in axes)).tolist()
+
+
+def op_time(system: System, op: hlo.Op) -> float:
+    """Seconds for one run of ``op`` on one device (the roofline; see the module docstring)."""
+    compute = op.matmul_flops / system.device_peak(op.matmul_dtype) if op.matmul_flops else 0.0
+    return max(compute, op.bytes / system.device_hbm_bandwidth)
+
+
+def cost(
+    system: System,
+    topology,
+    module: hlo.Module,
+    shape: dict[str, int],
+    op_cost: Callable | None = None,
+    reduced: str | None = None,
+    factor: int = 1,
+    sharded: bool = False,
+):
+    """(phase seconds, collective rows, exposed, hidden) of one compiled step on ``system``.
+
+    ``shape`` is the target mesh. When the module was compiled on a mesh whose axis ``reduced`` is
+    ``factor`` times smaller (past this machine's CPU devices), the update scope's buffers are
+    scaled to the target: each collective's buffer shrinks ``factor`` times except a sum over the
+    reduced axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient), and
+    the sharded update's ops shrink ``factor`` times (each device updates a ``factor`` times smaller
+    shard; the few leaves kept whole make this an underestimate of their cost)."""
+    op_cost = op_cost or (lambda op: op_time(system, op))
+    phases = {p: 0.0 for p in hlo.PHASES}
+    for op in module.ops:
+        scale = 1 / factor if (op.phase == "update" and sharded) else 1
+        phases[op.phase] += op_cost(op) * op.count * scale
+    rows: dict[tuple, dict[str, Any]] = {}
+    sums: list[float] = []  # the gradient sums, in program order
+    exposed = 0.0
+    for c in module.collectives:
+        update = "podscale_update" in c.op_name
+        size, nbytes = c.group_size, c.buffer_bytes
+        if reduced in c.axes:
+            size = math.prod(shape[a] for a in c.axes)
+        if factor > 1 and update and not (reduced in c.axes and c.kind in ("reduce-scatter", "all-reduce")):
+            nbytes = nbytes / factor
+        groups = _groups(shape, c.axes, size) if c.kind != "collective-permute" else [[0, 1]]
+        t, path = topology.time(c.kind, groups, nbytes)
+        row = rows.setdefault(
+            (c.kind, c.axes, update),
+            {
+                "kind": c.kind,
+                "axes": list(c.axes),
+                "group_size": size,
+                "role": "update" if update else "model",
+                "runs": 0,
+                "buffer_bytes": 0,
+                "seconds": 0.0,
+                "path": path.where,
+            },
+        )
+        row["runs"] += c.count
+        row["buffer_bytes"] += nbytes * c.count
+        row["seconds"] += t * c.count
+        if update and c.kind in ("reduce-scatter", "all-reduce") and size > 1:
+            sums += [t] * c.count
+        else:
+            exposed += t * c.count
+    hideable = sum(sums[:-1]) if system.overlaps else 0.0
+    hidden = min(hideable, phases["backward"])
+    exposed += sum(sums) - hidden
+    return phases, list(rows.values()), exposed, hidden
+
+
+def project(
+    step,
+    state,
+    batch: Callable[[int], Any] | Any,
+    *,
+    system: System | str,
+    chips: Sequence[int],
+    strategies: Sequence[str] | dict[str, Strategy] = DEFAULT_STRATEGIES,
+    base: Strategy | None = None,
+    replica_batch: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
+    to each of ``chips`` chips of ``system``, for each strategy.
+
+    ``batch``: a function from the global batch size to the batch (arrays or ``ShapeDtypeStruct``),
+    or one replica's batch (its leading dimension is the replica's batch; the global batch is it
+    times the replicas). ``replica_batch`` is the per-replica batch when ``batch`` is a function.
+    ``strategies``: names of ``STRATEGIES`` (applied over ``base``, which carries spatial or
+    tensor partitioning and the other fields) or ``{name: Strategy}``.
+    """
+    from podscale.parallel.engine import data_parallel
+    from podscale.perf import systems
+
+    system = systems.get(system) if isinstance(system, str) else system
+    base = base or Strategy()
+    if not isinstance(strategies, dict):
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"strategies {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
+        strategies = {s: dataclasses.replace(base, **STRATEGIES[s]) for s in strategies}
+    if callable(batch):
+        if replica_batch is None:
+            raise ValueError("project(..., batch=FUNCTION): pass replica_batch, the batch of one replica")
+        make_batch = batch
+    else:
+        leaves = jax.tree.leaves(batch)
+        if not leaves or not np.shape(leaves[0]):
+            raise ValueError("project(..., batch): one replica's batch, every leaf with a leading batch dimension")
+        replica_batch = int(np.shape(leaves[0])[0])
+
+        def make_batch(n, example=batch):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), example)
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+    rows: list[Row] = []
+    for n_chips in chips:
+        topology = Topology(system, n_chips)
+        for name, strategy in strategies.items():
+            if progress:
+                progress(f"{system.name} {n_chips} chips, {name}: compiling for {topology.devices} devices")
+            row = _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy)
+            rows.append(row)
+    return mark_fastest(rows)
+
+
+def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:
+    target = target_shape(topology, strategy)
+    available = min(len(jax.devices("cpu")), MAX_CPU_DEVICES)
+    compiled_shape, reduced, factor = compile_shape(target, available)
+    mesh = make_mesh(compiled_shape)
+    k = strategy.spatial or strategy.model_parallel or 1
+    replicas = topology.devices // k
+    global_batch = replica_batch * replicas
+    dp = data_parallel(step, mesh, strategy, donate_state=False)
+    batch = make_batch(replica_batch * (mesh.size // k))
+    dp.prepare(shapes, batch)
+    compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
+    module = hlo.read(compiled, mesh)
+    sharded = strategy.weight_update == "sharded"
+    phases, collectives, exposed, hidden = cost(
+        system, topology, module, target, reduced=reduced, factor=factor, sharded=sharded
+    )
+    compute = phases["forward"] + phases["backward"]
+    step_s = compute + phases["update"] + exposed
+    model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
+    per_device = module.memory.get("peak", 0)
+    if factor > 1 and sharded:  # the sharded state's shards are ``factor`` times smaller at the target
+        shards = sum(leaf.bytes_per_device() for leaf in dp.layout.leaves if leaf.sharded)
+        per_device -= shards * (1 - 1 / factor)
+    memory = per_device * system.devices_per_chip
+    return Row(
+        chips=topology.chips,
+        strategy=name,
+        devices=topology.devices,
+        mesh=target,
+        topology=topology.describe(),
+        global_batch=global_batch,
+        replica_batch=replica_batch,
+        compute_s=compute,
+        update_s=phases["update"],
+        communication_s=sum(c["seconds"] for c in collectives),
+        exposed_s=exposed,
+        hidden_s=hidden,
+        step_s=step_s,
+        examples_per_s=global_batch / step_s if step_s else 0.0,
+        mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
+        memory_per_chip=float(memory),
+        hbm_per_chip=float(system.hbm_bytes),
+        fits=memory <= system.hbm_bytes,
+        collectives=collectives,
+        flops_per_device=module.flops(),
+        compiled_mesh=compiled_shape,
+    )
+
+
+def mark_fastest(rows: list[Row]) -> list[Row]:
+    """The rows, with ``fastest`` set on the quickest strategy that fits at each chip count."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
+            best[r.chips] = r
+    return [dataclasses.replace(r, fastest=best.get(r.chips) is r) for r in rows]
+
+
+def render(rows: list[Row], system: System, what: str, console=None) -> None:
+    from rich.console import Console
+
+    from podscale import report
+
+    console = console or Console()
+    numbers = ("compute ms", "update ms", "comm ms (hidden)", "step ms", "examples/s", "MFU", "GiB/chip")
+    table = report.table(
+        "chips",
+        "strategy",
+        *numbers,
+        "fits",
+        title=f"{what} projected to {system.name} (per step; * fastest that fits)",
+        numbers=("chips", *numbers),
+    )
+    for r in rows:
+        table.add_row(
+            str(r.chips),
+            r.strategy + (" *" if r.fastest else ""),
+            f"{r.compute_s * 1e3:.3f}",
+            f"{r.update_s * 1e3:.3f}",
+            f"{r.exposed_s * 1e3:.3f} ({r.hidden_s * 1e3:.3f})",
+            f"{r.step_s * 1e3:.3f}",
+            f"{r.examples_per_s:,.0f}",
+            f"{r.mfu:.1%}",
+            f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}",
+            "yes" if r.fits else "NO",
+        )
+    report.show(table, console)
+    seen = set()
+    for r in rows:
+        if r.chips in seen:
+            continue
+        seen.add(r.chips)
+        console.print(f"{r.chips} chips: {r.topology}; global batch {r.global_batch} ({r.replica_batch} per replica)")
+    for r in rows:
+        if r.compiled_mesh != r.mesh:
+            console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
+    console.print(
+        "comm = exposed communication; (hidden) = gradient sums overlapped with the backward pass. "
+        "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
+    )
+
+
+def plot(rows: list[Row], path: str, title: str = "") -> None:
+    """Step time and throughput against chips, a line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(r.strategy for r in rows):
+        mine = sorted((r for r in rows if r.strategy == name), key=lambda r: r.chips)
+        chips = [r.chips for r in mine]
+        left.plot(chips, [r.step_s * 1e3 for r in mine], marker="o", label=name)
+        right.plot(chips, [r.examples_per_s for r in mine], marker="o", label=name)
+    for ax, label in ((left, "step time (ms)"), (right, "examples / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chips")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    right.set_yscale("log")
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,281 @@
+"""The performance model: collective formulas by hand, op costs with trip counts, the projection's
+collectives against the compiled module, the command line."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from podscale import Strategy, data_parallel
+from podscale.perf import hlo, network, project, systems, validate
+from podscale.perf.network import Topology, ring_time
+
+W, A = 1e11, 1e-6  # one-way bytes/s per link, seconds per hop
+
+
+def test_ring_formulas_by_hand():
+    mb = 1e6
+    # All-reduce of 1 MB over a ring of 4 with wrap-around: two counter-rotating rings, each with
+    # half the data: reduce-scatter (3/4 MB at 2e11 B/s, 2 steps) then all-gather (the same).
+    assert ring_time("all-reduce", 4, mb, W, A, True) == pytest.approx(2 * (0.75 * mb / (2 * W) + 2 * A))
+    # Without wrap-around (a line): one direction's bandwidth and n - 1 steps each way.
+    assert ring_time("all-reduce", 4, mb, W, A, False) == pytest.approx(2 * (0.75 * mb / W + 3 * A))
+    # An all-gather of a 0.25 MB shard moves what the reduce-scatter of 1 MB moves.
+    assert ring_time("all-gather", 4, mb / 4, W, A, True) == pytest.approx(
+        ring_time("reduce-scatter", 4, mb, W, A, True)
+    )
+    # All-to-all on a line of 4: the middle link carries 2 x 2 / 4 of each device's buffer.
+    assert ring_time("all-to-all", 4, mb, W, A, False) == pytest.approx(mb / W + 3 * A)
+    assert ring_time("collective-permute", 2, mb, W, A, False) == pytest.approx(mb / W + A)
+    assert ring_time("all-reduce", 1, mb, W, A, True) == 0.0
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        ring_time("broadcast", 4, mb, W, A, True)
+
+
+def test_torus_slices_and_wrap_around():
+    v3, v4, v5e = systems.get("tpu-v3"), systems.get("tpu-v4"), systems.get("tpu-v5e")
+    assert v3.torus(1024) == ((32, 32), (True, True))
+    assert v3.torus(16) == ((4, 4), (False, False))
+    assert v3.torus(4096) == ((128, 32), (False, True))  # the multipod: wrap-around along the 32 only
+    assert v4.torus(64) == ((4, 4, 4), (True, True, True))
+    assert v4.torus(16) == ((2, 2, 4), (False, False, False))  # less than a cube: no optical wrap
+    assert v5e.torus(256) == ((16, 16), (True, True))
+    with pytest.raises(ValueError, match="holds at most 256 chips"):
+        v5e.torus(512)
+    with pytest.raises(ValueError, match="powers of two"):
+        v3.torus(24)
+    with pytest.raises(ValueError, match="'tpu-v9': unknown system"):
+        systems.get("tpu-v9")
+
+
+def test_2d_torus_groups_by_hand():
+    mb = 1e6
+    pod = Topology(systems.get("tpu-v3"), 1024)  # 32x32 chips, 2 cores each: 2048 devices
+    row = [list(range(64 * r, 64 * (r + 1))) for r in range(32)]  # a row of chips, both cores
+    t, path = pod.time("all-reduce", row, mb)
+    on_chip = 2 * (0.5 * mb / pod.system.device_hbm_bandwidth)  # the chip's two cores first
+    assert path.bidirectional and path.chips == 32 and path.on_chip == 2
+    assert t == pytest.approx(on_chip + 2 * (31 / 32 * mb / (2 * W) + 16 * A))
+    # The same along a 4x4 slice's row: no wrap-around, a line.
+    small = Topology(systems.get("tpu-v3"), 16)
+    t, path = small.time("all-reduce", [list(range(8 * r, 8 * (r + 1))) for r in range(4)], mb)
+    assert not path.bidirectional and path.chips == 4
+    assert t == pytest.approx(on_chip + 2 * (3 / 4 * mb / W + 3 * A))
+    # Every other chip along a row (a replica spans two chips): links shared two ways, two links
+    # a hop, and each chip's two cores are in two groups at once.
+    every_other = [[4 * j + c for j in range(16)] for c in range(4)]
+    t, path = pod.time("all-reduce", every_other, mb)
+    assert path.chips == 16 and path.on_chip == 1 and path.bandwidth == W / (2 * 2) and path.latency == 2 * A
+    assert t == pytest.approx(2 * (15 / 16 * mb / (2 * W / 4) + 8 * 2 * A))
+    # A group over the whole pod: one ring through both dimensions (paper 1's 1-D sum).
+    t, path = pod.time("all-reduce", [list(range(2048))], mb)
+    assert path.chips == 1024 and path.bidirectional
+    assert t == pytest.approx(on_chip + 2 * (1023 / 1024 * mb / (2 * W) + 512 * A))
+
+
+def test_gpu_groups_by_hand():
+    h100 = systems.get("h100")
+    nodes = Topology(h100, 64)
+    mb = 1e6
+    t, path = nodes.time("all-reduce", [list(range(8 * i, 8 * i + 8)) for i in range(8)], mb)
+    assert path.where == "NVLink"
+    assert t == pytest.approx(2 * (7 / 8 * mb / h100.nvlink_bandwidth + 7 * h100.hop_latency))
+    t, path = nodes.time("all-reduce", [list(range(i, 64, 8)) for i in range(8)], mb)
+    assert path.where == "network"
+    assert t == pytest.approx(2 * (7 / 8 * mb / h100.network_bandwidth + 7 * h100.network_latency))
+    with pytest.raises(ValueError, match="multiple of it"):
+        Topology(h100, 12)
+
+
+def _matmul_chain(unroll):
+    def f(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+
+        return jax.lax.scan(body, x, None, length=5, unroll=unroll)[0]
+
+    return f
+
+
+def test_op_costs_count_loop_bodies_with_their_trip_counts():
+    args = (jnp.ones((64, 64)), jnp.ones((32, 64)))
+    scanned = jax.jit(_matmul_chain(1)).lower(*args).compile()
+    unrolled = jax.jit(_matmul_chain(5)).lower(*args).compile()
+    expected = 5 * 2 * 32 * 64 * 64
+    for compiled in (scanned, unrolled):
+        module = hlo.read(compiled)
+        assert sum(o.matmul_flops * o.count for o in module.ops) == expected
+        assert {o.matmul_dtype for o in module.ops if o.matmul_flops} == {"f32"}
+    # cost_analysis() counts the loop body once; the unrolled step agrees with it.
+    assert scanned.cost_analysis()["flops"] < expected / 2
+    assert unrolled.cost_analysis()["flops"] == pytest.approx(hlo.read(unrolled).flops(), rel=0.05)
+    assert unrolled.cost_analysis()["bytes accessed"] == pytest.approx(hlo.read(unrolled).op_bytes(), rel=0.1)
+
+
+def test_op_costs_of_a_convolution_and_its_phases():
+    def loss(k, x):
+        y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(y**2)
+
+    args = (jnp.ones((3, 3, 4, 8)), jnp.ones((2, 8, 8, 4)))
+    module = hlo.read(jax.jit(jax.grad(loss)).lower(*args).compile())
+    one = 2 * (2 * 8 * 8 * 8) * (3 * 3 * 4)  # 2 x output elements x window x input features
+    (conv,) = [o for o in module.ops if o.op_name.endswith("jvp()/conv_general_dilated")]
+    assert conv.phase == "forward" and conv.matmul_flops == one
+    # The kernel's gradient is a convolution of the input with the output's gradient: as many FLOPs.
+    assert sum(o.matmul_flops * o.count for o in module.ops) == 2 * one
+    assert any(o.phase == "backward" for o in module.ops)
+
+
+def _mlp_step(tx):
+    def step(state, batch):
+        params, opt = state
+
+        def loss(p):
+            h = jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
+            return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]))
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": value}
+
+    return step
+
+
+def _mlp():
+    tx = optax.adam(1e-3)
+    params = {"w1": jnp.zeros((64, 256)), "w2": jnp.zeros((256, 10))}
+    batch = {"x": jax.ShapeDtypeStruct((4, 64), jnp.float32), "y": jax.ShapeDtypeStruct((4,), jnp.int32)}
+    return _mlp_step(tx), (params, tx.init(params)), batch
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "sharded", "sharded-2d"])
+def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(strategy):
+    step, state, batch = _mlp()
+    (row,) = project.project(step, state, batch, system="tpu-v5e", chips=[8], strategies=[strategy])
+    target = project.target_shape(Topology(systems.get("tpu-v5e"), 8), Strategy(**project.STRATEGIES[strategy]))
+    assert row.mesh == row.compiled_mesh == target
+    dp = data_parallel(step, project.make_mesh(target), Strategy(**project.STRATEGIES[strategy]), donate_state=False)
+    global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4 * 8, *x.shape[1:]), x.dtype), batch)
+    plan = dp.plan(state, global_batch, compile=True)
+    compiled = {(c["kind"], tuple(c["axes"])): (c["runs"], c["buffer_bytes"]) for c in plan.compiled["collectives"]}
+    projected: dict = {}
+    for c in row.collectives:
+        runs, nbytes = projected.get((c["kind"], tuple(c["axes"])), (0, 0))
+        projected[c["kind"], tuple(c["axes"])] = (runs + c["runs"], nbytes + c["buffer_bytes"])
+    assert projected == compiled
+    assert row.step_s == pytest.approx(row.compute_s + row.update_s + row.exposed_s)
+    assert row.communication_s >= row.exposed_s > 0 and row.fits and row.global_batch == 32
+
+
+def test_the_sharded_update_costs_less_per_device_as_the_pod_grows():
+    step, state, batch = _mlp()
+    rows = project.project(step, state, batch, system="tpu-v5e", chips=[2, 8], strategies=["replicated", "sharded"])
+    by = {(r.chips, r.strategy): r for r in rows}
+    assert by[8, "sharded"].update_s < by[2, "sharded"].update_s
+    assert by[8, "replicated"].update_s == pytest.approx(by[2, "replicated"].update_s, rel=0.05)
+    assert by[8, "sharded"].memory_per_chip < by[8, "replicated"].memory_per_chip
+    assert sum(r.fastest for r in rows if r.chips == 8) == 1
+
+
+def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
+    assert project.compile_shape({"data": 16}, 8) == ({"data": 8}, "data", 2)
+    assert project.compile_shape({"x": 8, "y": 4}, 8) == ({"x": 2, "y": 4}, "x", 4)
+    with pytest.raises(ValueError, match="cannot be halved"):
+        project.compile_shape({"x": 3, "y": 4}, 8)
+    g = 1 << 20
+    module = hlo.Module(
+        [
+            hlo.Collective("reduce-scatter", "rs", ("data",), 8, "f32", g, 1, "jit/podscale_update/reduce_scatter"),
+            hlo.Collective("all-gather", "ag", ("data",), 8, "f32", g // 8, 1, "jit/podscale_update/all_gather"),
+            hlo.Collective("all-reduce", "bn", ("data",), 8, "f32", 64, 1, "jit/jvp(Net)/BatchNorm/psum"),
+        ],
+        [],
+        {},
+    )
+    topo = Topology(systems.get("tpu-v5e"), 16)
+    _, rows, _, _ = project.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2, sharded=True)
+    by = {r["kind"]: r for r in rows}
+    assert by["reduce-scatter"]["buffer_bytes"] == g and by["reduce-scatter"]["group_size"] == 16
+    assert by["all-gather"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
+    assert by["all-reduce"]["buffer_bytes"] == 64 and by["all-reduce"]["role"] == "model"
+
+
+def test_overlap_hides_gradient_sums_but_the_last_behind_the_backward_pass():
+    sums = [
+        hlo.Collective("all-reduce", f"g{i}", ("data",), 8, "f32", 1 << 22, 1, "jit/podscale_update/psum")
+        for i in range(3)
+    ]
+    backward = hlo.Op("dot", "d", 1e15, 1e15, 0.0, "bf16", 1, "backward")
+    module = hlo.Module(sums, [], {}, [backward])
+    topo = Topology(systems.get("tpu-v5e"), 8)
+    phases, _, exposed, hidden = project.cost(topo.system, topo, module, {"data": 8})
+    one = topo.time("all-reduce", [list(range(8))], 1 << 22)[0]
+    assert hidden == pytest.approx(2 * one) and exposed == pytest.approx(one)
+    no_overlap = systems.System(**{**topo.system.__dict__, "overlaps": False})
+    _, _, exposed, hidden = project.cost(no_overlap, topo, module, {"data": 8})
+    assert hidden == 0 and exposed == pytest.approx(3 * one)
+
+
+def test_the_measured_cpu_predicts_a_step():
+    measured = validate.measure(2)
+    assert measured.matmul_flops["f32"] > 0 and measured.bandwidth > 0 and measured.overhead > 0
+    assert set(measured.collectives) == set(network.KINDS)
+    step, state, batch = _mlp()
+    mesh = project.make_mesh({"data": 2})
+    dp = data_parallel(step, mesh, weight_update="sharded", donate_state=False)
+    global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, *x.shape[1:]), x.dtype), batch)
+    dp.prepare(state, global_batch)
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), global_batch).compile(), mesh)
+    predicted = validate.predict(measured, module, {"data": 2})
+    assert predicted["step_s"] == pytest.approx(sum(predicted[k] for k in ("compute_s", "update_s", "communication_s")))
+    assert predicted["communication_s"] > 0 and predicted["update_s"] > 0
+
+
+def _cli(*args, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "podscale.cli", "project", *args], capture_output=True, text=True, timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_cli_projects_a_model_and_plots_it(tmp_path):
+    png = tmp_path / "p.png"
+    proc = _cli("--model", "mlp", "--system", "tpu-v3", "--chips", "16,64", "--json", "--plot", str(png))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = out["rows"]
+    assert [(r["chips"], r["strategy"]) for r in rows] == [
+        (c, s) for c in (16, 64) for s in ("replicated", "sharded", "sharded-2d")
+    ]
+    for chips in (16, 64):
+        mine = [r for r in rows if r["chips"] == chips]
+        assert sum(r["fastest"] for r in mine) == 1
+        assert all(r["devices"] == 2 * chips and r["global_batch"] == 32 * 2 * chips for r in mine)
+        assert all(r["step_s"] > 0 and 0 < r["mfu"] < 1 and r["memory_per_chip"] > 0 for r in mine)
+    assert png.stat().st_size > 10_000
+    bad = [
+        (("--system", "tpu-v9"), "unknown system"),
+        (("--system", "tpu-v5e", "--chips", "1024"), "holds at most 256 chips"),
+        (("--chips", "16", "--global-batch", "100"), "do not divide it"),
+        (("--chips", "sixteen"), "comma-separated whole numbers"),
+    ]
+    for args, message in bad:
+        proc = _cli("--model", "mlp", *args, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+
+
+def test_systems_cite_their_figures():
+    for s in systems.SYSTEMS.values():
+        assert s.sources and s.peak_flops > 0 and s.hbm_bandwidth > 0 and s.hbm_bytes > 0
+        assert (s.link_bandwidth > 0) if s.kind == "tpu" else (s.nvlink_bandwidth > 0 and s.network_bandwidth > 0)
+    assert math.isclose(systems.get("tpu-v3").device_peak("bf16"), 61.5e12)
+    assert np.isclose(systems.get("a100").device_peak("f32"), 156e12)
