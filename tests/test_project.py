@@ -133,6 +133,16 @@ def test_op_costs_of_a_convolution_and_its_phases():
     assert any(o.phase == "backward" for o in module.ops)
 
 
+def test_a_bf16_product_is_costed_in_bf16_though_this_cpu_computes_it_in_f32():
+    a = jnp.ones((256, 512), jnp.bfloat16)
+    module = hlo.read(jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(a, a.T).compile())
+    (mm,) = [o for o in module.ops if o.matmul_flops]
+    assert mm.matmul_dtype == "bf16" and mm.matmul_flops == 2 * 256 * 512 * 256
+    upcasts = [o for o in module.ops if o.upcast]
+    assert upcasts and all(o.opcode in ("convert", "fusion") for o in upcasts)
+    assert all(project.op_time(systems.get("h100"), o) == 0 for o in upcasts)
+
+
 def _mlp_step(tx):
     def step(state, batch):
         params, opt = state

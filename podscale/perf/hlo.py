@@ -332,6 +332,11 @@ class Op:
     op_name: str = ""
     dtype: str = ""
     """The dtype of its (first) result."""
+    upcast: bool = False
+    """A convert XLA:CPU adds around a bf16 matrix product (which it computes in f32); an
+    accelerator runs the product in bf16 and has no such op (see ``_mark_upcasts``)."""
+    conv_flops: float = 0.0
+    """The part of ``matmul_flops`` in convolutions."""
 
 
 def _phase(op_name: str) -> str:
@@ -445,6 +450,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
     for comp, instrs in comps.items():
         if not runs.get(comp) or comp in fusion_bodies:
             continue
+        raw = {}
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
@@ -459,8 +465,70 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             operand_types = [types[comp].get(o, "") for o in operands]
             flops, mm, dtype, nbytes = _op_cost(comps, types, opcode, type_text, operand_types, attrs)
             out_dtype = _bytes(type_text)[1]
-            ops.append(Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype))
+            raw[name] = [name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype, False]
+            raw[name].append((operands, operand_types, _converts(comps, opcode, attrs, operand_types, out_dtype)))
+            raw[name].append(_conv_flops(comps, types, opcode, type_text, operand_types, attrs))
+        _mark_upcasts(raw)
+        ops += [Op(*r[:11], conv_flops=r[12]) for r in raw.values()]
     return Module(out, unknown, memory or {}, ops)
+
+
+def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> float:
+    if opcode == "convolution":
+        return _instr_flops(opcode, type_text, operand_types, attrs)[1]
+    if opcode != "fusion":
+        return 0.0
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    body, btypes = (comps.get(m.group(1), []), types.get(m.group(1), {})) if m else ([], {})
+    return sum(
+        _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)[1]
+        for _, t, opc, operands, a, _ in body
+        if opc == "convolution"
+    )
+
+
+_NARROW = ("bf16", "f16")
+_SHAPE_ONLY = frozenset({"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"})
+
+
+def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
+    """The dtype a convert-only op (a ``convert``, or a fusion of a convert and shape-only ops)
+    converts from, when it changes bf16/f16 to f32 or back; else ``None``."""
+    if opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", attrs)
+        body = comps.get(m.group(1), []) if m else []
+        if not body or any(ins[2] not in _SHAPE_ONLY for ins in body) or not any(ins[2] == "convert" for ins in body):
+            return None
+    elif opcode != "convert":
+        return None
+    if len(operand_types) != 1:
+        return None
+    source = _bytes(operand_types[0])[1]
+    if (source in _NARROW and out_dtype == "f32") or (source == "f32" and out_dtype in _NARROW):
+        return source
+    return None
+
+
+def _mark_upcasts(raw: dict[str, list]) -> None:
+    """XLA:CPU has no bf16 matrix products: it converts their operands to f32 and the result back.
+    A matmul op fed by such a convert is marked with the program's dtype and its bytes at that
+    width, and the converts around it as ``upcast`` (ops an accelerator does not run)."""
+    for r in raw.values():
+        operands, operand_types, _ = r[11]
+        if not r[3]:
+            continue
+        for o, t in zip(operands, operand_types, strict=False):
+            src = raw.get(o)
+            if src is not None and src[11][2] in _NARROW:
+                src[10] = True
+                r[5] = src[11][2]
+                r[4] -= _bytes(t)[0] / 2
+    for r in raw.values():
+        operands, _, source = r[11]
+        if source == "f32" and operands and operands[0] in raw and raw[operands[0]][3]:
+            r[10] = True
+            mm = raw[operands[0]]
+            mm[4] -= _bytes(r[11][1][0])[0] / 2
 
 
 def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
@@ -479,6 +547,7 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
     dtype = ""
     params: dict[str, int] = {}  # parameter name -> index
     readers: dict[str, list[tuple[str, str, int]]] = defaultdict(list)  # operand -> (opcode, result type, position)
+    converts: dict[str, str] = {}  # a convert's name -> its operand's dtype
     root = None
     for name, t, opc, operands, a, rest in body:
         if opc == "parameter":
@@ -487,6 +556,10 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
         for pos, o in enumerate(operands):
             readers[o].append((opc, t, pos))
         f, g, d = _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)
+        if g and operands and operands[0] in converts:
+            d = converts[operands[0]]  # XLA:CPU computes a bf16 product in f32: the program's dtype is the input's
+        if opc == "convert" and operands:
+            converts[name] = _bytes(btypes.get(operands[0], ""))[1]
         flops, mm, dtype = flops + f, mm + g, dtype or d
         root = (name, t, opc, operands)
     in_place = None

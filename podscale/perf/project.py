@@ -26,6 +26,7 @@ per chip is the compiled module's peak per device times the chip's devices, agai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -156,8 +157,32 @@ def _groups(shape: dict[str, int], axes: tuple[str, ...], size: int) -> list[lis
     return ids.transpose(order).reshape(-1, math.prod(shape[a] for a in axes)).tolist()
 
 
+@contextlib.contextmanager
+def accelerator_lowerings():
+    """Lowers as for TPU and GPU while compiling here: JAX lowers its threefry random bits (dropout)
+    on CPU as a rolled loop, whose every round writes the whole state to memory, and on
+    accelerators unrolled into one fusion. Without this, a step with dropout would be costed with
+    the CPU's loop (a third of transformer-big's bytes). Uses JAX's lowering registry (private)."""
+    from jax._src.interpreters import mlir
+    from jax._src.random import threefry2x32 as threefry
+
+    rules = mlir._platform_specific_lowerings["cpu"]
+    old = rules.get(threefry.threefry2x32_p)
+    mlir.register_lowering(threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule, platform="cpu")
+    try:
+        yield
+    finally:
+        if old is None:
+            rules.pop(threefry.threefry2x32_p, None)
+        else:
+            rules[threefry.threefry2x32_p] = old
+
+
 def op_time(system: System, op: hlo.Op) -> float:
-    """Seconds for one run of ``op`` on one device (the roofline; see the module docstring)."""
+    """Seconds for one run of ``op`` on one device (the roofline; see the module docstring). The
+    converts XLA:CPU adds around bf16 products (``op.upcast``) cost nothing: accelerators have none."""
+    if op.upcast:
+        return 0.0
     compute = op.matmul_flops / system.device_peak(op.matmul_dtype) if op.matmul_flops else 0.0
     return max(compute, op.bytes / system.device_hbm_bandwidth)
 
@@ -289,8 +314,9 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
     global_batch = replica_batch * replicas
     dp = data_parallel(step, mesh, strategy, donate_state=False)
     batch = make_batch(replica_batch * (mesh.size // k))
-    dp.prepare(shapes, batch)
-    compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
+    with accelerator_lowerings():
+        dp.prepare(shapes, batch)
+        compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
     module = hlo.read(compiled, mesh)
     sharded = strategy.weight_update == "sharded"
     phases, collectives, exposed, hidden = cost(

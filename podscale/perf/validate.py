@@ -42,6 +42,9 @@ class Measured:
     devices: int
     matmul_flops: dict[str, float]
     """dtype (``f32``, ``bf16``) -> FLOP/s per device of a matrix product."""
+    conv_flops: dict[str, float]
+    """dtype -> FLOP/s per device of a small convolution (3x3, 32 channels: XLA:CPU runs these
+    far below its matrix-product rate)."""
     vector_flops: dict[str, float]
     """dtype -> FLOP/s per device of elementwise arithmetic (this CPU emulates bf16 arithmetic)."""
     bandwidth: float
@@ -55,7 +58,10 @@ class Measured:
         def rate(table, dtype):
             return table["bf16" if dtype in ("bf16", "f16") else "f32"]
 
-        matmul = op.matmul_flops / rate(self.matmul_flops, op.matmul_dtype) if op.matmul_flops else 0.0
+        dots = op.matmul_flops - op.conv_flops
+        matmul = dots / rate(self.matmul_flops, op.matmul_dtype) if dots else 0.0
+        if op.conv_flops:
+            matmul += op.conv_flops / rate(self.conv_flops, op.matmul_dtype)
         vector = (op.flops - op.matmul_flops) / rate(self.vector_flops, op.dtype)
         return self.overhead + max(matmul, vector, op.bytes / self.bandwidth)
 
@@ -90,7 +96,7 @@ def measure(n: int) -> Measured:
         return fn, x
 
     size, reps = 256, 16
-    matmul, vector = {}, {}
+    matmul, vector, conv = {}, {}, {}
     for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
 
         def matmuls(x, dtype=dtype):
@@ -108,6 +114,17 @@ def measure(n: int) -> Measured:
 
         fn, x = per_device(arithmetic, (elems_v,), dtype)
         vector[name] = 2 * elems_v * chain_v / _median_time(fn, x)
+        channels, side, images = 32, 16, 4
+
+        def convs(x, dtype=dtype):
+            k = jnp.full((3, 3, channels, channels), 1.0 / (9 * channels), dtype)
+            dims = ("NHWC", "HWIO", "NHWC")
+            return lax.fori_loop(
+                0, 8, lambda i, y: lax.conv_general_dilated(y, k, (1, 1), "SAME", dimension_numbers=dims), x
+            )
+
+        fn, x = per_device(convs, (images, side, side, channels), dtype)
+        conv[name] = 2 * images * side * side * channels * 9 * channels * 8 / _median_time(fn, x)
     elems, reps_bw = 4 * 2**20 // 4 * 4, 4  # 16 MiB per device
 
     def stream(x):
@@ -129,7 +146,7 @@ def measure(n: int) -> Measured:
     if n > 1:
         for kind in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute"):
             lines[kind] = _collective_line(mesh, kind, n)
-    return Measured(n, matmul, vector, bandwidth, overhead, lines)
+    return Measured(n, matmul, conv, vector, bandwidth, overhead, lines)
 
 
 def _collective_line(mesh, kind: str, n: int) -> tuple[float, float]:
@@ -304,6 +321,7 @@ def print_validation(result: dict[str, Any]) -> None:
     machine = report.table(
         "devices",
         "matmul GFLOP/s f32/bf16",
+        "conv GFLOP/s f32/bf16",
         "vector GFLOP/s f32/bf16",
         "GB/s",
         "op us",
@@ -316,6 +334,7 @@ def print_validation(result: dict[str, Any]) -> None:
         machine.add_row(
             str(n),
             f"{m['matmul_flops']['f32'] / 1e9:.1f}/{m['matmul_flops']['bf16'] / 1e9:.1f}",
+            f"{m['conv_flops']['f32'] / 1e9:.1f}/{m['conv_flops']['bf16'] / 1e9:.1f}",
             f"{m['vector_flops']['f32'] / 1e9:.1f}/{m['vector_flops']['bf16'] / 1e9:.1f}",
             f"{m['bandwidth'] / 1e9:.1f}",
             f"{m['overhead'] * 1e6:.1f}",
