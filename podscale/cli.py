@@ -309,6 +309,13 @@ def _project_parser(sub) -> None:
         default=",".join(project_strategies()),
         help="comma-separated: replicated, sharded, replicated-2d, sharded-2d (weight update and gradient sum)",
     )
+    p.add_argument(
+        "--multi-axis",
+        choices=("torus", "ring"),
+        default="torus",
+        help="a collective over several torus dimensions: torus (dimension by dimension, as XLA on a TPU "
+        "slice) or ring (one ring through them all, paper 1's 1-D summation)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, help="write step time and throughput against chips to this .png")
     p.add_argument("--list-systems", action="store_true", help="print the systems and their figures' sources")
@@ -358,7 +365,7 @@ def _run_project(args) -> int:
     from podscale.perf.project import MAX_CPU_DEVICES
 
     for c in chips:
-        Topology(system, c)  # an unknown size or one the system cannot hold: refused before compiling
+        Topology(system, c, args.multi_axis)  # an unknown size or one the system cannot hold: refused before compiling
     devices = min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in chips))
     import jax
 
@@ -406,6 +413,7 @@ def _run_project(args) -> int:
             strategies=names,
             base=strategy,
             replica_batch=replica_batch,
+            multi_axis=args.multi_axis,
             progress=None if args.json else lambda m: print(m, file=sys.stderr),
         )
     from podscale.perf.project import mark_fastest, render

@@ -73,9 +73,14 @@ def test_2d_torus_groups_by_hand():
     t, path = pod.time("all-reduce", every_other, mb)
     assert path.chips == 16 and path.on_chip == 1 and path.bandwidth == W / (2 * 2) and path.latency == 2 * A
     assert t == pytest.approx(2 * (15 / 16 * mb / (2 * W / 4) + 8 * 2 * A))
-    # A group over the whole pod: one ring through both dimensions (paper 1's 1-D sum).
+    # A group over the whole pod: dimension by dimension, both dimensions' links at once, the
+    # latency of half of each ring (scaling-book's multi-axis all-reduce) ...
     t, path = pod.time("all-reduce", [list(range(2048))], mb)
-    assert path.chips == 1024 and path.bidirectional
+    assert path.chips == 1024 and path.bidirectional and path.steps == 16 + 16
+    assert t == pytest.approx(on_chip + 2 * (1023 / 1024 * mb / (2 * 2 * W) + 32 * A))
+    # ... or one ring through both dimensions (paper 1's 1-D sum).
+    t, path = Topology(systems.get("tpu-v3"), 1024, multi_axis="ring").time("all-reduce", [list(range(2048))], mb)
+    assert path.chips == 1024 and path.bidirectional and path.steps is None
     assert t == pytest.approx(on_chip + 2 * (1023 / 1024 * mb / (2 * W) + 512 * A))
 
 

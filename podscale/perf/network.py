@@ -21,8 +21,10 @@ waits for the step before it.
 **Placement.** A TPU torus is numbered with the cores of a chip fastest, then the chips along the
 first torus dimension, then the next. A group whose chips lie along one dimension is a ring if it
 covers that whole dimension and the dimension wraps around, else a line (scaling-book: no
-wrap-around "typically doubles the time"); a group over several dimensions is one ring snaking
-through them (as paper 1's 1-D summation over the whole pod). Groups interleaved along a dimension
+wrap-around "typically doubles the time"); a group over several dimensions runs dimension by
+dimension with the data split between them (``multi_axis="torus"``, the default: scaling-book's
+"bytes / (W_ici x num_axes)", latency the sum over the dimensions), or as one ring snaking
+through them (``multi_axis="ring"``: paper 1's 1-D summation, which its 2-D summation beat). Groups interleaved along a dimension
 (every ``s``-th chip: the data axis when a replica spans ``s`` chips) share its links ``s`` ways,
 and a hop spans ``s`` links. A chip's devices in different groups share its links; a chip's devices
 in one group first combine on the chip (at HBM bandwidth). On GPUs a group within one node rings
@@ -40,12 +42,25 @@ import numpy as np
 from podscale.perf.systems import System
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+MULTI_AXIS = ("torus", "ring")
+"""How a group over several torus dimensions is costed: ``torus`` (XLA's collectives on a TPU
+slice, scaling-book's multi-axis formula) or ``ring`` (one ring snaking through them, as the 1-D
+summation paper 1 compares its 2-D summation with)."""
 
 
-def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float, bidirectional: bool) -> float:
+def ring_time(
+    kind: str,
+    n: int,
+    nbytes: float,
+    bandwidth: float,
+    latency: float,
+    bidirectional: bool,
+    steps: int | None = None,
+) -> float:
     """Seconds for one ring collective of ``kind`` over ``n`` devices. ``nbytes`` is the buffer
     each device contributes (an all-gather's shard, the others' operand), ``bandwidth`` the one-way
-    bytes/s of each device's link, ``latency`` seconds per step."""
+    bytes/s of each device's link, ``latency`` seconds per step; ``steps`` (a reduce-scatter's or
+    all-gather's) overrides the ring's own."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; one of {KINDS}")
     if kind == "collective-permute":
@@ -53,7 +68,8 @@ def ring_time(kind: str, n: int, nbytes: float, bandwidth: float, latency: float
     if n <= 1:
         return 0.0
     ways = 2 if bidirectional else 1
-    steps = math.ceil((n - 1) / 2) if bidirectional else n - 1
+    if steps is None:
+        steps = math.ceil((n - 1) / 2) if bidirectional else n - 1
     if kind == "all-to-all":
         return (n // 2) * ((n + 1) // 2) / n * nbytes / (ways * bandwidth) + steps * latency
     volume = n * nbytes if kind == "all-gather" else nbytes
@@ -73,6 +89,8 @@ class Path:
     on_chip: int = 1
     """Devices of the group per chip (combined at HBM bandwidth first)."""
     where: str = ""
+    steps: int | None = None
+    """Steps of a reduce-scatter or all-gather when not the ring's own (several torus dimensions)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,8 +106,10 @@ def _positions(coords: np.ndarray, length: int) -> tuple[int, int]:
 class Topology:
     """The devices of ``chips`` chips of ``system``, placed as described in the module docstring."""
 
-    def __init__(self, system: System, chips: int):
-        self.system, self.chips = system, chips
+    def __init__(self, system: System, chips: int, multi_axis: str = "torus"):
+        if multi_axis not in MULTI_AXIS:
+            raise ValueError(f"multi_axis {multi_axis!r}: one of {MULTI_AXIS}")
+        self.system, self.chips, self.multi_axis = system, chips, multi_axis
         self.devices = chips * system.devices_per_chip
         if system.kind == "tpu":
             self.shape, self.wraps = system.torus(chips)
@@ -142,9 +162,16 @@ class Topology:
                 f"torus dim {d} ({'ring' if ring else 'line'} of {n}{f', every {stride}th chip' if stride > 1 else ''})"
             )
             return Path(n, bandwidth, latency, ring, on_chip, where)
-        return Path(
-            len(distinct), bandwidth, latency, True, on_chip, f"ring through torus dims {[d for d, _, _ in spans]}"
-        )
+        dims = [d for d, _, _ in spans]
+        if self.multi_axis == "ring":
+            return Path(len(distinct), bandwidth, latency, True, on_chip, f"one ring through torus dims {dims}")
+        # Dimension by dimension, each carrying its share of the data at once (scaling-book:
+        # bytes / (W_bidirectional x axes); latency the longest path, the sum of half of each).
+        steps = sum(math.ceil((n - 1) / 2) if self._wraps(d, n, st) else n - 1 for d, n, st in spans)
+        return Path(len(distinct), bandwidth * len(spans), latency, True, on_chip, f"torus dims {dims}", steps)
+
+    def _wraps(self, d: int, n: int, stride: int) -> bool:
+        return n * stride == self.shape[d] and self.wraps[d]
 
     def time(self, kind: str, groups: list[list[int]], nbytes: float) -> tuple[float, Path]:
         """Seconds for one run of a collective whose groups are ``groups`` (all its groups: they
@@ -171,5 +198,5 @@ class Topology:
             if kind == "all-gather":
                 nbytes *= path.on_chip
         if path.chips > 1:
-            t += ring_time(kind, path.chips, nbytes, path.bandwidth, path.latency, path.bidirectional)
+            t += ring_time(kind, path.chips, nbytes, path.bandwidth, path.latency, path.bidirectional, path.steps)
         return t, path

@@ -258,6 +258,7 @@ def project(
     strategies: Sequence[str] | dict[str, Strategy] = DEFAULT_STRATEGIES,
     base: Strategy | None = None,
     replica_batch: int | None = None,
+    multi_axis: str = "torus",
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
@@ -267,7 +268,8 @@ def project(
     or one replica's batch (its leading dimension is the replica's batch; the global batch is it
     times the replicas). ``replica_batch`` is the per-replica batch when ``batch`` is a function.
     ``strategies``: names of ``STRATEGIES`` (applied over ``base``, which carries spatial or
-    tensor partitioning and the other fields) or ``{name: Strategy}``.
+    tensor partitioning and the other fields) or ``{name: Strategy}``. ``multi_axis``: how a
+    collective over several torus dimensions is costed (:data:`podscale.perf.network.MULTI_AXIS`).
     """
     from podscale.parallel.engine import data_parallel
     from podscale.perf import systems
@@ -295,7 +297,7 @@ def project(
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     rows: list[Row] = []
     for n_chips in chips:
-        topology = Topology(system, n_chips)
+        topology = Topology(system, n_chips, multi_axis)
         for name, strategy in strategies.items():
             if progress:
                 progress(f"{system.name} {n_chips} chips, {name}: compiling for {topology.devices} devices")
