@@ -384,8 +384,14 @@ def _run_project(args) -> int:
     rows = []
     names = [s for s in args.strategies.split(",") if s]
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
-    for c in chips:
+    replica_batches = {}
+    for c in chips:  # every batch is checked before anything is compiled
         devices_c = c * system.devices_per_chip
+        if devices_c % k:
+            raise ValueError(
+                f"--chips {c}: its {devices_c} devices ({system.devices_per_chip} per chip) do not divide into "
+                f"replicas of {k} (--spatial / --model-parallel); choose a chip count with a multiple of {k} devices"
+            )
         replicas = devices_c // k
         if args.global_batch is not None:
             if args.global_batch % replicas:
@@ -393,7 +399,7 @@ def _run_project(args) -> int:
                     f"--global-batch {args.global_batch}: the {replicas} replicas of {c} chips "
                     f"({devices_c} devices / {k}) do not divide it; use a multiple of {replicas}"
                 )
-            replica_batch = args.global_batch // replicas
+            replica_batches[c] = args.global_batch // replicas
         elif args.per_chip_batch is not None:
             total = args.per_chip_batch * c
             if total % replicas:
@@ -401,9 +407,18 @@ def _run_project(args) -> int:
                     f"--per-chip-batch {args.per_chip_batch}: {c} chips x {args.per_chip_batch} = {total} examples "
                     f"do not split over {replicas} replicas; use a multiple of {replicas // math.gcd(replicas, c)}"
                 )
-            replica_batch = total // replicas
+            replica_batches[c] = total // replicas
         else:
-            replica_batch = per_device * k
+            replica_batches[c] = per_device * k
+    from podscale.perf.project import STRATEGIES, target_shape
+
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
+    for c in chips:
+        for s in names:
+            target_shape(Topology(system, c, args.multi_axis), dataclasses.replace(strategy, **STRATEGIES[s]))
+    for c in chips:
         rows += project(
             make_train_step(task, tx),
             state,
@@ -412,7 +427,7 @@ def _run_project(args) -> int:
             chips=[c],
             strategies=names,
             base=strategy,
-            replica_batch=replica_batch,
+            replica_batch=replica_batches[c],
             multi_axis=args.multi_axis,
             progress=None if args.json else lambda m: print(m, file=sys.stderr),
         )

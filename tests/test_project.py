@@ -282,6 +282,8 @@ def test_cli_projects_a_model_and_plots_it(tmp_path):
         (("--system", "tpu-v5e", "--chips", "1024"), "holds at most 256 chips"),
         (("--chips", "16", "--global-batch", "100"), "do not divide it"),
         (("--chips", "sixteen"), "comma-separated whole numbers"),
+        (("--chips", "1", "--strategies", "sharded-2d"), "grad_sum 2d on 1 chips"),
+        (("--chips", "1", "--model-parallel", "4", "--model", "transformer"), "do not divide into replicas of 4"),
     ]
     for args, message in bad:
         proc = _cli("--model", "mlp", *args, check=False)

@@ -295,9 +295,13 @@ def project(
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), example)
 
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+    topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
+    for topology in topologies:  # every mesh is checked before anything is compiled
+        for strategy in strategies.values():
+            target_shape(topology, strategy)
     rows: list[Row] = []
-    for n_chips in chips:
-        topology = Topology(system, n_chips, multi_axis)
+    for topology in topologies:
+        n_chips = topology.chips
         for name, strategy in strategies.items():
             if progress:
                 progress(f"{system.name} {n_chips} chips, {name}: compiling for {topology.devices} devices")
