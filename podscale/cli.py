@@ -326,7 +326,7 @@ def _project_parser(sub) -> None:
         "variants, run them, print predicted / measured",
     )
     p.add_argument("--validate-models", default=None, help="--validate: comma-separated workloads (default all)")
-    p.add_argument("--steps", type=int, default=5, help="--validate: timed steps per run")
+    p.add_argument("--steps", type=int, default=8, help="--validate: timed steps per run (the fastest counts)")
     add_flags(p, Strategy(weight_update="sharded"))
 
 

@@ -132,7 +132,7 @@ def test_op_costs_of_a_convolution_and_its_phases():
     module = hlo.read(jax.jit(jax.grad(loss)).lower(*args).compile())
     one = 2 * (2 * 8 * 8 * 8) * (3 * 3 * 4)  # 2 x output elements x window x input features
     (conv,) = [o for o in module.ops if o.op_name.endswith("jvp()/conv_general_dilated")]
-    assert conv.phase == "forward" and conv.matmul_flops == one
+    assert conv.phase == "forward" and conv.matmul_flops == conv.conv_flops == one and conv.conv_channels == 4
     # The kernel's gradient is a convolution of the input with the output's gradient: as many FLOPs.
     assert sum(o.matmul_flops * o.count for o in module.ops) == 2 * one
     assert any(o.phase == "backward" for o in module.ops)

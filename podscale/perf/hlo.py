@@ -320,8 +320,8 @@ class Op:
     matmul_flops: float
     """The part of ``flops`` in dots and convolutions (the part a matrix unit runs)."""
     bytes: float
-    """Operands read plus the result written (a fusion: its parameters and its result; a slice of a
-    parameter counts the slice; an in-place dynamic-update-slice counts the update)."""
+    """Operands read plus the result written (a fusion: its parameters and its result; a parameter
+    read only through slices counts the slices; an in-place dynamic-update-slice counts the update)."""
     matmul_dtype: str
     """The operand dtype of its (first) dot or convolution; ``""`` without one."""
     count: int
@@ -337,6 +337,8 @@ class Op:
     accelerator runs the product in bf16 and has no such op (see ``_mark_upcasts``)."""
     conv_flops: float = 0.0
     """The part of ``matmul_flops`` in convolutions."""
+    conv_channels: int = 0
+    """The smaller of its (first) convolution's input and output feature counts."""
 
 
 def _phase(op_name: str) -> str:
@@ -469,22 +471,31 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             raw[name].append((operands, operand_types, _converts(comps, opcode, attrs, operand_types, out_dtype)))
             raw[name].append(_conv_flops(comps, types, opcode, type_text, operand_types, attrs))
         _mark_upcasts(raw)
-        ops += [Op(*r[:11], conv_flops=r[12]) for r in raw.values()]
+        ops += [Op(*r[:11], conv_flops=r[12][0], conv_channels=r[12][1]) for r in raw.values()]
     return Module(out, unknown, memory or {}, ops)
 
 
-def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> float:
+def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
+    """(FLOPs in convolutions, the smaller feature count of the first) of a top-level op."""
     if opcode == "convolution":
-        return _instr_flops(opcode, type_text, operand_types, attrs)[1]
-    if opcode != "fusion":
-        return 0.0
-    m = re.search(r"calls=%?([\w.\-]+)", attrs)
-    body, btypes = (comps.get(m.group(1), []), types.get(m.group(1), {})) if m else ([], {})
-    return sum(
-        _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)[1]
-        for _, t, opc, operands, a, _ in body
-        if opc == "convolution"
-    )
+        convs = [(type_text, operand_types, attrs)]
+    elif opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", attrs)
+        body, btypes = (comps.get(m.group(1), []), types.get(m.group(1), {})) if m else ([], {})
+        convs = [
+            (t, [btypes.get(o, "") for o in operands], a) for _, t, opc, operands, a, _ in body if opc == "convolution"
+        ]
+    else:
+        return 0.0, 0
+    flops = sum(_instr_flops("convolution", t, ots, a)[1] for t, ots, a in convs)
+    channels = 0
+    if convs:
+        _, ots, a = convs[0]
+        kernel = _dims(ots[1]) if len(ots) > 1 else []
+        m = re.search(r"dim_labels=[^_]+_([^-]+)->", a)
+        if kernel and m and "i" in m.group(1) and "o" in m.group(1):
+            channels = min(kernel[m.group(1).index("i")], kernel[m.group(1).index("o")])
+    return flops, channels
 
 
 _NARROW = ("bf16", "f16")
@@ -535,7 +546,7 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
     """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
     if opcode != "fusion":
         flops, mm, dtype = _instr_flops(opcode, type_text, operand_types, attrs)
-        if opcode == "dynamic-slice":
+        if opcode in ("slice", "dynamic-slice"):
             return flops, mm, dtype, 2.0 * _bytes(type_text)[0]
         if opcode == "dynamic-update-slice":
             return flops, mm, dtype, 2.0 * _bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
@@ -573,7 +584,7 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
         if pname == in_place:
             continue
         uses = readers.get(pname, [])
-        if uses and all(opc == "dynamic-slice" and pos == 0 for opc, _, pos in uses):
+        if uses and all(opc in ("slice", "dynamic-slice") and pos == 0 for opc, _, pos in uses):
             nbytes += sum(_bytes(t)[0] for _, t, _ in uses)  # only the slices are read
         elif index < len(operand_types):
             nbytes += _bytes(operand_types[index])[0]
