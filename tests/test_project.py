@@ -78,6 +78,10 @@ def test_2d_torus_groups_by_hand():
     t, path = pod.time("all-reduce", [list(range(2048))], mb)
     assert path.chips == 1024 and path.bidirectional and path.steps == 16 + 16
     assert t == pytest.approx(on_chip + 2 * (1023 / 1024 * mb / (2 * 2 * W) + 32 * A))
+    # A whole 4x4 slice: both dimensions are lines (no wrap-around), each adds half a ring's bandwidth.
+    t, path = small.time("all-reduce", [list(range(32))], mb)
+    assert path.chips == 16 and path.steps == 3 + 3 and path.bandwidth == W
+    assert t == pytest.approx(on_chip + 2 * (15 / 16 * mb / (2 * W) + 6 * A))
     # ... or one ring through both dimensions (paper 1's 1-D sum).
     t, path = Topology(systems.get("tpu-v3"), 1024, multi_axis="ring").time("all-reduce", [list(range(2048))], mb)
     assert path.chips == 1024 and path.bidirectional and path.steps is None
@@ -148,6 +152,13 @@ def test_a_bf16_product_is_costed_in_bf16_though_this_cpu_computes_it_in_f32():
     assert all(project.op_time(systems.get("h100"), o) == 0 for o in upcasts)
 
 
+def test_a_product_with_a_float32_operand_stays_float32():
+    a, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 256), jnp.float32)
+    module = hlo.read(jax.jit(lambda a, w: a.astype(jnp.float32) @ w).lower(a, w).compile())
+    (mm,) = [o for o in module.ops if o.matmul_flops]
+    assert mm.matmul_dtype == "f32"  # the user's promotion: a TPU or GPU multiplies in f32 too
+
+
 def _mlp_step(tx):
     def step(state, batch):
         params, opt = state
@@ -215,7 +226,7 @@ def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
         {},
     )
     topo = Topology(systems.get("tpu-v5e"), 16)
-    _, rows, _, _ = project.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2, sharded=True)
+    _, rows, _, _ = project.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2)
     by = {r["kind"]: r for r in rows}
     assert by["reduce-scatter"]["buffer_bytes"] == g and by["reduce-scatter"]["group_size"] == 16
     assert by["all-gather"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
@@ -224,18 +235,21 @@ def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
 
 def test_overlap_hides_gradient_sums_but_the_last_behind_the_backward_pass():
     sums = [
-        hlo.Collective("all-reduce", f"g{i}", ("data",), 8, "f32", 1 << 22, 1, "jit/podscale_update/psum")
+        hlo.Collective("all-reduce", f"g{i}", ("data",), 8, "f32", 1 << 22, 1, "jit/podscale_update/grad_sum/psum")
         for i in range(3)
     ]
+    # A norm's partial sums (LAMB, clipping) are the update's too, but nothing hides them.
+    sums.append(hlo.Collective("all-reduce", "norm", ("data",), 8, "f32", 64, 1, "jit/podscale_update/psum"))
     backward = hlo.Op("dot", "d", 1e15, 1e15, 0.0, "bf16", 1, "backward")
     module = hlo.Module(sums, [], {}, [backward])
     topo = Topology(systems.get("tpu-v5e"), 8)
     phases, _, exposed, hidden = project.cost(topo.system, topo, module, {"data": 8})
     one = topo.time("all-reduce", [list(range(8))], 1 << 22)[0]
-    assert hidden == pytest.approx(2 * one) and exposed == pytest.approx(one)
+    norm = topo.time("all-reduce", [list(range(8))], 64)[0]
+    assert hidden == pytest.approx(2 * one) and exposed == pytest.approx(one + norm)
     no_overlap = systems.System(**{**topo.system.__dict__, "overlaps": False})
     _, _, exposed, hidden = project.cost(no_overlap, topo, module, {"data": 8})
-    assert hidden == 0 and exposed == pytest.approx(3 * one)
+    assert hidden == 0 and exposed == pytest.approx(3 * one + norm)
 
 
 def test_the_measured_cpu_predicts_a_step():

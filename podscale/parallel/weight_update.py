@@ -40,6 +40,10 @@ UPDATE_SCOPE = "podscale_update"
 the weight gather): compiled ops carry it in their ``op_name``, so :mod:`podscale.perf` can tell
 the update's cost from the forward and backward passes'."""
 
+GRAD_SUM_SCOPE = "grad_sum"
+"""Nested in ``UPDATE_SCOPE``: the gradient sums themselves (not the norms' partial sums, not the
+weight gather), the collectives that may overlap the backward pass."""
+
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective
 on its own costs more than updating it redundantly saves (it is fused with the others anyway)."""
@@ -300,10 +304,6 @@ class _Fuser:
         return self.add(value, old.kind, scatter=old.scatter)
 
     def flush(self, only: list[_Pending] | None = None) -> None:
-        with jax.named_scope(UPDATE_SCOPE):
-            self._flush(only)
-
-    def _flush(self, only: list[_Pending] | None) -> None:
         if only is None:
             pending, self.pending = self.pending, []
         else:
@@ -316,12 +316,17 @@ class _Fuser:
         for (kind, shard, _, scatter, _), members in groups.items():
             values = [p.value for p in members]
             if kind == "grad" and shard:
-                results = _fuse_reduce_scatter(self.layout, values, self.trace)
-            elif kind == "grad":
-                why = "gradient sum (small tensors)" if scatter else "a sum the forward pass reads (batch statistics)"
-                results = _fuse_all_reduce(self.layout, values, self.trace, why, update=scatter)
+                with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
+                    results = _fuse_reduce_scatter(self.layout, values, self.trace)
+            elif kind == "grad" and scatter:
+                with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
+                    results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)", True)
+            elif kind == "grad":  # the forward pass reads it: the model's own collective, not the update's
+                why = "a sum the forward pass reads (batch statistics)"
+                results = _fuse_all_reduce(self.layout, values, self.trace, why, update=False)
             else:
-                results = _fuse_partials(self.layout, values, kind, self.trace)
+                with jax.named_scope(UPDATE_SCOPE):
+                    results = _fuse_partials(self.layout, values, kind, self.trace)
             for p, r in zip(members, results, strict=True):
                 p.result = r
 

@@ -229,7 +229,7 @@ def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, dev
 
 
 _SCOPES = frozenset(
-    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", "podscale_update"}
+    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", "podscale_update", "grad_sum"}
 )
 _METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
 
@@ -427,9 +427,9 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 unknown.append(name)
         for role, target in _CALLED.findall(attrs):
             for callee in re.findall(r"%?([\w.\-]+)", target):
-                if role == "to_apply":
+                if role == "to_apply" and opcode != "call":
                     continue  # a reducer, costed by its reduce
-                if opcode == "fusion" or (opcode.endswith("-start") and role == "calls"):
+                if opcode == "fusion":
                     fusion_bodies.add(callee)
                     continue
                 calls[current].append((callee, trips if role in ("body", "condition") else 1))
@@ -522,24 +522,28 @@ def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
 
 def _mark_upcasts(raw: dict[str, list]) -> None:
     """XLA:CPU has no bf16 matrix products: it converts their operands to f32 and the result back.
-    A matmul op fed by such a convert is marked with the program's dtype and its bytes at that
-    width, and the converts around it as ``upcast`` (ops an accelerator does not run)."""
-    for r in raw.values():
+    A matmul op all of whose float32 operands are such converts (from bf16 or f16) is marked with
+    the program's dtype and its bytes at that width, and the converts around it as ``upcast``
+    (ops an accelerator does not run). A product with a genuine float32 operand keeps float32."""
+    narrow: set[str] = set()
+    for name, r in raw.items():
         operands, operand_types, _ = r[11]
         if not r[3]:
             continue
-        for o, t in zip(operands, operand_types, strict=False):
-            src = raw.get(o)
-            if src is not None and src[11][2] in _NARROW:
-                src[10] = True
-                r[5] = src[11][2]
-                r[4] -= _bytes(t)[0] / 2
+        wide = [(o, t) for o, t in zip(operands, operand_types, strict=False) if _bytes(t)[1] == "f32"]
+        if not wide or any(o not in raw or raw[o][11][2] not in _NARROW for o, _ in wide):
+            continue
+        for o, t in wide:
+            raw[o][10] = True
+            r[4] = max(0.0, r[4] - _bytes(t)[0] / 2)
+        r[5] = raw[wide[0][0]][11][2]
+        narrow.add(name)
     for r in raw.values():
         operands, _, source = r[11]
-        if source == "f32" and operands and operands[0] in raw and raw[operands[0]][3]:
+        if source == "f32" and operands and operands[0] in narrow:
             r[10] = True
             mm = raw[operands[0]]
-            mm[4] -= _bytes(r[11][1][0])[0] / 2
+            mm[4] = max(0.0, mm[4] - _bytes(r[11][1][0])[0] / 2)
 
 
 def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:

@@ -23,7 +23,8 @@ first torus dimension, then the next. A group whose chips lie along one dimensio
 covers that whole dimension and the dimension wraps around, else a line (scaling-book: no
 wrap-around "typically doubles the time"); a group over several dimensions runs dimension by
 dimension with the data split between them (``multi_axis="torus"``, the default: scaling-book's
-"bytes / (W_ici x num_axes)", latency the sum over the dimensions), or as one ring snaking
+"bytes / (W_ici x num_axes)", a dimension without wrap-around adding half a ring's bandwidth,
+latency the sum over the dimensions), or as one ring snaking
 through them (``multi_axis="ring"``: paper 1's 1-D summation, which its 2-D summation beat). Groups interleaved along a dimension
 (every ``s``-th chip: the data axis when a replica spans ``s`` chips) share its links ``s`` ways,
 and a hop spans ``s`` links. A chip's devices in different groups share its links; a chip's devices
@@ -166,9 +167,11 @@ class Topology:
         if self.multi_axis == "ring":
             return Path(len(distinct), bandwidth, latency, True, on_chip, f"one ring through torus dims {dims}")
         # Dimension by dimension, each carrying its share of the data at once (scaling-book:
-        # bytes / (W_bidirectional x axes); latency the longest path, the sum of half of each).
+        # bytes / (W_bidirectional x axes)); a dimension without wrap-around is a line, half a
+        # ring's bandwidth. Latency: the longest path, half of each ring, all of each line.
+        per_dim = [s.link_bandwidth / (st * share) * (1.0 if self._wraps(d, n, st) else 0.5) for d, n, st in spans]
         steps = sum(math.ceil((n - 1) / 2) if self._wraps(d, n, st) else n - 1 for d, n, st in spans)
-        return Path(len(distinct), bandwidth * len(spans), latency, True, on_chip, f"torus dims {dims}", steps)
+        return Path(len(distinct), sum(per_dim), latency, True, on_chip, f"torus dims {dims}", steps)
 
     def _wraps(self, d: int, n: int, stride: int) -> bool:
         return n * stride == self.shape[d] and self.wraps[d]
@@ -177,14 +180,11 @@ class Topology:
         """Seconds for one run of a collective whose groups are ``groups`` (all its groups: they
         run at once), each device contributing ``nbytes``."""
         group = groups[0]
-        if kind == "collective-permute":
+        if kind == "collective-permute":  # a halo exchange between neighbours of ``group``
             s = self.system
             if s.kind == "gpu":
-                bw, lat = (
-                    (s.nvlink_bandwidth, s.hop_latency)
-                    if self.devices <= s.node_size
-                    else (s.network_bandwidth, s.network_latency)
-                )
+                one_node = len({d // s.node_size for d in group}) == 1
+                bw, lat = (s.nvlink_bandwidth, s.hop_latency) if one_node else (s.network_bandwidth, s.network_latency)
             else:
                 bw, lat = s.link_bandwidth / max(1, s.devices_per_chip), s.hop_latency
             return ring_time(kind, 2, nbytes, bw, lat, False), Path(2, bw, lat, False, where="neighbour")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -195,21 +196,18 @@ def cost(
     op_cost: Callable | None = None,
     reduced: str | None = None,
     factor: int = 1,
-    sharded: bool = False,
 ):
     """(phase seconds, collective rows, exposed, hidden) of one compiled step on ``system``.
 
     ``shape`` is the target mesh. When the module was compiled on a mesh whose axis ``reduced`` is
-    ``factor`` times smaller (past this machine's CPU devices), the update scope's buffers are
-    scaled to the target: each collective's buffer shrinks ``factor`` times except a sum over the
-    reduced axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient), and
-    the sharded update's ops shrink ``factor`` times (each device updates a ``factor`` times smaller
-    shard; the few leaves kept whole make this an underestimate of their cost)."""
+    ``factor`` times smaller (past this machine's CPU devices), the update scope's collective
+    buffers are scaled to the target: each shrinks ``factor`` times except a sum over the reduced
+    axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient). The update's
+    ops are scaled by :func:`project` (from two compiled sizes)."""
     op_cost = op_cost or (lambda op: op_time(system, op))
     phases = {p: 0.0 for p in hlo.PHASES}
     for op in module.ops:
-        scale = 1 / factor if (op.phase == "update" and sharded) else 1
-        phases[op.phase] += op_cost(op) * op.count * scale
+        phases[op.phase] += op_cost(op) * op.count
     rows: dict[tuple, dict[str, Any]] = {}
     sums: list[float] = []  # the gradient sums, in program order
     exposed = 0.0
@@ -220,7 +218,10 @@ def cost(
             size = math.prod(shape[a] for a in c.axes)
         if factor > 1 and update and not (reduced in c.axes and c.kind in ("reduce-scatter", "all-reduce")):
             nbytes = nbytes / factor
-        groups = _groups(shape, c.axes, size) if c.kind != "collective-permute" else [[0, 1]]
+        if c.kind == "collective-permute":  # neighbours along its axes (the space axis: innermost)
+            groups = _groups(shape, c.axes, math.prod(shape[a] for a in c.axes)) if c.axes else [[0, 1]]
+        else:
+            groups = _groups(shape, c.axes, size)
         t, path = topology.time(c.kind, groups, nbytes)
         row = rows.setdefault(
             (c.kind, c.axes, update),
@@ -238,7 +239,7 @@ def cost(
         row["runs"] += c.count
         row["buffer_bytes"] += nbytes * c.count
         row["seconds"] += t * c.count
-        if update and c.kind in ("reduce-scatter", "all-reduce") and size > 1:
+        if "podscale_update/grad_sum" in c.op_name and size > 1:
             sums += [t] * c.count
         else:
             exposed += t * c.count
@@ -296,9 +297,18 @@ def project(
 
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
+    cpus = len(jax.devices("cpu"))
     for topology in topologies:  # every mesh is checked before anything is compiled
         for strategy in strategies.values():
-            target_shape(topology, strategy)
+            target = target_shape(topology, strategy)
+            compile_shape(target, MAX_CPU_DEVICES)
+            need = min(math.prod(target.values()), MAX_CPU_DEVICES)
+            if cpus < need:
+                raise ValueError(
+                    f"projecting to {topology.describe()} compiles for {need} CPU devices, but this process has "
+                    f"{cpus}: start Python with jax.config.update('jax_num_cpu_devices', {need}) before using JAX "
+                    "(podscale project does)"
+                )
     rows: list[Row] = []
     for topology in topologies:
         n_chips = topology.chips
@@ -310,24 +320,36 @@ def project(
     return mark_fastest(rows)
 
 
-def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:
-    target = target_shape(topology, strategy)
-    available = min(len(jax.devices("cpu")), MAX_CPU_DEVICES)
-    compiled_shape, reduced, factor = compile_shape(target, available)
-    mesh = make_mesh(compiled_shape)
-    k = strategy.spatial or strategy.model_parallel or 1
-    replicas = topology.devices // k
-    global_batch = replica_batch * replicas
+def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape):
+    mesh = make_mesh(shape)
     dp = data_parallel(step, mesh, strategy, donate_state=False)
     batch = make_batch(replica_batch * (mesh.size // k))
     with accelerator_lowerings():
         dp.prepare(shapes, batch)
         compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
-    module = hlo.read(compiled, mesh)
+    return dp, hlo.read(compiled, mesh)
+
+
+def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:
+    target = target_shape(topology, strategy)
+    compiled_shape, reduced, factor = compile_shape(target, min(len(jax.devices("cpu")), MAX_CPU_DEVICES))
+    k = strategy.spatial or strategy.model_parallel or 1
+    replicas = topology.devices // k
+    global_batch = replica_batch * replicas
+    compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
+    dp, module = compile_(compiled_shape)
     sharded = strategy.weight_update == "sharded"
-    phases, collectives, exposed, hidden = cost(
-        system, topology, module, target, reduced=reduced, factor=factor, sharded=sharded
-    )
+    phases, collectives, exposed, hidden = cost(system, topology, module, target, reduced=reduced, factor=factor)
+    if factor > 1 and sharded and compiled_shape[reduced] >= 4 and compiled_shape[reduced] % 2 == 0:
+        # The sharded update costs a + b / n on n devices (whole small leaves, shards): a and b
+        # from this compile and one on a mesh half as large, then evaluated at the target.
+        smaller = dict(compiled_shape)
+        smaller[reduced] //= 2
+        n1, n2, n = math.prod(compiled_shape.values()), math.prod(smaller.values()), topology.devices
+        u1 = phases["update"]
+        u2 = cost(system, topology, compile_(smaller)[1], target, reduced=reduced, factor=factor * 2)[0]["update"]
+        b = max(0.0, (u2 - u1) / (1 / n2 - 1 / n1))
+        phases["update"] = max(0.0, u1 - b / n1) + b / n
     compute = phases["forward"] + phases["backward"]
     step_s = compute + phases["update"] + exposed
     model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")

@@ -94,7 +94,10 @@ class System:
             )
         if chips < 1 or chips & (chips - 1):
             raise ValueError(f"--chips {chips}: {self.name!r} slices are powers of two; choose 16, 32, 64, ...")
-        return _SLICES[self.name](chips)
+        try:
+            return _SLICES[self.name](chips)
+        except ValueError as e:
+            raise ValueError(f"--chips {chips}: system {self.name!r} has no such slice ({e})") from None
 
 
 def _square(chips: int, dims: int, largest: int) -> tuple[int, ...]:
