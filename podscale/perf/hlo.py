@@ -467,11 +467,16 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             operand_types = [types[comp].get(o, "") for o in operands]
             flops, mm, dtype, nbytes = _op_cost(comps, types, opcode, type_text, operand_types, attrs)
             out_dtype = _bytes(type_text)[1]
-            raw[name] = [name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype, False]
-            raw[name].append((operands, operand_types, _converts(comps, opcode, attrs, operand_types, out_dtype)))
-            raw[name].append(_conv_flops(comps, types, opcode, type_text, operand_types, attrs))
+            conv, channels = _conv_flops(comps, types, opcode, type_text, operand_types, attrs)
+            op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
+            raw[name] = _Draft(
+                dataclasses.replace(op, conv_flops=conv, conv_channels=channels),
+                operands,
+                operand_types,
+                _converts(comps, opcode, attrs, operand_types, out_dtype),
+            )
         _mark_upcasts(raw)
-        ops += [Op(*r[:11], conv_flops=r[12][0], conv_channels=r[12][1]) for r in raw.values()]
+        ops += [r.op for r in raw.values()]
     return Module(out, unknown, memory or {}, ops)
 
 
@@ -520,30 +525,39 @@ def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
     return None
 
 
-def _mark_upcasts(raw: dict[str, list]) -> None:
+@dataclasses.dataclass
+class _Draft:
+    """An op while its module is read: what :func:`_mark_upcasts` needs beside it."""
+
+    op: Op
+    operands: list[str]
+    operand_types: list[str]
+    converts_from: str | None
+    """The dtype it converts from, when it is a convert-only op (see :func:`_converts`)."""
+
+
+def _mark_upcasts(raw: dict[str, _Draft]) -> None:
     """XLA:CPU has no bf16 matrix products: it converts their operands to f32 and the result back.
     A matmul op all of whose float32 operands are such converts (from bf16 or f16) is marked with
     the program's dtype and its bytes at that width, and the converts around it as ``upcast``
     (ops an accelerator does not run). A product with a genuine float32 operand keeps float32."""
     narrow: set[str] = set()
     for name, r in raw.items():
-        operands, operand_types, _ = r[11]
-        if not r[3]:
+        if not r.op.matmul_flops:
             continue
-        wide = [(o, t) for o, t in zip(operands, operand_types, strict=False) if _bytes(t)[1] == "f32"]
-        if not wide or any(o not in raw or raw[o][11][2] not in _NARROW for o, _ in wide):
+        wide = [(o, t) for o, t in zip(r.operands, r.operand_types, strict=False) if _bytes(t)[1] == "f32"]
+        if not wide or any(o not in raw or raw[o].converts_from not in _NARROW for o, _ in wide):
             continue
-        for o, t in wide:
-            raw[o][10] = True
-            r[4] = max(0.0, r[4] - _bytes(t)[0] / 2)
-        r[5] = raw[wide[0][0]][11][2]
+        saved = sum(_bytes(t)[0] / 2 for _, t in wide)
+        for o, _ in wide:
+            raw[o].op = dataclasses.replace(raw[o].op, upcast=True)
+        r.op = dataclasses.replace(r.op, matmul_dtype=raw[wide[0][0]].converts_from, bytes=max(0.0, r.op.bytes - saved))
         narrow.add(name)
     for r in raw.values():
-        operands, _, source = r[11]
-        if source == "f32" and operands and operands[0] in narrow:
-            r[10] = True
-            mm = raw[operands[0]]
-            mm[4] = max(0.0, mm[4] - _bytes(r[11][1][0])[0] / 2)
+        if r.converts_from == "f32" and r.operands and r.operands[0] in narrow:
+            r.op = dataclasses.replace(r.op, upcast=True)
+            mm = raw[r.operands[0]]
+            mm.op = dataclasses.replace(mm.op, bytes=max(0.0, mm.op.bytes - _bytes(r.operand_types[0])[0] / 2))
 
 
 def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
