@@ -484,8 +484,9 @@ def _elementwise(p: Partitioner, eqn, ins):
     if len(dims) != 1:
         return None
     (dim,) = dims
-    if name in _KEY_OPS and dim >= len(eqn.invars[0].aval.shape):
+    if name in _KEY_OPS and name != "random_fold_in" and dim >= len(eqn.invars[0].aval.shape):
         return None  # random-key ops extend their key's shape; only the key's dimensions split
+    # (fold_in broadcasts a key against its data, position by position: it extends nothing.)
     if name == "bitcast_convert_type" and dim >= min(len(shape), len(eqn.invars[0].aval.shape)) - (
         len(shape) != len(eqn.invars[0].aval.shape)
     ):
@@ -902,6 +903,7 @@ _RULES = {
     "reduce_sum": _reduce,
     "reduce_max": _reduce,
     "reduce_min": _reduce,
+    "reduce_prod": _reduce,
     "reduce_or": _reduce_or_and,
     "reduce_and": _reduce_or_and,
     "argmax": _along_other_dim("axes"),
@@ -912,6 +914,7 @@ _RULES = {
     "cummin": _along_other_dim("axis"),
     "cumlogsumexp": _along_other_dim("axis"),
     "sort": _along_other_dim("dimension"),
+    "top_k": _along_other_dim("axis"),
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
     "gather": _gather,

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from podscale import report
 from podscale.parallel import spatial
-from podscale.perf.hlo import ring_bytes
+from podscale.perf.hlo import layer_of, ring_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,12 @@ class Plan:
             )
             for note in sp["uneven_layers"]:
                 console.print(f"  [yellow]{note}[/]")
+            if sp.get("gathers"):
+                title = (
+                    f"gathered or summed over the space axis {sp['axis']!r}, per layer "
+                    f"({report.size(sp['gather_bytes_per_device'])} per device)"
+                )
+                _per_layer(title, sp["gathers"], console)
         tp = self.tensor
         if tp:
             console.print(
@@ -144,14 +150,7 @@ class Plan:
             for note in tp["notes"]:
                 console.print(f"  [yellow]{note}[/]")
             if tp.get("collectives"):
-                table = Table(title=f"collectives over the model axis {tp['axis']!r}, per layer", title_justify="left")
-                table.add_column("layer", overflow="fold")
-                table.add_column("kind", no_wrap=True)
-                table.add_column("runs", justify="right", no_wrap=True)
-                table.add_column("bytes/device", justify="right", no_wrap=True)
-                for c in tp["collectives"]:
-                    table.add_row(c["layer"] or "?", c["kind"], str(c["runs"]), report.size(c["bytes_per_device"]))
-                report.show(table, console)
+                _per_layer(f"collectives over the model axis {tp['axis']!r}, per layer", tp["collectives"], console)
         t = self.traffic
         if t:
             console.print(
@@ -175,6 +174,17 @@ class Plan:
             console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(self.whole_ops)}")
         if self.gathered_ops:
             console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(self.gathered_ops)}")
+
+
+def _per_layer(title: str, rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title=title, title_justify="left")
+    table.add_column("layer", overflow="fold")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("runs", justify="right", no_wrap=True)
+    table.add_column("bytes/device", justify="right", no_wrap=True)
+    for c in rows:
+        table.add_row(c["layer"] or "?", c["kind"], str(c["runs"]), report.size(c["bytes_per_device"]))
+    report.show(table, console)
 
 
 def make_plan(dp, compiled=None) -> Plan:
@@ -300,7 +310,32 @@ def _spatial(dp, compiled) -> dict[str, Any] | None:
         halos = [c for c in compiled.collectives if c.kind == "collective-permute"]
         out["halo_exchanges"] = sum(c.count for c in halos)
         out["halo_bytes_per_device"] = sum(c.buffer_bytes * c.count for c in halos)
+        # Everything else the space axis moves: what XLA gathers or sums over the partitions
+        # (a ranking over the whole image, pooled regions, the weights' gradients), per layer.
+        per: dict[tuple[str, str], dict[str, Any]] = {}
+        for c in compiled.collectives:
+            if c.kind == "collective-permute" or dp.space not in c.axes:
+                continue
+            layer = _layers(c.op_name)
+            row = per.setdefault((layer, c.kind), {"layer": layer, "kind": c.kind, "runs": 0, "bytes_per_device": 0})
+            row["runs"] += c.count
+            row["bytes_per_device"] += c.buffer_bytes * c.count
+        out["gathers"] = sorted(per.values(), key=lambda r: -r["bytes_per_device"])
+        out["gather_bytes_per_device"] = sum(r["bytes_per_device"] for r in per.values())
     return out
+
+
+def _layers(op_name: str) -> str:
+    """The layers of a collective XLA combined from several (its ``op_name`` joins theirs with
+    ``:``), each once, in order: ``roi_align_14x14, rpn_targets (forward)``."""
+    names: list[str] = []
+    for part in op_name.split(":"):
+        layer = layer_of(part).removesuffix(" (forward)").removesuffix(" (backward)")
+        if layer and layer not in names:
+            names.append(layer)
+    if not names:
+        return ""
+    return ", ".join(names) + (" (backward)" if "transpose(" in op_name else " (forward)")
 
 
 def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:

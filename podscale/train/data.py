@@ -77,7 +77,10 @@ class DigitDetection:
     float32 ``[canvas, canvas]`` in [0, 1]; ``boxes`` float32 ``[max_objects, 4]`` ltrb in [0, 1]
     (rows past the canvas's objects are zero); ``labels`` int32 ``[max_objects]``: the digit + 1,
     0 for no object. With ``encoder`` (``(boxes, labels) -> dict``), its arrays are added, e.g.
-    the SSD targets of every default box.
+    the SSD targets of every default box. With ``mask_size``, each object's instance mask too
+    (its glyph's inked pixels): ``masks`` float32 ``[max_objects, mask_size, mask_size]``, the mask
+    cropped at the object's box and sampled (nearest) to that size (zeros past the objects), and
+    ``index`` int32, the canvas's index; :meth:`instance_masks` gives the whole-canvas masks.
     """
 
     num_classes = 10
@@ -91,6 +94,7 @@ class DigitDetection:
         min_size: int = 14,
         max_size: int = 30,
         encoder=None,
+        mask_size: int | None = None,
     ):
         if split not in ("train", "test"):
             raise ValueError(f"DigitDetection split {split!r}: use 'train' or 'test'")
@@ -100,6 +104,9 @@ class DigitDetection:
             )
         self.split, self.canvas, self.max_objects = split, canvas, max_objects
         self.min_size, self.max_size, self.encoder = min_size, max_size, encoder
+        if mask_size is not None and mask_size < 1:
+            raise ValueError(f"DigitDetection: mask_size must be at least 1, got {mask_size}")
+        self.mask_size = mask_size
         self.size = size if size is not None else (4096 if split == "train" else 512)
         self._glyphs = Digits(split)
 
@@ -107,11 +114,19 @@ class DigitDetection:
         return self.size
 
     def example(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._example(index)[:3]
+
+    def instance_masks(self, index: int) -> np.ndarray:
+        """``[objects, canvas, canvas]`` bool: each object's inked pixels on the whole canvas."""
+        return self._example(index)[3]
+
+    def _example(self, index: int):
         rng = np.random.default_rng([0 if self.split == "train" else 1, int(index)])
         image = np.zeros((self.canvas, self.canvas), np.float32)
         taken = np.zeros_like(image, dtype=bool)
         boxes = np.zeros((self.max_objects, 4), np.float32)
         labels = np.zeros(self.max_objects, np.int32)
+        masks = []
         count = int(rng.integers(1, self.max_objects + 1))
         placed = 0
         for _ in range(50 * count):  # rejection sampling of free squares
@@ -130,16 +145,32 @@ class DigitDetection:
                 np.array([x + cols.min(), y + rows.min(), x + cols.max() + 1, y + rows.max() + 1]) / self.canvas
             )
             labels[placed] = int(glyph["label"][0]) + 1
+            mask = np.zeros(image.shape, bool)
+            mask[y : y + s, x : x + s] = pixels > 0
+            masks.append(mask)
             placed += 1
-        return image, boxes, labels
+        return image, boxes, labels, np.asarray(masks, bool).reshape(-1, self.canvas, self.canvas)
+
+    def _crops(self, boxes: np.ndarray, masks: np.ndarray) -> np.ndarray:
+        size = self.mask_size
+        out = np.zeros((self.max_objects, size, size), np.float32)
+        for i, (box, mask) in enumerate(zip(boxes, masks, strict=False)):
+            x0, y0, x1, y1 = np.rint(box * self.canvas).astype(int)
+            rows = y0 + ((np.arange(size) + 0.5) * (y1 - y0) / size).astype(int)
+            cols = x0 + ((np.arange(size) + 0.5) * (x1 - x0) / size).astype(int)
+            out[i] = mask[np.ix_(rows, cols)]
+        return out
 
     def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        examples = [self.example(int(i)) for i in np.asarray(indices)]
+        examples = [self._example(int(i)) for i in np.asarray(indices)]
         out = {
             "image": np.stack([e[0] for e in examples]),
             "boxes": np.stack([e[1] for e in examples]),
             "labels": np.stack([e[2] for e in examples]),
         }
+        if self.mask_size is not None:
+            out["masks"] = np.stack([self._crops(e[1], e[3]) for e in examples])
+            out["index"] = np.asarray(indices, np.int32).reshape(-1)
         if self.encoder is not None:
             encoded = [self.encoder(b[lab > 0], lab[lab > 0]) for _, b, lab in examples]
             for key in encoded[0]:

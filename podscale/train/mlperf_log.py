@@ -101,15 +101,22 @@ def read(path: str) -> list[dict]:
         return parse(f)
 
 
-def time_to_target(events: list[dict], target: float) -> dict | None:
-    """Seconds from the last ``run_start`` to the first ``eval_accuracy`` >= ``target`` after it,
-    with that evaluation's value and metadata; ``None`` when the target was not reached."""
+def _at_least(value, target) -> bool:
+    if isinstance(target, dict):  # e.g. Mask R-CNN's {"BBOX": ..., "SEGM": ...}: every key
+        return isinstance(value, dict) and all(k in value and value[k] >= t for k, t in target.items())
+    return value >= target
+
+
+def time_to_target(events: list[dict], target) -> dict | None:
+    """Seconds from the last ``run_start`` to the first ``eval_accuracy`` >= ``target`` after it
+    (a dict target: each of its keys in the logged dict), with that evaluation's value and
+    metadata; ``None`` when the target was not reached."""
     starts = [i for i, e in enumerate(events) if e["key"] == constants.RUN_START]
     if not starts:
         raise ValueError("the MLPerf log has no run_start event")
     start = events[starts[-1]]
     for event in events[starts[-1] :]:
-        if event["key"] == constants.EVAL_ACCURACY and event["value"] is not None and event["value"] >= target:
+        if event["key"] == constants.EVAL_ACCURACY and event["value"] is not None and _at_least(event["value"], target):
             return {
                 "seconds": (event["time_ms"] - start["time_ms"]) / 1000.0,
                 "value": event["value"],

@@ -12,6 +12,7 @@ _MODULES = {
     "bert-large": "podscale.workloads.bert_large",
     "gnmt": "podscale.workloads.gnmt",
     "ssd": "podscale.workloads.ssd",
+    "maskrcnn": "podscale.workloads.maskrcnn",
 }
 NAMES = tuple(_MODULES)
 

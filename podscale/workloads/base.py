@@ -82,6 +82,12 @@ class Workload:
     """``(model, variables, eval_data) -> metrics`` over the whole held-out set, on the host, for a
     metric that is not a mean over examples (COCO mAP); ``eval_metric`` is then one of its keys,
     and ``eval_metrics`` gives the per-example ones (loss) beside it."""
+    mlperf_accuracy: Callable[[dict[str, float]], Any] | None = None
+    """``(results) -> value`` logged as MLPerf's ``eval_accuracy`` (default: the ``eval_metric``'s
+    value); Mask R-CNN's is ``{"BBOX": box AP, "SEGM": mask AP}``, as its reference logs it."""
+    quality: Callable[[Any], dict[str, float]] | None = None
+    """``(config) -> {metric: target}``: metrics a run must reach besides ``--target``'s
+    ``eval_metric`` (Mask R-CNN's box AP beside its mask AP)."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
 
