@@ -321,6 +321,8 @@ def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", [n for n in workloads.NAMES if n != "maskrcnn"])
 def test_full_config_sharded_update_at_its_limit(name):
+    # maskrcnn's full config (832x1344 images) compiles in the full-config test above; its
+    # update at the limit is the tiny config's (the rule does not depend on the images' size).
     _check_update_at_its_limit(*_plans(name, "full"))

@@ -172,7 +172,7 @@ class DigitDetection:
             out["masks"] = np.stack([self._crops(e[1], e[3]) for e in examples])
             out["index"] = np.asarray(indices, np.int32).reshape(-1)
         if self.encoder is not None:
-            encoded = [self.encoder(b[lab > 0], lab[lab > 0]) for _, b, lab in examples]
+            encoded = [self.encoder(b[lab > 0], lab[lab > 0]) for _, b, lab, _ in examples]
             for key in encoded[0]:
                 out[key] = np.stack([e[key] for e in encoded])
         return out
