@@ -13,8 +13,9 @@ index, so it is a function of the example, not of where its row lands in a data-
 Under spatial partitioning the feature maps are split along their height; the per-anchor scores
 and boxes (a few numbers per anchor), which proposal selection ranks over the whole image, are
 what XLA gathers; RoIAlign reads the split maps by gathers that XLA partitions: each partition
-reads the points in its own rows and the regions' values are summed over the partitions (an
-all-reduce of the pooled regions, not of the maps).
+answers the sample points in its own rows (zero elsewhere) and every gathered sample is
+all-reduced over the partitions. No map is gathered whole, but the samples (4 corners x the
+bins' points x every level) can outnumber a small map's pixels: the plan shows their bytes.
 """
 
 from __future__ import annotations
