@@ -167,13 +167,16 @@ def _run_train(args) -> int:
     if jax.process_index() == 0:
         if summary["time_to_target_s"] is not None:
             print(
-                f"time to target: {summary['time_to_target_s']:.1f} s "
-                f"(held-out {summary['eval_metric']} {summary['eval_value']:.4f} >= {summary['target']} at step {summary['target_step']})",
+                f"time to target: {summary['time_to_target_s']:.1f} s (held-out "
+                + ", ".join(f"{k} {summary['eval'][k]:.4f} >= {v}" for k, v in summary["targets"].items())
+                + f" at step {summary['target_step']})",
                 file=sys.stderr if args.json else sys.stdout,
             )
         elif summary["target"] is not None:
             print(
-                f"target {summary['target']} not reached in {summary['steps']} steps (held-out {summary['eval_metric']} {summary['eval_value']})",
+                f"targets {summary['targets']} not reached in {summary['steps']} steps (held-out "
+                + ", ".join(f"{k} {summary['eval'].get(k)}" for k in summary["targets"])
+                + ")",
                 file=sys.stderr,
             )
         if args.json:

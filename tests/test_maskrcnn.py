@@ -19,7 +19,7 @@ STEPS = 5
 
 def test_full_config_has_the_published_parameter_count_and_the_v07_recipe():
     count = maskrcnn.WORKLOAD.param_count("full")
-    assert abs(count / maskrcnn.REFERENCE_PARAMS - 1) <= 0.02, count
+    assert count == maskrcnn.REFERENCE_PARAMS  # the same layers as torchvision's, 91 classes
     cfg = maskrcnn.FULL
     assert cfg.global_batch == 128 and cfg.num_classes + 1 == 91 and cfg.spatial == 8
     schedule = maskrcnn.learning_rate_schedule(cfg, cfg.train_steps)
@@ -210,14 +210,15 @@ def test_loss_of_an_image_without_objects_is_its_backgrounds_alone_and_finite():
 
 _REFERENCE = {}
 
-PARAMS_TOLERANCE = 1e-3
-"""How far the partitioned run's parameters may be from one device's after 5 steps, relative.
-Mask R-CNN's step is ill-conditioned in float32: the proposals' coordinates come out of the RPN's
-convolutions, so an ulp there moves a region by ~1e-6 pixel, and RoIAlign turns that into a
+PARAMS_TOLERANCE = 1e-5
+"""How far the partitioned run's parameters may be from one device's after 5 steps, relative
+(largest difference over the leaf's largest value). Measured: 2.8e-6 (k = 2) and 2.4e-6 (k = 4).
+Mask R-CNN's step amplifies roundoff more than a classifier's: the proposals' coordinates come
+out of the RPN's convolutions, so an ulp there moves a region, and RoIAlign turns that into a
 change of the pooled features along the map's gradient; one device on the same batches with its
-rows reordered (the same arithmetic, another summation order) already lands ~1.5e-4 away
-(test_reordering_rows_on_one_device_moves_the_parameters_past_1e_5). The losses, which do not
-amplify it, are held to 1e-6 at every step."""
+rows reordered (the same arithmetic, another summation order) lands 1.7e-6 away
+(test_reordering_rows_on_one_device_moves_the_parameters_as_far). The losses are held to 1e-6
+at every step."""
 
 
 def _reference(step, state, batches):
@@ -231,10 +232,11 @@ def _reference(step, state, batches):
     return _REFERENCE["run"]
 
 
-def test_reordering_rows_on_one_device_moves_the_parameters_past_1e_5():
+def test_reordering_rows_on_one_device_moves_the_parameters_as_far():
     """The spec's own sensitivity (see PARAMS_TOLERANCE): the same 5 steps with each batch's
     rows permuted on one device (each image's loss and gradient are the same; only their sums'
-    order differs) end more than 1e-5 away, relative; their losses stay within 1e-6."""
+    order differs) do not end bit-identical, but within the tolerance the partitioned runs are
+    held to; their losses stay within 1e-6."""
     model, step, state, batches = _setup()
     want, losses = _reference(step, state, batches)
     perm = np.random.default_rng(0).permutation(len(batches[0]["index"]))
@@ -242,7 +244,7 @@ def test_reordering_rows_on_one_device_moves_the_parameters_past_1e_5():
     for batch in batches:
         s, metrics = jstep(s, jax.tree.map(lambda x: x[perm], batch))
         got.append(float(metrics["loss"]))
-    assert 1e-5 < max_relative_diff(jax.device_get(s), want) <= PARAMS_TOLERANCE
+    assert 0 < max_relative_diff(jax.device_get(s), want) <= PARAMS_TOLERANCE
     np.testing.assert_allclose(got, losses, rtol=1e-6)
 
 

@@ -130,12 +130,13 @@ class Task:
 def make_train_step(task: Task, optimizer: optax.GradientTransformation, seed: int = 0) -> Callable:
     """The plain single-device step: ``step(state, batch) -> (new_state, metrics)``.
 
-    A workload with dropout draws its masks from ``fold_in(key(seed), state.step)``: a function of
+    A workload with dropout (or random sampling) draws from ``fold_in(key(seed), state.step)``: a function of
     the seed and the step only, so a resumed run draws the masks the uninterrupted run drew, and
     podscale's partitioned step draws each replica's rows of the very masks one device draws."""
 
     def step(state: TrainState, batch):
-        rng = jax.random.fold_in(jax.random.key(seed), state.step) if task.dropout else None
+        draws = task.dropout or (task.workload is not None and task.workload.samples)
+        rng = jax.random.fold_in(jax.random.key(seed), state.step) if draws else None
 
         def loss_fn(params):
             per, batch_stats = task.train_outputs(state, params, batch, rng)

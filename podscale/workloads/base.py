@@ -88,6 +88,9 @@ class Workload:
     quality: Callable[[Any], dict[str, float]] | None = None
     """``(config) -> {metric: target}``: metrics a run must reach besides ``--target``'s
     ``eval_metric`` (Mask R-CNN's box AP beside its mask AP)."""
+    samples: bool = False
+    """Whether the training loss draws random samples (Mask R-CNN's anchors and regions): it is
+    then given the step's key, as dropout is (``fold_in(key(seed), step)``)."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
 

@@ -28,7 +28,14 @@ as the reference logs it and the v0.7 checker asks; the run reaches its target w
 The tiny config is the same network with narrower stages, one block each and P2-P4, on 64x64
 canvases of the digits detection set with instance masks (each glyph's inked pixels). Expected::
 
-    podscale train --model maskrcnn --config tiny --target 0.45 --no-progress
+    podscale train --model maskrcnn --config tiny --steps 600 --eval-every 50 --target 0.5 --no-progress
+
+The full config has no ImageNet-pretrained backbone to start from (the references load one; its
+frozen batch norm and frozen stem and res2 are as theirs, at their initial values here): it is for
+compiling, planning and projecting; the tiny config trains its backbone, batch norm included.
+Deviations kept: boxes are continuous (no ``+1`` pixel widths), the detections' per-class NMS runs
+on the 10 x ``detections`` best class scores of an image, and each image's losses are its own
+sampled anchors' and regions' means.
 
 """
 
@@ -120,6 +127,28 @@ class MaskRCNNConfig:
     """Partitions per image in the recipe (``--spatial``)."""
     train_size: int = 0
     eval_size: int = 0
+
+    def __post_init__(self):
+        stages = len(self.stage_blocks)
+        checks = [
+            (len(self.stage_features) == stages, "stage_features and stage_blocks need one entry per stage"),
+            (self.max_level >= 1 + stages, f"max_level {self.max_level} is below the stages' last level {1 + stages}"),
+            (
+                self.mask_size == 2 * self.mask_pool,
+                f"mask_size {self.mask_size} must be 2 x mask_pool ({self.mask_pool})",
+            ),
+            (
+                self.roi_batch <= self.post_nms_train + self.max_objects,
+                f"roi_batch {self.roi_batch} exceeds the candidates it samples from (post_nms_train "
+                f"{self.post_nms_train} + max_objects {self.max_objects})",
+            ),
+            (0 < self.rpn_fg_fraction <= 1, f"rpn_fg_fraction {self.rpn_fg_fraction} is not in (0, 1]"),
+            (0 < self.roi_fg_fraction <= 1, f"roi_fg_fraction {self.roi_fg_fraction} is not in (0, 1]"),
+            (self.norm in ("frozen", "batch"), f"norm {self.norm!r}: use 'frozen' or 'batch'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"MaskRCNNConfig: {message}")
 
     @property
     def levels(self) -> range:
@@ -417,16 +446,19 @@ class MaskRCNN(nn.Module):
 
     # -- training --------------------------------------------------------------------------------
 
-    def losses(self, batch, train: bool = True):
+    def losses(self, batch, train: bool = True, rng: jax.Array | None = None):
         """Each image's loss (``[N]``: RPN, box head and mask head) and its box head's accuracy
-        over its sampled regions."""
+        over its sampled regions. The anchors and regions are sampled with ``fold_in(rng,
+        index)`` per image (``rng``: the step's key; ``None``: a fixed key), so an image's sample
+        depends on the step and the image, not on which replica or partition holds its row."""
         cfg = self.cfg
         h, w = cfg.image_size
         maps = self.features(batch["image"], train)
         logits, offsets = self.rpn(maps)
         gt_boxes = batch["boxes"] * jnp.array([w, h, w, h], jnp.float32)
         gt_labels = batch["labels"]
-        keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.key(0), i)))(batch["index"])
+        base = jax.random.key(0) if rng is None else rng  # the step's key: new samples every step
+        keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(base, i)))(batch["index"])
         anchors = jnp.concatenate(self._anchors())
         with jax.named_scope("rpn_targets"):
             rpn = jax.vmap(functools.partial(_rpn_loss, anchors=anchors, cfg=cfg))(
@@ -547,9 +579,10 @@ def batch_shapes(cfg: MaskRCNNConfig, global_batch: int) -> dict[str, jax.ShapeD
     }
 
 
-def tiny_data(split: str = "train", size: int | None = None) -> DigitDetection:
+def tiny_data(split: str = "train", size: int | None = None, cfg: MaskRCNNConfig | None = None) -> DigitDetection:
+    cfg = cfg or TINY
     return DigitDetection(
-        split, size=size, canvas=TINY.image_size[0], max_objects=TINY.max_objects, mask_size=TINY.gt_mask_size
+        split, size=size, canvas=cfg.image_size[0], max_objects=cfg.max_objects, mask_size=cfg.gt_mask_size
     )
 
 
@@ -560,7 +593,7 @@ def make_data(cfg: MaskRCNNConfig, seed: int):
             "maskrcnn --config full trains on COCO 2017 (the MLPerf data set), which does not ship with podscale; "
             "use --config tiny (the digits detection set with instance masks)"
         )
-    return tiny_data("train", cfg.train_size), tiny_data("test", cfg.eval_size)
+    return tiny_data("train", cfg.train_size, cfg), tiny_data("test", cfg.eval_size, cfg)
 
 
 def learning_rate_schedule(cfg: MaskRCNNConfig, total_steps: int):
@@ -580,15 +613,17 @@ def learning_rate_schedule(cfg: MaskRCNNConfig, total_steps: int):
 
 def _groups(cfg: MaskRCNNConfig):
     """Each parameter's group: ``frozen`` (the stem and the first ``freeze_stages`` stages),
-    ``bias`` (biases and batch norm's scale and offset: no weight decay, twice the learning rate,
-    as Google's ``mask_rcnn_model.py``), or ``weight``."""
+    ``bias`` (biases and batch norm's offset: no weight decay, twice the learning rate, as Google's
+    ``mask_rcnn_model.py``), ``norm`` (batch norm's scale: no weight decay), or ``weight``."""
     stages = tuple(f"res{s + 2}_" for s in range(cfg.freeze_stages))
 
     def label(path, leaf):
         names = [str(getattr(p, "key", p)) for p in path]
         if cfg.freeze_stages and (names[0] in ("stem", "stem_norm") or names[0].startswith(stages)):
             return "frozen"
-        if names[-1] in ("bias", "scale") or leaf.ndim == 1:
+        if names[-1] == "scale":
+            return "norm"
+        if names[-1] == "bias" or leaf.ndim == 1:
             return "bias"
         return "weight"
 
@@ -596,12 +631,14 @@ def _groups(cfg: MaskRCNNConfig):
 
 
 def make_optimizer(cfg: MaskRCNNConfig, total_steps: int):
-    """SGD with momentum; weight decay (coupled) on the weights only; biases at twice the rate."""
+    """SGD with momentum; weight decay (coupled) on the weights only; biases at twice the rate;
+    batch norm's scale at the rate, without decay."""
     schedule = learning_rate_schedule(cfg, max(2, total_steps))
     return optax.multi_transform(
         {
             "weight": optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.sgd(schedule, cfg.momentum)),
             "bias": optax.sgd(lambda s: 2.0 * schedule(s), cfg.momentum),
+            "norm": optax.sgd(schedule, cfg.momentum),
             "frozen": optax.set_to_zero(),
         },
         _groups(cfg),
@@ -617,10 +654,10 @@ def hparams(cfg: MaskRCNNConfig, total_steps: int) -> dict:
         C.OPT_BASE_LR: cfg.learning_rate,
         C.OPT_WEIGHT_DECAY: cfg.weight_decay,
         C.OPT_LR_WARMUP_STEPS: warmup,
-        # As Google's log: the rate's rise per warmup step, a fraction of the base rate.
+        # As Google's log: the rate's rise per warmup step (base rate / warmup steps).
         C.OPT_LR_WARMUP_FACTOR: cfg.learning_rate / warmup,
         C.OPT_LR_DECAY_FACTOR: cfg.decay_factor,
-        C.OPT_LR_DECAY_STEPS: [max(1, round(d * scale)) for d in cfg.decay_steps],
+        C.OPT_LR_DECAY_STEPS: [max(1, round(d * scale)) for d in cfg.decay_steps if round(d * scale) > warmup],
         C.NUM_IMAGE_CANDIDATES: cfg.post_nms_train,
         C.MIN_IMAGE_SIZE: min(cfg.image_size),
         C.MAX_IMAGE_SIZE: max(cfg.image_size),
@@ -631,17 +668,16 @@ def init(model: MaskRCNN, rng: jax.Array, batch) -> dict:
     return model.init(rng, batch["image"], train=False)
 
 
-def _losses(model, variables, batch, train: bool):
+def _losses(model, variables, batch, train: bool, rng=None):
     mutable = ["batch_stats"] if train and model.cfg.norm == "batch" else False
-    out = model.apply(variables, batch, train=train, method=MaskRCNN.losses, mutable=mutable)
+    out = model.apply(variables, batch, train=train, rng=rng, method=MaskRCNN.losses, mutable=mutable)
     return out if mutable else (out, {"batch_stats": variables.get("batch_stats", {})})
 
 
 def train_loss(model: MaskRCNN, variables: dict, batch, rng: jax.Array | None = None):
     """Per image: the loss of the references (RPN + box head + mask head) and the box head's
     accuracy over the sampled regions."""
-    del rng  # no dropout; sampling draws from the examples' own keys
-    per, updates = _losses(model, variables, batch, train=True)
+    per, updates = _losses(model, variables, batch, train=True, rng=rng)
     return per, updates["batch_stats"]
 
 
@@ -699,4 +735,5 @@ WORKLOAD = Workload(
     evaluate=evaluate,
     mlperf_accuracy=mlperf_accuracy,
     quality=lambda cfg: {"box_ap": cfg.box_target},
+    samples=True,
 )

@@ -137,11 +137,15 @@ def sample(key, labels, size: int, positive_fraction: float):
     if size > n:
         raise ValueError(f"sampling {size} of {n} candidates: the sample is larger than the candidates")
     priority = jax.random.uniform(key, (n,))
+    if not 0 <= positive_fraction <= 1:
+        raise ValueError(f"sampling: positive_fraction {positive_fraction} is not in [0, 1]")
     quota = int(positive_fraction * size)
     pos = labels == 1
     if quota:
         kth = jax.lax.top_k(jnp.where(pos, priority, -1.0), quota)[0][-1]
         pos = pos & (priority >= kth)
+    else:
+        pos = jnp.zeros_like(pos)
     # Positives rank above every negative, negatives above the rest; top_k keeps that order.
     rank = jnp.where(pos, 2.0 + priority, jnp.where(labels == 0, 1.0 + priority, -1.0))
     values, indices = jax.lax.top_k(rank, size)
@@ -227,11 +231,12 @@ def bilinear(fmap, y, x):
     return jnp.where(outside[..., None], 0.0, out)
 
 
-def roi_align(fmap, boxes, output: int, sampling_ratio: int, spatial_scale: float, aligned: bool = True):
+def roi_align(fmap, boxes, output: int, sampling_ratio: int, spatial_scale: float, aligned: bool = False):
     """RoIAlign of ``boxes [R, 4]`` (image pixels) on one image's ``fmap [H, W, C]`` (a level of
     stride ``1 / spatial_scale``): ``[R, output, output, C]``, each bin the mean of
-    ``sampling_ratio**2`` bilinear samples at regular points (torchvision's ``roi_align`` with
-    ``aligned``: the box shifted by half a pixel)."""
+    ``sampling_ratio**2`` bilinear samples at regular points: torchvision's ``roi_align``, by
+    default as maskrcnn-benchmark's ``ROIAlign`` (``aligned=False``: boxes at least a cell wide);
+    ``aligned=True`` shifts the box by half a pixel (Detectron2's)."""
     offset = 0.5 if aligned else 0.0
     b = boxes * spatial_scale - offset
     x0, y0 = b[:, 0], b[:, 1]
