@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_abs_diff, run_parallel, run_single
+from helpers import leaf_relative_error, max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
 from podscale.parallel.mesh import BN_GROUP
@@ -296,3 +296,50 @@ def test_group_statistics_meeting_an_op_without_a_rule_are_refused_not_wrong():
     batch = {"x": jax.random.normal(jax.random.key(1), (64, 5))}
     with pytest.raises(NotImplementedError, match="concatenate.*batch-norm group statistics"):
         dp.place_state(jnp.ones((5, 3)), batch)
+
+
+def _least_squares_step(tx):
+    def step(state, batch):
+        params, opt = state
+
+        def loss(p):
+            pred = jax.lax.conv_general_dilated(
+                batch["x"], p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            ).mean((1, 2))
+            return jnp.mean((pred @ p["w"] - batch["y"]) ** 2)
+
+        loss_value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss_value}
+
+    return step
+
+
+def _rows_batch(rng, rows: int, height: int = 8):
+    return {
+        "x": rng.normal(size=(rows, height, height, 2)).astype(np.float32),
+        "y": rng.normal(size=(rows, 3)).astype(np.float32),
+    }
+
+
+# Any sequence of global batch sizes (and image sizes) that one device takes: each new signature is
+# traced and partitioned anew, as jax.jit retraces; a size seen before reuses its program.
+SIZE_SEQUENCES = [((16, 8), (32, 8)), ((32, 8), (16, 8)), ((16, 8), (24, 8), (16, 8)), ((8, 8), (8, 12), (16, 4))]
+
+
+@pytest.mark.parametrize("sizes", SIZE_SEQUENCES, ids=lambda s: "-".join(f"{n}x{h}" for n, h in s))
+@pytest.mark.parametrize(("mesh_shape", "options"), [((8,), {}), ((4, 2), {"spatial": 2})], ids=["dp", "spatial"])
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_a_step_called_with_another_global_batch_size_retraces(sizes, mesh_shape, options, weight_update):
+    tx = optax.sgd(0.1, momentum=0.9)
+    step = _least_squares_step(tx)
+    params = {"k": jnp.full((3, 3, 2, 4), 0.1), "w": jnp.ones((4, 3)) / 4}
+    state = (params, tx.init(params))
+    rng = np.random.default_rng(0)
+    batches = [_rows_batch(rng, n, h) for n, h in sizes]
+    dp = data_parallel(step, make_mesh(mesh_shape), weight_update=weight_update, min_shard_size=4, **options)
+    got_state, got_metrics = run_parallel(dp, state, batches)
+    want_state, want_metrics = run_single(step, state, batches)
+    assert leaf_relative_error(got_state, want_state) < 1e-6
+    assert leaf_relative_error(got_metrics, want_metrics) < 1e-6
+    assert len(dp._jitted) == len(set(sizes))  # one program per signature, reused when it comes back

@@ -95,6 +95,12 @@ def trace_global(step: Step, state, batch, group_axis: str | None = None) -> Glo
     return GlobalTrace(closed, jax.tree.structure(out_shape), len(jax.tree.leaves(state)))
 
 
+def _signature(batch) -> tuple:
+    """What a traced program depends on in a batch: its tree, and each leaf's shape and dtype."""
+    shapes = _shapes(batch)
+    return jax.tree.structure(shapes), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes))
+
+
 def _whole(kind: str, path, x):
     if _interpret.varying_axes(jax.typeof(x)):
         raise AssertionError(f"podscale left {kind}{_path(path)} per replica; please report this with the step")
@@ -155,8 +161,11 @@ class DataParallelStep:
         self.model_dims: tuple[int | None, ...] | None = None
         """With ``model_parallel``: per state leaf, the dimension split over the model axis."""
         self.trace: Trace | None = None
+        """What the step last traced did (collectives, gathered ops), for the plan."""
         self._global: tuple | None = None
-        self._jitted = None
+        self._jitted: dict[tuple, Any] = {}
+        """One jitted program per batch signature (tree, shapes, dtypes), as ``jax.jit`` retraces."""
+        self._traces: dict[tuple, Trace] = {}
 
     # The strategy's fields, as the rest of the step reads them.
     weight_update = property(lambda self: self.strategy.weight_update)
@@ -261,11 +270,13 @@ class DataParallelStep:
         return make_plan(self, module)
 
     def _check_spatial(self, abstract_state, batch) -> None:
-        """Finds the image leaves of ``batch`` and refuses heights the space axis does not divide."""
+        """Finds the image leaves of ``batch`` and refuses heights the space axis does not divide.
+        Runs for every new batch signature: the windows of all of them are kept, so a batch of
+        either shape is recognised as images."""
         found = list(spatial.windows(self.global_trace(abstract_state, batch).closed.jaxpr))
         shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
         self.images = spatial.image_leaves(shapes, found)
-        self.windows = found
+        self.windows = [*self.windows, *(w for w in found if w not in self.windows)]
         images = [s for s, im in zip(shapes, self.images, strict=True) if im]
         self.uneven = spatial.check(found, self.strategy.spatial, self.space, images, self.strict)
 
@@ -319,17 +330,14 @@ class DataParallelStep:
         return found[0]
 
     # -- the step ---------------------------------------------------------------------------
-    def _build(self, batch):
+    def _build(self, batch, key: tuple):
         layout = self.layout
         axes = self.axes
         split = frozenset(leaf.shape for leaf in layout.leaves if leaf.model_dim is not None and leaf.weight)
         chunks = Layout(
             self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes, split_shapes=split
         )
-        abstract_state = jax.tree.unflatten(
-            layout.treedef,
-            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves],
-        )
+        abstract_state = self.layout_shapes()
         gt = self.global_trace(abstract_state, batch)
 
         def body(stored, batch):
@@ -357,7 +365,7 @@ class DataParallelStep:
                 jax.tree.structure(metrics, is_leaf=lambda x: isinstance(x, Sharded)),
                 self._finish_full(chunks, trace, pairs, "metrics"),
             )
-            self.trace = trace
+            self.trace = self._traces[key] = trace
             if self.strict and (trace.gathered_ops or trace.whole_ops):
                 raise ValueError(
                     "strict=True: refused before running; these ops would run on whole (gathered) values, "
@@ -409,11 +417,25 @@ class DataParallelStep:
         return jax.tree.unflatten(layout.treedef, out)
 
     def _compiled(self, state, batch):
+        """The jitted program for ``batch``'s signature: a batch of another size (or structure,
+        or dtypes) is traced and partitioned anew, as ``jax.jit`` retraces, and checked first."""
         if self.layout is None:
             self.prepare(state, batch)
-        if self._jitted is None:
-            self._jitted = self._build(batch)
-        return self._jitted
+        key = _signature(batch)
+        if key not in self._jitted:
+            if self.space:
+                self._check_spatial(self.layout_shapes(), batch)
+            self._jitted[key] = self._build(batch, key)
+        self.trace = self._traces.get(key, self.trace)
+        return self._jitted[key]
+
+    def layout_shapes(self):
+        """The user-layout state as ``ShapeDtypeStruct`` leaves (what the step is traced with)."""
+        layout = self.layout
+        return jax.tree.unflatten(
+            layout.treedef,
+            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves],
+        )
 
     def check_batch(self, batch) -> None:
         """Raises a ``ValueError`` naming the leaf when the replicas cannot split ``batch``."""
