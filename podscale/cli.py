@@ -69,6 +69,11 @@ def _train_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=None, help="with --workdir (default 100)")
     p.add_argument("--workdir", default=None, help="checkpoints and metrics.jsonl go here")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    p.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: set a damaged latest checkpoint aside (saying so) and resume from the newest intact one",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument(
         "--target",
@@ -309,8 +314,9 @@ def _project_parser(sub) -> None:
     b.add_argument("--global-batch", type=int, default=None, help="the global batch at every chip count")
     p.add_argument(
         "--strategies",
-        default=",".join(project_strategies()),
-        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d (weight update and gradient sum)",
+        default=None,
+        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d (weight update and gradient sum; "
+        f"default {','.join(project_strategies())}, where one that does not apply at a chip count is a row saying why)",
     )
     p.add_argument(
         "--multi-axis",
@@ -320,7 +326,9 @@ def _project_parser(sub) -> None:
         "slice) or ring (one ring through them all, paper 1's 1-D summation)",
     )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", default=None, help="write step time and throughput against chips to this .png")
+    p.add_argument(
+        "--plot", default=None, help="write step time and throughput against chips to this file (.png, .pdf, .svg, ...)"
+    )
     p.add_argument("--list-systems", action="store_true", help="print the systems and their figures' sources")
     p.add_argument(
         "--validate",
@@ -331,6 +339,39 @@ def _project_parser(sub) -> None:
     p.add_argument("--validate-models", default=None, help="--validate: comma-separated workloads (default all)")
     p.add_argument("--steps", type=int, default=8, help="--validate: timed steps per run (the fastest counts)")
     add_flags(p, Strategy(weight_update="sharded"))
+    for action in p._actions:  # each strategy of --strategies sets these two: refused if given
+        if action.dest in ("weight_update", "grad_sum"):
+            action.help = argparse.SUPPRESS
+    # Which flags were given (a flag --validate or --list-systems would ignore is refused): every
+    # flag's default is None here, a given flag never is; _project_given puts the defaults back.
+    defaults = vars(p.parse_args([]))
+    p.set_defaults(**dict.fromkeys(defaults, None), project_defaults=defaults)
+
+
+_VALIDATE_ONLY = ("validate_models", "steps")
+_PROJECT_MODES = ("json", "validate", "list_systems")
+
+
+def _project_given(args) -> list[str]:
+    """The ``project`` flags given (as dests, in the parser's order); the others get their defaults."""
+    given = []
+    for dest, default in args.project_defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        else:
+            given.append(dest)
+    return given
+
+
+def _parse_list(flag: str, text: str, example: str) -> list[str]:
+    """A comma-separated flag's items: none empty, none twice."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(f"{flag} {text!r}: an empty item; give comma-separated items, e.g. {example}")
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+        raise ValueError(f"{flag} {text!r}: {', '.join(twice)} given twice; give each once")
+    return items
 
 
 def project_strategies() -> tuple[str, ...]:
@@ -340,61 +381,132 @@ def project_strategies() -> tuple[str, ...]:
 
 
 def _parse_chips(text: str) -> list[int]:
+    example = "16,64,256,1024"
     try:
-        chips = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise ValueError(f"--chips {text!r}: comma-separated whole numbers, e.g. 16,64,256,1024") from None
-    if not chips or any(c < 1 for c in chips):
-        raise ValueError(f"--chips {text!r}: give at least one positive chip count")
+        chips = [int(c) for c in _parse_list("--chips", text, example)]
+    except ValueError as e:
+        if str(e).startswith("--chips"):
+            raise
+        raise ValueError(f"--chips {text!r}: comma-separated whole numbers, e.g. {example}") from None
+    if any(c < 1 for c in chips):
+        raise ValueError(f"--chips {text!r}: chip counts are whole numbers of at least 1, e.g. {example}")
     return chips
 
 
+def _check_project_flags(args, given: list[str]) -> None:
+    """Refuses, before any work, flags the chosen mode would ignore and numbers out of range."""
+    flags = {dest: "--" + dest.replace("_", "-") for dest in given}
+    if args.validate and args.list_systems:
+        raise ValueError("--validate and --list-systems: give one (each is a command of its own)")
+    mode = "--validate" if args.validate else "--list-systems" if args.list_systems else None
+    if mode:
+        does = {
+            "--validate": "measures this CPU and runs fixed tiny workloads (choose them with --validate-models)",
+            "--list-systems": "prints the systems and their sources",
+        }[mode]
+        allowed = {*_PROJECT_MODES, *(_VALIDATE_ONLY if mode == "--validate" else ())}
+        ignored = [flags[d] for d in given if d not in allowed]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} with {mode}: {mode} {does}, so {'they' if len(ignored) > 1 else 'it'} would "
+                f"be ignored; drop {'them' if len(ignored) > 1 else 'it'}, or drop {mode} to project a model"
+            )
+        if args.validate and args.steps < 1:
+            raise ValueError(f"--steps {args.steps}: timed steps per run, a whole number of at least 1")
+        return
+    ignored = [flags[d] for d in given if d in _VALIDATE_ONLY]
+    if ignored:
+        raise ValueError(
+            f"{', '.join(ignored)}: only with --validate (measuring this CPU); add --validate, or drop "
+            f"{'them' if len(ignored) > 1 else 'it'} to project a model"
+        )
+    for dest in ("weight_update", "grad_sum"):
+        if dest in given:
+            raise ValueError(
+                f"{flags[dest]} {getattr(args, dest)}: podscale project sets the weight update and the gradient sum per "
+                f"strategy; drop it and list the strategies with --strategies (of {', '.join(_strategy_names())})"
+            )
+    for dest in ("per_chip_batch", "global_batch"):
+        if dest in given and getattr(args, dest) < 1:
+            raise ValueError(f"{flags[dest]} {getattr(args, dest)}: examples, a whole number of at least 1")
+    if "learning_rate" in given and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ValueError(f"--learning-rate {args.learning_rate}: a positive number, e.g. 1e-3")
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from podscale.perf.project import STRATEGIES
+
+    return tuple(STRATEGIES)
+
+
 def _run_project(args) -> int:
+    given = _project_given(args)
+    _check_project_flags(args, given)
+
+    def progress(message: str) -> None:  # stderr, also under --json: stdout keeps the one result
+        print(f"podscale project: {message}", file=sys.stderr, flush=True)
+
     if args.validate:
+        models = args.validate_models
+        models = None if models is None else _parse_list("--validate-models", models, "gnmt,ssd")
         distributed.setup(8, distributed.ClusterSpec())
         from podscale.perf.validate import print_validation, validate
 
-        models = args.validate_models.split(",") if args.validate_models else None
-        result = validate(models=models, steps=args.steps, progress=not args.json)
+        result = validate(models=models, steps=args.steps, progress=True)
         print(json.dumps(result)) if args.json else print_validation(result)
         return 0
-    from podscale.perf import systems
-
     if args.list_systems:
         return _print_systems(args.json)
+    from podscale.perf import project as proj
+    from podscale.perf import systems
+
     system = systems.get(args.system)
     chips = _parse_chips(args.chips)
-    from podscale.perf.network import Topology
-    from podscale.perf.project import MAX_CPU_DEVICES
-
-    for c in chips:
-        Topology(system, c, args.multi_axis)  # an unknown size or one the system cannot hold: refused before compiling
-    devices = min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in chips))
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", devices)
-    from podscale import workloads
+    names = None if args.strategies is None else _parse_list("--strategies", args.strategies, "replicated,sharded")
+    effective = names or list(proj.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
-    from podscale.perf.project import project
-    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
     strategy = with_model_rules(from_flags(args), args.model)
+    unknown = [s for s in effective if s not in proj.STRATEGIES]
+    if unknown:
+        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(proj.STRATEGIES)}")
+    two_d = [s for s in effective if proj.STRATEGIES[s]["grad_sum"] == "2d"]
+    sharded = [s for s in effective if proj.STRATEGIES[s]["weight_update"] == "sharded"]
+    for dest, needed, kind in (
+        ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
+        ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
+        ("min_shard_size", sharded, "sharded (sharded, sharded-2d)"),
+    ):
+        if dest in given and not needed:
+            raise ValueError(
+                f"--{dest.replace('_', '-')} applies to the {kind} strategies, and --strategies {','.join(effective)} "
+                "has none: it would be ignored; drop it or add such a strategy"
+            )
+    if args.axis_costs == "calibrate":
+        raise ValueError(
+            "--axis-costs calibrate measures this machine's links, not the target's: give AXIS=BYTES_PER_S:LATENCY_S "
+            "for the target mesh's axes (x, y), or leave it out"
+        )
+    if args.plot is not None:
+        proj.check_plot_path(args.plot)
+    # Every mesh, strategy and chip count: refused, or a strategy that does not apply at a chip
+    # count noted (a row saying why), before anything is built or compiled.
+    reasons = proj.applicability(system, chips, names, strategy, args.multi_axis, what="--strategies")
     k = strategy.spatial or strategy.model_parallel or 1
+    live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live)))
+    from podscale import workloads
+    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
+
     task = make_task(args.model, args.data, config=args.config, with_data=args.model not in workloads.NAMES)
     steps = task.config.train_steps if task.workload else 100
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=steps)
     per_device = task.config.per_core_batch if task.workload else 32
-    rows = []
-    names = [s for s in args.strategies.split(",") if s]
-    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
-    replica_batches = {}
-    for c in chips:  # every batch is checked before anything is compiled
+    replica_batches = {c: per_device * k for c in chips}
+    for c in live:  # every batch is checked before anything is compiled
         devices_c = c * system.devices_per_chip
-        if devices_c % k:
-            raise ValueError(
-                f"--chips {c}: its {devices_c} devices ({system.devices_per_chip} per chip) do not divide into "
-                f"replicas of {k} (--spatial / --model-parallel); choose a chip count with a multiple of {k} devices"
-            )
         replicas = devices_c // k
         if args.global_batch is not None:
             if args.global_batch % replicas:
@@ -411,40 +523,33 @@ def _run_project(args) -> int:
                     f"do not split over {replicas} replicas; use a multiple of {replicas // math.gcd(replicas, c)}"
                 )
             replica_batches[c] = total // replicas
-        else:
-            replica_batches[c] = per_device * k
-    from podscale.perf.project import STRATEGIES, target_shape
-
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
-    for c in chips:
-        for s in names:
-            target_shape(Topology(system, c, args.multi_axis), dataclasses.replace(strategy, **STRATEGIES[s]))
-    for c in chips:
-        rows += project(
-            make_train_step(task, tx),
-            state,
-            task.batch_shapes,
-            system=system,
-            chips=[c],
-            strategies=names,
-            base=strategy,
-            replica_batch=replica_batches[c],
-            multi_axis=args.multi_axis,
-            progress=None if args.json else lambda m: print(m, file=sys.stderr),
-        )
-    from podscale.perf.project import mark_fastest, render
-
-    rows = mark_fastest(rows)
-    if args.plot:
-        from podscale.perf.project import plot
-
-        plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
+    rows = proj.project(
+        make_train_step(task, tx),
+        state,
+        task.batch_shapes,
+        system=system,
+        chips=chips,
+        strategies=names,
+        base=strategy,
+        replica_batch=replica_batches,
+        multi_axis=args.multi_axis,
+        progress=progress,
+    )
     if args.json:
-        print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}))
+        print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)
     else:
-        render(rows, system, f"{args.model} ({args.config or 'default'})")
+        proj.render(rows, system, f"{args.model} ({args.config or 'default'})")
+    if args.plot is not None:
+        try:
+            proj.plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
+        except Exception as e:  # the table is out already: say what failed, keep it
+            print(
+                f"podscale: error: --plot {args.plot!r}: could not write the plot ({type(e).__name__}: {e}); "
+                "the projection above is complete",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 
@@ -483,13 +588,15 @@ def _bench_parser(sub) -> None:
         "spatial (one replica's images over k = 1, 2, 4, 8 devices), tp (a Transformer's weights split "
         "k = 1, 2, 4 ways)",
     )
-    p.add_argument("which", choices=["wus", "gradsum", "spatial", "tp"])
+    from podscale.bench import BENCHMARKS
+
+    p.add_argument("which", choices=BENCHMARKS)
     p.add_argument(
         "--model",
         default=None,
         help="wus: an MLPerf workload (tiny config, its recipe) instead of the decoder",
     )
-    p.add_argument("--sizes", default="1,16,128", help="gradsum: gradient sizes in MiB per device")
+    p.add_argument("--sizes", default=None, help="gradsum: gradient sizes in MiB per device (default 1,16,128)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     p.add_argument("--width", type=int, default=None, help="wus and tp: the Transformer's width (default 512; tp 256)")
     p.add_argument("--depth", type=int, default=None, help="wus and tp: its layers (default 8; tp 2)")
@@ -499,31 +606,24 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args) -> int:
+    from podscale.bench import check_flags
+
+    kwargs = check_flags(args.which, vars(args))  # every flag, before any work
     distributed.setup(args.replicas, distributed.ClusterSpec())
     from rich.console import Console
 
     from podscale import report
 
     if args.which == "gradsum":
-        return _run_bench_gradsum(args)
+        return _run_bench_gradsum(args, kwargs)
     if args.which == "spatial":
-        return _run_bench_spatial(args)
+        return _run_bench_spatial(args, kwargs)
     if args.which == "tp":
-        return _run_bench_tp(args)
+        return _run_bench_tp(args, kwargs)
 
-    from podscale import workloads
     from podscale.bench.wus import bench_wus
 
-    if args.model is not None and args.model not in workloads.NAMES:
-        raise ValueError(f"--model {args.model!r}: bench wus takes an MLPerf workload: {', '.join(workloads.NAMES)}")
-    result = bench_wus(
-        steps=args.steps,
-        width=args.width or 512,
-        depth=args.depth or 8,
-        vocab=args.vocab or 8192,
-        model=args.model,
-        progress=True,
-    )
+    result = bench_wus(**kwargs, progress=True)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -559,13 +659,13 @@ def _run_bench(args) -> int:
     return 0
 
 
-def _run_bench_spatial(args) -> int:
+def _run_bench_spatial(args, kwargs: dict) -> int:
     from rich.console import Console
 
     from podscale import report
     from podscale.bench.spatial import bench_spatial
 
-    result = bench_spatial(steps=max(args.steps, 1))
+    result = bench_spatial(**kwargs)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -597,14 +697,13 @@ def _run_bench_spatial(args) -> int:
     return 0
 
 
-def _run_bench_tp(args) -> int:
+def _run_bench_tp(args, kwargs: dict) -> int:
     from rich.console import Console
 
     from podscale import report
     from podscale.bench.tp import bench_tp
 
-    sizes = {name: getattr(args, name) for name in ("width", "depth", "vocab") if getattr(args, name)}
-    result = bench_tp(steps=max(args.steps, 1), **sizes)
+    result = bench_tp(**kwargs)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -647,15 +746,11 @@ def _run_bench_tp(args) -> int:
     return 0
 
 
-def _run_bench_gradsum(args) -> int:
+def _run_bench_gradsum(args, kwargs: dict) -> int:
     from podscale import report
     from podscale.bench.gradsum import bench_gradsum
 
-    try:
-        sizes = [float(s) for s in args.sizes.split(",")]
-    except ValueError:
-        raise ValueError(f"--sizes {args.sizes!r}: write MiB per device as numbers, e.g. 1,16,128") from None
-    result = bench_gradsum(sizes, repeats=max(args.steps, 1))
+    result = bench_gradsum(**kwargs)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -696,7 +791,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     mp.add_argument("--json", action="store_true")
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
-    lp.add_argument("--grace", type=float, default=60.0, help="seconds the others get to stop after one fails")
+    lp.add_argument(
+        "--grace",
+        type=float,
+        default=60.0,
+        help="seconds the others get to stop after one fails (0: killed at once)",
+    )
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. podscale train ...")
     args = parser.parse_args(argv)
     try:
@@ -734,13 +834,25 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
 
 
 def _as_flags(message: str) -> str:
-    """Library errors name parameters (``grad_sum='2d'``, ``min_shard_size must``); on the command
-    line they are flags (``--grad-sum 2d``). The one place the two meet."""
+    """Library errors name parameters (``grad_sum='2d'``, ``strict=True``, ``min_shard_size must``,
+    ``drop model_parallel``, ``make_mesh((4, 2))``); on the command line they are flags
+    (``--grad-sum 2d``, ``--strict``, ``--min-shard-size must``, ``drop --model-parallel``,
+    ``--mesh 4x2``). The one place the two meet. Python-only advice (``rules=Rules(...)``) is left
+    as it is."""
     import re
 
-    for f in dataclasses.fields(Strategy):
-        message = re.sub(rf"\b{f.name}=(['\"]?)([^'\"\s,;]*)\1", rf"{flag_name(f.name)} \2", message)
-        message = re.sub(rf"\b{f.name} must\b", f"{flag_name(f.name)} must", message)
+    for f in sorted(dataclasses.fields(Strategy), key=lambda f: -len(f.name)):  # grad_sum_chunks before grad_sum
+        if not f.metadata.get("cli", True):
+            continue  # no flag (data_axes)
+        flag = flag_name(f.name)
+        if f.type in ("bool", bool):  # a switch: strict=True is --strict
+            message = re.sub(rf"\b{f.name}=True\b", flag, message)
+            message = re.sub(rf"\b{f.name}=False\b", f"no {flag}", message)
+        message = re.sub(rf"\b{f.name}=(['\"]?)([^'\"\s,;()]*)\1(?![\w(])", rf"{flag} \2", message)
+        message = re.sub(rf"\b{f.name} must\b", f"{flag} must", message)
+        if "_" in f.name:  # a bare parameter name of two words cannot be plain English: the flag
+            message = re.sub(rf"(?<![\w.-]){f.name}\b(?![=(])", flag, message)
+    message = re.sub(r"make_mesh\(\((\d+(?:, \d+)*),?\)\)", lambda m: "--mesh " + "x".join(m[1].split(", ")), message)
     return message.replace("make_mesh((x, y))", "--mesh 4x2")
 
 

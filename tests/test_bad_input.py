@@ -31,6 +31,9 @@ CLI_CASES = [
     (["--checkpoint-every", "5"], "--checkpoint-every needs --workdir"),
     (["--resume"], "--resume needs --workdir"),
     (["--export", "/nonexistent-podscale-dir/params.npz"], "the folder /nonexistent-podscale-dir does not exist"),
+    (["--metrics-file", "/proc/m.jsonl"], "--metrics-file /proc/m.jsonl: cannot write in /proc"),
+    (["--resume-fallback"], "--resume-fallback goes with --resume"),
+    (["--replicas", "100000"], "--replicas 100000: too many CPU devices to simulate"),
     (
         ["--coordinator-address", "garbage", "--num-processes", "2", "--process-id", "0"],
         "--coordinator-address 'garbage': write it as HOST:PORT",

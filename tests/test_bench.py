@@ -1,5 +1,8 @@
+import re
+
 import pytest
 
+from podscale.bench import BENCHMARKS
 from podscale.bench.wus import bench_wus
 
 
@@ -53,3 +56,117 @@ def test_bench_tp_splits_weights_and_work_and_computes_the_same_step():
         r["collective_bytes_per_axis"]["y"] > 0 for r in rows[1:]
     )
     assert max(r["final_loss"] for r in rows) - min(r["final_loss"] for r in rows) <= 1e-5
+
+
+# -- Every bench flag is checked up front, for each benchmark (issue 23, findings 9 and 10) -------
+
+BAD_FLAGS = [
+    # (benchmark, flag and value, what the message says)
+    *[("gradsum", ["--sizes", v], "--sizes") for v in ["-1", "0", "nan", "inf", "abc", "1,,2", "1e-9", "", "1;2"]],
+    *[(w, ["--steps", v], "--steps must be a whole number of at least 1") for w in BENCHMARKS for v in ["0", "-1"]],
+    *[
+        (w, [f, v], f"{f} must be a whole number of at least 1")
+        for w in ("wus", "tp")
+        for f in ("--width", "--depth", "--vocab")
+        for v in ["0", "-5"]
+    ],
+    ("wus", ["--width", "100"], "--width 100 must be a multiple of the decoder's 8 attention heads"),
+    ("wus", ["--model", "gpt9"], "--model 'gpt9': bench wus takes an MLPerf workload"),
+    (
+        "wus",
+        ["--model", "gnmt", "--width", "64"],
+        "--width sets the size of bench wus's own decoder; with --model gnmt",
+    ),
+    ("tp", ["--width", "100"], "bench tp: --width 100 must be a multiple of the 8 heads"),
+    ("tp", ["--vocab", "5"], "bench tp: --width 256 and --vocab 5 must split 4 ways"),
+    *[(w, ["--model", "gnmt"], "--model is for bench wus; bench " + w) for w in ("gradsum", "spatial", "tp")],
+    *[(w, ["--sizes", "1"], "--sizes is for bench gradsum; bench " + w) for w in ("wus", "spatial", "tp")],
+    *[
+        (w, [f, "64"], f"{f} is for bench wus and tp; bench {w}")
+        for w in ("gradsum", "spatial")
+        for f in ("--width", "--depth", "--vocab")
+    ],
+]
+
+
+@pytest.mark.parametrize(("which", "args", "message"), BAD_FLAGS, ids=[f"{w} {' '.join(a)}" for w, a, _ in BAD_FLAGS])
+def test_a_bad_bench_flag_is_refused_before_any_work_naming_the_flag(monkeypatch, capsys, which, args, message):
+    from podscale import cli
+    from podscale.train import distributed
+
+    def no_work(*_):
+        raise AssertionError("bench went on to set up devices with a bad flag")
+
+    monkeypatch.setattr(distributed, "setup", no_work)
+    assert cli.main(["bench", which, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_every_flag_a_benchmark_does_not_take_is_refused():
+    from podscale.bench import FLAGS, check_flags
+
+    for which in BENCHMARKS:
+        for flag, takers in FLAGS.items():
+            if which not in takers:
+                with pytest.raises(ValueError, match=f"--{flag} is for bench"):
+                    check_flags(which, {"steps": 4, flag: "1" if flag in ("sizes", "model") else 8})
+
+
+BAD_ARGUMENTS = [
+    ("wus", {"steps": 0}, ValueError, "steps must be at least 1"),
+    ("wus", {"steps": 2.5}, TypeError, "steps=2.5 is a float"),
+    ("wus", {"vocab": -5}, ValueError, "vocab must be at least 1"),
+    ("wus", {"width": 100}, ValueError, "width=100 must be a multiple"),
+    ("wus", {"model": "gpt9"}, ValueError, "model='gpt9'"),
+    ("wus", {"variants": ("zero3",)}, ValueError, "variants="),
+    ("wus", {"optimizers": ("nosuch",)}, ValueError, "optimizers="),
+    ("gradsum", {"sizes_mib": (-1,)}, ValueError, "sizes_mib must be a finite number above 0"),
+    ("gradsum", {"sizes_mib": (0,)}, ValueError, "sizes_mib must be a finite number above 0"),
+    ("gradsum", {"sizes_mib": (1e-9,)}, ValueError, "less than one float32 per device"),
+    ("gradsum", {"sizes_mib": "1,2"}, TypeError, "sizes_mib='1,2'"),
+    ("gradsum", {"repeats": 0}, ValueError, "repeats must be at least 1"),
+    ("spatial", {"steps": -1}, ValueError, "steps must be at least 1"),
+    ("spatial", {"ks": (0,)}, ValueError, "ks must be at least 1"),
+    ("spatial", {"image": 0}, ValueError, "image must be at least 1"),
+    ("tp", {"depth": 0}, ValueError, "depth must be at least 1"),
+    ("tp", {"vocab": 5}, ValueError, "vocab=5 must split 4 ways"),
+    ("tp", {"weight_update": "zero3"}, ValueError, "weight_update='zero3'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("which", "kwargs", "error", "message"), BAD_ARGUMENTS, ids=[f"{w} {k}" for w, k, _, _ in BAD_ARGUMENTS]
+)
+def test_a_bench_function_checks_its_arguments_first(monkeypatch, which, kwargs, error, message):
+    import importlib
+
+    module = importlib.import_module(f"podscale.bench.{which}")
+
+    def no_work(*_, **__):
+        raise AssertionError("the benchmark began work with a bad argument")
+
+    for name in ("make_mesh", "Mesh", "data_parallel", "make_grad_sum"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, no_work)
+    with pytest.raises(error, match=re.escape(message)):
+        getattr(module, f"bench_{which}")(**kwargs)
+
+
+def test_bench_wus_prints_progress_lines_when_stderr_is_not_a_terminal(capsys):
+    from podscale.bench.wus import _Progress
+
+    with _Progress(True, 4) as bar:
+        bar.update("adam: compiling replicated", line=True)
+        bar.update("adam: step 1/2")  # within a few seconds of the last line: not printed
+        bar.advance()
+        bar.last -= _Progress.EVERY_S
+        bar.update("adam: step 2/2")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "podscale bench wus: adam: compiling replicated",
+        "podscale bench wus: adam: step 2/2",
+    ]
+    with _Progress(False, 4) as bar:
+        bar.update("quiet", line=True)
+    assert capsys.readouterr().err == ""

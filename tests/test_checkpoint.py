@@ -1,6 +1,9 @@
 """Checkpoints through the trainer, in-process (the kill-and-resume test is in test_cli.py)."""
 
+import json
 import os
+import random
+import re
 
 import numpy as np
 import pytest
@@ -49,7 +52,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         for name in files:
             with open(os.path.join(root, name), "wb") as f:
                 f.write(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"step 3 .* is corrupt.*Delete"):
+    with pytest.raises(CheckpointError, match=r"step 3 .* is (corrupt|damaged).*another --workdir"):
         train(_config(tmp_path, resume=True))
 
 
@@ -110,9 +113,9 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_never_saves_it(tmp_
         (dict(seed=1), "--seed 0"),
         (dict(batch_size=32), "--batch-size 64"),
         (dict(model="cnn"), "--model mlp"),
-        (dict(optimizer="sgd"), "--optimizer None"),
-        (dict(learning_rate=0.1), "--learning-rate None"),
-        (dict(data="digits"), "--data None"),
+        (dict(optimizer="sgd"), "--optimizer adam"),
+        (dict(learning_rate=0.1), "--learning-rate 0.001"),
+        (dict(data="digits"), "--data synthetic"),
     ],
 )
 def test_resume_refuses_another_run_naming_the_field(tmp_path, change, flag):
@@ -125,3 +128,136 @@ def test_resume_may_change_steps_mesh_and_eval(tmp_path):
     train(_config(tmp_path, steps=3))
     out = train(_config(tmp_path, resume=True, steps=6, mesh=(4, 2), eval_every=2, checkpoint_every=2))
     assert out["resumed_from"] == 3 and out["steps"] == 6
+
+
+def _largest_file(folder):
+    sizes = [
+        (os.path.getsize(os.path.join(r, f)), os.path.join(r, f)) for r, _, files in os.walk(folder) for f in files
+    ]
+    return max(sizes)[1]
+
+
+def _flip_bits(path, bits, seed=0):
+    data, rng = bytearray(open(path, "rb").read()), random.Random(seed)
+    for _ in range(bits):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    open(path, "wb").write(data)
+
+
+def _scribble(path, count, at):
+    """Overwrites ``count`` bytes from ``at`` (a fraction of the file's length) with noise."""
+    data, rng = bytearray(open(path, "rb").read()), random.Random(1)
+    start = int(len(data) * at)
+    data[start : start + count] = bytes(rng.randrange(256) for _ in range(len(data[start : start + count])))
+    open(path, "wb").write(data)
+
+
+# The ways a step's largest data file changes after the save: a couple of flipped bits (orbax
+# then restores other values without a word), many bytes of noise in its middle, and its start
+# (the compressed frame's header, which orbax cannot decode at all).
+DAMAGE = {
+    "2 flipped bits": lambda path: _flip_bits(path, 2),
+    "2 flipped bits, another place": lambda path: _flip_bits(path, 2, seed=7),
+    "4 KiB of noise": lambda path: _scribble(path, 4096, at=0.4),
+    "its first bytes": lambda path: _scribble(path, 64, at=0.0),
+}
+LEAF = r"(leaf|leaves) \.(params|opt_state|batch_stats|step)"
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_naming_the_step_and_the_leaf(tmp_path, damage):
+    train(_config(tmp_path, steps=6))
+    DAMAGE[damage](_largest_file(tmp_path / "checkpoints" / "6"))
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint step 6 in .* is damaged: {LEAF}.*--resume-fallback.*step 3"
+    ):
+        train(_config(tmp_path, resume=True, steps=9))
+
+
+@pytest.mark.parametrize("damage", ["2 flipped bits", "4 KiB of noise"])
+def test_resume_fallback_skips_a_damaged_step_and_the_run_continues_exactly(tmp_path, damage, capfd):
+    whole = train(_config(tmp_path / "whole", steps=9, export=str(tmp_path / "whole.npz")))
+    run = tmp_path / "run"
+    train(_config(run, steps=6))
+    DAMAGE[damage](_largest_file(run / "checkpoints" / "6"))
+    capfd.readouterr()
+    out = train(_config(run, resume=True, resume_fallback=True, steps=9, export=str(tmp_path / "run.npz")))
+    err = capfd.readouterr().err
+    assert out["resumed_from"] == 3 and out["steps"] == 9
+    assert "skipped checkpoint step 6: damaged" in err and "resuming from step 3" in err
+    assert (run / "checkpoints" / "6.damaged").is_dir()  # kept aside, not deleted; step 6 saved anew
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "run.npz")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert out["final_train_loss"] == whole["final_train_loss"]
+    again = train(_config(run, resume=True, steps=12))  # the new step 9 verifies
+    assert again["resumed_from"] == 9
+
+
+def test_resume_fallback_with_no_intact_step_left_is_a_clear_error(tmp_path):
+    train(_config(tmp_path, steps=3))
+    _flip_bits(_largest_file(tmp_path / "checkpoints" / "3"), 2)
+    with pytest.raises(CheckpointError, match=r"step 3 .* is damaged.*No earlier step"):
+        train(_config(tmp_path, resume=True, steps=6))
+    with pytest.raises(CheckpointError, match=rf"no intact checkpoint .*step 3: damaged: {LEAF}"):
+        train(_config(tmp_path, resume=True, resume_fallback=True, steps=6))
+
+
+def test_resume_fallback_needs_resume(tmp_path):
+    with pytest.raises(ValueError, match="--resume-fallback goes with --resume"):
+        _config(tmp_path, resume_fallback=True)
+
+
+def _step_metadata(step_dir):
+    path = os.path.join(step_dir, "_CHECKPOINT_METADATA")
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def test_every_leaf_has_a_checksum_saved_inside_its_step(tmp_path):
+    train(_config(tmp_path, steps=3))
+    _, meta = _step_metadata(tmp_path / "checkpoints" / "3")
+    sums = meta["custom_metadata"]["podscale_checksums"]
+    assert ".step" in sums and any(k.startswith(".params[") for k in sums) and any(".opt_state" in k for k in sums)
+    assert all(len(v["sha256"]) == 64 and "shape" in v and "dtype" in v for v in sums.values())
+
+
+def test_damaged_checksums_are_refused(tmp_path):
+    train(_config(tmp_path, steps=3))
+    path, meta = _step_metadata(tmp_path / "checkpoints" / "3")
+    leaf = next(k for k in meta["custom_metadata"]["podscale_checksums"] if k.startswith(".params"))
+    meta["custom_metadata"]["podscale_checksums"][leaf]["sha256"] = "0" * 64
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(CheckpointError, match=r"step 3 .* is damaged: leaf " + re.escape(leaf)):
+        train(_config(tmp_path, resume=True))
+
+
+def test_a_checkpoint_without_checksums_is_restored_with_a_warning(tmp_path, capfd):
+    """Steps saved by podscale before checksums existed: restored unverified, saying so."""
+    train(_config(tmp_path, steps=3))
+    path, meta = _step_metadata(tmp_path / "checkpoints" / "3")
+    del meta["custom_metadata"]["podscale_checksums"]
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    capfd.readouterr()
+    out = train(_config(tmp_path, resume=True))
+    err = capfd.readouterr().err
+    assert out["resumed_from"] == 3
+    assert "checkpoint step 3 in" in err and "saved without checksums" in err and "unverified" in err
+
+
+@pytest.mark.parametrize("damage", ["2 flipped bits", "its first bytes"])
+def test_a_damaged_checkpoint_on_the_command_line_is_exit_2_and_one_json_error(tmp_path, damage):
+    """No traceback either: orbax's other failed reads of the step would print theirs at exit."""
+    import subprocess
+    import sys
+
+    train(_config(tmp_path, steps=3))
+    DAMAGE[damage](_largest_file(tmp_path / "checkpoints" / "3"))
+    args = ["train", "--model", "mlp", "--steps", "4", "--workdir", str(tmp_path), "--resume", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "podscale.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["exit_code"] == 2 and re.search(rf"checkpoint step 3 in .* is damaged: {LEAF}", out["error"])
+    assert "Traceback" not in proc.stderr and "podscale: error: checkpoint step 3" in proc.stderr

@@ -110,7 +110,9 @@ def test_a_height_the_space_axis_does_not_divide_is_listed_and_strict_refuses_it
 
 def test_spatial_input_errors_name_the_mesh_axis_the_height_or_the_model():
     step, state, batches = _setup()
-    with pytest.raises(ValueError, match=r"spatial=4 needs a mesh whose last axis has 4 devices.*--mesh 2x4"):
+    with pytest.raises(
+        ValueError, match=r"spatial=4 needs a mesh whose last axis has 4 devices.*make_mesh\(\(2, 4\)\)"
+    ):
         data_parallel(step, make_mesh((4, 2)), spatial=4)
     with pytest.raises(ValueError, match=r"spatial=2 needs a mesh whose last axis"):
         data_parallel(step, make_mesh(), spatial=2)

@@ -5,11 +5,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import max_abs_diff, run_parallel
 
 from podscale import Strategy, data_parallel, make_mesh
 from podscale.parallel.strategy import add_flags, flag_name, from_flags
+from podscale.parallel.tensor import RULES, Rules, with_model_rules
 from podscale.train.trainer import TrainConfig
 
 
@@ -58,3 +60,106 @@ def test_every_field_is_a_flag_and_the_flags_make_the_same_strategy():
     args = parser.parse_args(["--weight-update", "sharded", "--grad-sum-chunks", "3", "--strict"])
     assert from_flags(args) == Strategy(weight_update="sharded", grad_sum_chunks=3, strict=True)
     assert TrainConfig().strategy == Strategy()
+
+
+# -- Every field checks its type where it is declared (issue 23, findings 13 and 15) ----------------
+# One table of wrong values per kind of field; every field must have its row, so a new field
+# cannot go unchecked.
+
+_INT = ["2", 2.5, 2.0, True, [2], b"2"]
+WRONG_TYPES = {
+    "data_axes": ["data", 3, ("x", 1), ("x", ""), {"x": 1}],
+    "weight_update": [2, None, True, b"sharded", ("sharded",)],
+    "min_shard_size": [*_INT, None],
+    "bucket_bytes": [*_INT, None],
+    "grad_sum": [2, None, True, ("2d",)],
+    "grad_sum_chunks": _INT,
+    "grad_sum_dtype": [3, True, "big", object()],
+    "axis_costs": [3, ["x"], {"x": 1e9}, {1: None}],
+    "strict": [1, 0, "yes", None, "True"],
+    "rng": [1, None, True],
+    "spatial": _INT,
+    "model_parallel": _INT,
+    "rules": [3, ("w", 0), True, [("w", 0)]],
+}
+OUT_OF_RANGE = {
+    "min_shard_size": [0, -1],
+    "bucket_bytes": [0, -5],
+    "grad_sum_chunks": [0, -1],
+    "spatial": [0, -2],
+    "model_parallel": [0, -2],
+    "weight_update": ["zero3", ""],
+    "grad_sum": ["ring"],
+    "rng": ["per-device"],
+    "grad_sum_dtype": ["int32", "bool"],
+    "axis_costs": ["x=fast"],
+    "rules": ["resnet"],
+    "data_axes": [()],
+}
+
+
+def test_every_field_has_wrong_type_cases():
+    assert set(WRONG_TYPES) == {f.name for f in dataclasses.fields(Strategy)}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [(f, v) for f, values in WRONG_TYPES.items() for v in values],
+    ids=[f"{f}={v!r}" for f, values in WRONG_TYPES.items() for v in values],
+)
+def test_a_wrong_type_is_a_type_error_naming_the_field_the_value_and_its_type(field, value):
+    with pytest.raises(TypeError) as e:
+        Strategy(**{field: value})
+    message = str(e.value)
+    assert f"{field}" in message and "give" in message, message
+    assert "not supported" not in message and "unpack" not in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [(f, v) for f, values in OUT_OF_RANGE.items() for v in values],
+    ids=[f"{f}={v!r}" for f, values in OUT_OF_RANGE.items() for v in values],
+)
+def test_a_value_out_of_range_is_a_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        Strategy(**{field: value})
+
+
+def test_numpy_scalars_are_taken_as_the_python_values_they_equal():
+    s = Strategy(min_shard_size=np.int64(64), grad_sum_chunks=np.int32(2), strict=np.bool_(True))
+    assert (s.min_shard_size, s.grad_sum_chunks, s.strict) == (64, 2, True)
+    assert type(s.min_shard_size) is int and type(s.strict) is bool
+    assert Strategy(data_axes=["x", "y"]).data_axes == ("x", "y")
+    assert Strategy(grad_sum_dtype=jnp.bfloat16).grad_sum_dtype is jnp.bfloat16
+
+
+def test_a_single_string_of_data_axes_is_refused_with_advice():
+    with pytest.raises(TypeError, match=r"data_axes='data' is one string.*data_axes=\('data',\)"):
+        Strategy(data_axes="data")
+
+
+@pytest.mark.parametrize("rules", [*RULES, "custom"])
+def test_rules_without_model_parallel_are_refused(rules):
+    given = Rules(((r"kernel$", -1),)) if rules == "custom" else rules
+    with pytest.raises(ValueError, match=rf"rules='{rules}' is given without model_parallel"):
+        Strategy(rules=given)
+    with pytest.raises(ValueError, match="without model_parallel"):
+        dataclasses.replace(Strategy(model_parallel=2, rules=given), model_parallel=None)
+    # One partition is plain data parallelism: nothing for the rules to split.
+    assert Strategy(model_parallel=1, rules=given) == Strategy()
+    assert dataclasses.replace(Strategy(model_parallel=1, rules=given), weight_update="sharded").rules is None
+
+
+def test_the_model_s_own_rules_are_still_filled_in_for_model_parallel():
+    assert with_model_rules(Strategy(model_parallel=2), "transformer").rules is RULES["transformer"]
+    assert with_model_rules(Strategy(), "transformer").rules is None  # no model_parallel: no rules
+    with pytest.raises(ValueError, match=r"model_parallel=2: model 'mlp' has no built-in sharding rules"):
+        with_model_rules(Strategy(model_parallel=2), "mlp")
+
+
+def test_rules_without_model_parallel_are_refused_on_the_command_line(capsys):
+    from podscale.cli import main
+
+    assert main(["plan", "--model", "transformer", "--rules", "transformer"]) == 2
+    err = capsys.readouterr().err
+    assert "--rules transformer is given without --model-parallel" in err and "Traceback" not in err

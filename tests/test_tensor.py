@@ -3,6 +3,7 @@ device (float32, summation order only); split leaves live 1/k per device; rule e
 reported before running and refused by strict."""
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from helpers import leaf_relative_error, max_relative_diff, run_parallel, run_single
 
 from podscale import Strategy, data_parallel, make_mesh
-from podscale.parallel.tensor import RULES, Rules, assign, path_name
+from podscale.parallel.checks import PodscaleWarning
+from podscale.parallel.tensor import RULES, Rules, RuleWarning, assign, path_name
 from podscale.perf import hlo
 from podscale.train.precision import FLOAT32
 from podscale.train.tasks import make_task, make_train_step
@@ -161,14 +163,16 @@ def test_each_rule_error_is_reported_and_strict_refuses_it():
     }
     for what, (rules, message) in cases.items():
         dp = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules))
-        dp.prepare(state, batch)
+        with pytest.warns(RuleWarning, match=re.escape(message)):
+            dp.prepare(state, batch)
         assert any(note.startswith(message) for note in dp.rule_notes), (what, dp.rule_notes)
         strict = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules, strict=True))
         with pytest.raises(ValueError, match="strict=True: refused before running"):
             strict.prepare(state, batch)
     # A dimension the axis does not divide (a vocabulary of 18 split 4 ways) stays whole.
     shapes = {"params": {"embed": jax.ShapeDtypeStruct((18, 64), np.float32)}}
-    found = assign(Rules(((r"embed$", -2),)), shapes, 4, "model")
+    with pytest.warns(RuleWarning, match="is not divisible by mesh axis 'model'"):
+        found = assign(Rules(((r"embed$", -2),)), shapes, 4, "model")
     assert found.dims == (None,)
     assert found.notes == (
         "params/embed [18, 64]: dimension -2 (18) is not divisible by mesh axis 'model' of 4 devices; kept whole "
@@ -181,7 +185,7 @@ def test_each_rule_error_is_reported_and_strict_refuses_it():
 def test_strategy_errors_name_the_mesh_axis_or_the_rule():
     task, tx, state = _small()
     step = make_train_step(task, tx)
-    with pytest.raises(ValueError, match=r"needs a mesh whose last axis has 2 devices .* --mesh 4x2"):
+    with pytest.raises(ValueError, match=r"needs a mesh whose last axis has 2 devices .* make_mesh\(\(4, 2\)\)"):
         data_parallel(step, make_mesh((2, 4)), model_parallel=2, rules="transformer")
     with pytest.raises(ValueError, match="needs sharding rules"):
         data_parallel(step, make_mesh((4, 2)), model_parallel=2)
@@ -191,7 +195,7 @@ def test_strategy_errors_name_the_mesh_axis_or_the_rule():
         Strategy(model_parallel=2, rules="resnet")
     with pytest.raises(ValueError, match="not a regular expression"):
         Rules(((r"(unclosed", 0),))
-    with pytest.raises(ValueError, match="dimension must be an int or None"):
+    with pytest.raises(TypeError, match="dimension must be an int or None"):
         Rules(((r"kernel$", "heads"),))
 
 
@@ -224,7 +228,7 @@ def test_the_trainer_refuses_model_parallelism_for_a_model_without_rules(tmp_pat
     from podscale.train.trainer import TrainConfig, train
 
     log = tmp_path / "mllog.txt"
-    with pytest.raises(ValueError, match=r"--model-parallel 2: model 'mlp' has no built-in sharding rules"):
+    with pytest.raises(ValueError, match=r"model_parallel=2: model 'mlp' has no built-in sharding rules"):
         train(TrainConfig(model="mlp", steps=2, mesh=(4, 2), strategy=Strategy(model_parallel=2), mllog=str(log)))
     assert not log.exists()  # refused before the run began
 
@@ -284,3 +288,78 @@ def test_a_tensor_partitioned_run_resumes_bit_identically(tmp_path, weight_updat
         assert sorted(a.files) == sorted(b.files)
         for key in a.files:
             np.testing.assert_array_equal(a[key], b[key])
+
+
+# -- Rules entries check their types; what the rules leave undone is a warning (issue 23) -------
+
+BAD_RULES = [
+    (lambda: Rules(("w", 0)), r"rules\[0\]='w' is a str, not a \(regex, dimension\) pair"),
+    (lambda: Rules("w$"), r"rules='w\$' is a str; give a tuple of \(regex, dimension\) pairs"),
+    (lambda: Rules(3), r"rules=3 is an int"),
+    (lambda: Rules({"w": 0}), r"is a dict"),
+    (lambda: Rules((("w", 0, 1),)), r"rules\[0\]=\('w', 0, 1\) is a tuple, not a \(regex, dimension\) pair"),
+    (lambda: Rules(((b"w", 0),)), r"rules\[0\] has regex b'w', a bytes"),
+    (lambda: Rules(((re_compile("w"), 0),)), r"rules\[0\] has regex re.compile"),
+    (lambda: Rules((("w", True),)), r"'w': the dimension must be an int or None, got True \(a bool\)"),
+    (lambda: Rules((("w", False),)), r"got False \(a bool\)"),
+    (lambda: Rules((("w", 1.0),)), r"got 1.0 \(a float\)"),
+    (lambda: Rules((("w", "1"),)), r"got '1' \(a str\)"),
+    (lambda: Rules((("w", 0),), name=3), r"name=3 is an int"),
+]
+
+
+def re_compile(pattern):
+    return re.compile(pattern)
+
+
+@pytest.mark.parametrize(("make", "message"), BAD_RULES, ids=[m for _, m in BAD_RULES])
+def test_a_rule_entry_of_the_wrong_type_is_a_type_error_saying_what_to_give(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_rule_entries_of_the_right_types_are_kept():
+    assert Rules([["w$", np.int64(-1)], ("b$", None)]).rules == (("w$", -1), ("b$", None))
+    assert type(Rules((("w$", np.int32(0)),)).rules[0][1]) is int
+
+
+_SHAPES = {
+    "params": {
+        "embed": jax.ShapeDtypeStruct((18, 64), np.float32),
+        "kernel": jax.ShapeDtypeStruct((64, 64), np.float32),
+        "bias": jax.ShapeDtypeStruct((64,), np.float32),
+    }
+}
+UNDONE = {
+    "a rule matching nothing": (
+        ((r"kernel$", -1), (r"embed$", None), (r"bias$", None), (r"nothing$", 0)),
+        "matches no leaf",
+    ),
+    "two rules on a leaf": (((r"kernel$", -1), (r"ker", 0), (r"embed$", None), (r"bias$", None)), "matched by rule"),
+    "a dimension the leaf lacks": (
+        ((r"kernel$", -1), (r"embed$", None), (r"bias$", 1)),
+        "which a rank-1 leaf does not",
+    ),
+    "an axis that does not divide": (((r"kernel$", -1), (r"embed$", 0), (r"bias$", None)), "is not divisible by"),
+    "a large weight left whole": (((r"bias$", None),), "a large weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNDONE))
+def test_what_the_rules_leave_undone_is_a_rule_warning_and_strict_refuses_it(case):
+    rules, message = UNDONE[case]
+    with pytest.warns(RuleWarning, match=message) as record:
+        found = assign(Rules(rules), _SHAPES, 4, "model")
+    assert any(message in note for note in found.notes)
+    assert issubclass(record[0].category, PodscaleWarning) and issubclass(RuleWarning, UserWarning)
+    with pytest.raises(ValueError, match=rf"strict=True: refused before running.*{message}"):
+        assign(Rules(rules), _SHAPES, 4, "model", strict=True)
+
+
+def test_rules_that_leave_nothing_undone_warn_nothing():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = assign(Rules(((r"kernel$", -1), (r"embed$", None), (r"bias$", None))), _SHAPES, 4, "model")
+    assert found.notes == () and found.dims == (None, None, 1)

@@ -32,6 +32,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.bench import DEFAULT_SIZES, check_sizes
+from podscale.parallel import checks
 from podscale.parallel.gradsum import GradSum, PhaseRecord, make_grad_sum
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
@@ -71,7 +73,10 @@ def _program(grad_sum: GradSum, mesh, per_device: int):
     return compiled, x, list(phases)
 
 
-def bench_gradsum(sizes_mib=(1, 16, 128), repeats: int = 5, variants=tuple(VARIANTS)) -> dict:
+def bench_gradsum(sizes_mib=DEFAULT_SIZES, repeats: int = 5, variants=tuple(VARIANTS)) -> dict:
+    """Runs the benchmark (see the module docstring); every argument is checked first."""
+    sizes_mib = check_sizes(sizes_mib)
+    repeats = checks.whole("repeats", repeats, what=" (timed repetitions)")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")

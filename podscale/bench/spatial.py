@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.perf import hlo
 from podscale.train.models import StemNet
@@ -67,7 +68,14 @@ def interleave(runs, batches) -> None:
 def bench_spatial(
     ks=(1, 2, 4, 8), batch: int = 8, image: int = 64, features: int = 16, steps: int = 4
 ) -> dict[str, Any]:
-    """Runs the benchmark (see the module docstring); steps of every k are interleaved."""
+    """Runs the benchmark (see the module docstring); steps of every k are interleaved. Every
+    argument is checked first."""
+    for name, value in (("batch", batch), ("image", image), ("features", features)):
+        checks.whole(name, value)
+    steps = checks.whole("steps", steps, what=" (timed steps)")
+    if isinstance(ks, str) or not isinstance(ks, tuple | list) or not ks:
+        raise TypeError(f"ks={ks!r}: give a non-empty tuple of partition counts, e.g. (1, 2, 4, 8)")
+    ks = tuple(checks.whole("ks", k, what=" (devices per image)") for k in ks)
     devices = jax.devices()
     for k in ks:
         if k > len(devices):

@@ -29,7 +29,9 @@ import jax
 import numpy as np
 import optax
 
+from podscale.bench import TP_HEADS, TP_WAYS, tp_problem
 from podscale.bench.spatial import interleave
+from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
@@ -54,28 +56,35 @@ def lm_step(model, tx):
 
 
 def bench_tp(
-    ks=(1, 2, 4),
+    ks=TP_WAYS,
     batch: int = 16,
     seq: int = 64,
     width: int = 256,
-    heads: int = 8,
+    heads: int = TP_HEADS,
     depth: int = 2,
     vocab: int = 512,
     steps: int = 4,
     weight_update: str = "replicated",
 ) -> dict[str, Any]:
-    """Runs the benchmark (see the module docstring); steps of every k are interleaved."""
+    """Runs the benchmark (see the module docstring); steps of every k are interleaved. Every
+    argument is checked first."""
+    for name, value in (("batch", batch), ("seq", seq), ("width", width), ("heads", heads), ("depth", depth)):
+        checks.whole(name, value)
+    vocab = checks.whole("vocab", vocab)
+    steps = checks.whole("steps", steps, what=" (timed steps)")
+    if isinstance(ks, str) or not isinstance(ks, tuple | list) or not ks:
+        raise TypeError(f"ks={ks!r}: give a non-empty tuple of ways to split the weights, e.g. (1, 2, 4)")
+    ks = tuple(checks.whole("ks", k, what=" (devices per replica)") for k in ks)
+    checks.one_of("weight_update", weight_update, ("replicated", "sharded"))
     n = len(jax.devices())
     if n % max(ks) or n // max(ks) < 2:
         raise ValueError(
             f"podscale bench tp splits weights up to {max(ks)} ways and needs at least two replicas for each, so "
             f"{2 * max(ks)} devices or a multiple; there are {n}: pass --replicas {2 * max(ks)}"
         )
-    if width % heads or heads % max(ks) or vocab % max(ks) or (4 * width) % max(ks):
-        raise ValueError(
-            f"podscale bench tp: width {width}, {heads} heads and vocabulary {vocab} must split {max(ks)} ways "
-            f"(heads, vocabulary and the MLP's {4 * width} divisible by {max(ks)}; width by the heads)"
-        )
+    problem = tp_problem(width, heads, vocab, max(ks))
+    if problem:
+        raise ValueError(f"podscale bench tp: {problem}")
     model = Transformer(vocab_size=vocab, width=width, depth=depth, num_heads=heads, mlp_dim=4 * width, max_len=seq)
     tx = optax.adam(1e-3)
     rng = np.random.default_rng(0)

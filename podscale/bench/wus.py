@@ -22,7 +22,9 @@ against ``replicated`` after the same steps.
 
 from __future__ import annotations
 
+import math
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -34,6 +36,9 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.progress import Progress
 
+from podscale import workloads
+from podscale.bench import WUS_HEADS
+from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
@@ -49,7 +54,9 @@ def _peak(compiled) -> int | None:
 
 
 def _task(width: int, depth: int, vocab: int, seq: int) -> Task:
-    model = models.Transformer(vocab_size=vocab, width=width, depth=depth, num_heads=8, mlp_dim=4 * width, max_len=seq)
+    model = models.Transformer(
+        vocab_size=vocab, width=width, depth=depth, num_heads=WUS_HEADS, mlp_dim=4 * width, max_len=seq
+    )
     tokens = data.SyntheticTokens(1024, seq_len=seq, vocab_size=vocab)
     return Task(model=model, kind="lm", train_data=tokens, eval_data=tokens)
 
@@ -106,10 +113,45 @@ class _Variant:
         }
 
 
+VARIANTS = ("replicated", "sharded", "gspmd")
+
+
+class _Progress:
+    """rich's bar on a terminal; elsewhere (stderr piped to a file or a CI log, where the bar does
+    not show) a line to stderr for each ``line=True`` update and at most every few seconds for the
+    others, with the time since the start."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, enabled: bool, total: int):
+        console = Console(stderr=True)
+        self.lines = enabled and not console.is_terminal
+        self.bar = Progress(console=console, transient=True, disable=not enabled or self.lines)
+        self.total, self.start, self.last = total, time.perf_counter(), -math.inf
+
+    def __enter__(self):
+        self.bar.__enter__()
+        self.work = self.bar.add_task("bench wus", total=self.total)
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def update(self, description: str, line: bool = False) -> None:
+        self.bar.update(self.work, description=description)
+        now = time.perf_counter()
+        if self.lines and (line or now - self.last >= self.EVERY_S):
+            print(f"podscale bench wus: {description} ({now - self.start:.0f} s)", file=sys.stderr, flush=True)
+            self.last = now
+
+    def advance(self) -> None:
+        self.bar.advance(self.work)
+
+
 def bench_wus(
     optimizers=("adam", "lamb"),
     steps: int = 4,
-    variants=("replicated", "sharded", "gspmd"),
+    variants=VARIANTS,
     width: int = 512,
     depth: int = 8,
     vocab: int = 8192,
@@ -120,7 +162,22 @@ def bench_wus(
 ) -> dict[str, Any]:
     """Runs the benchmark; see the module docstring. Steps of all variants of one optimizer (and
     of its plain-SGD baselines) are interleaved, so that the machine's noise hits them alike.
-    ``model``: an MLPerf workload (tiny config, its recipe as the one optimizer, ``"recipe"``)."""
+    ``model``: an MLPerf workload (tiny config, its recipe as the one optimizer, ``"recipe"``).
+    ``progress``: a bar on a terminal, else a line to stderr per variant compiled and every few
+    seconds while stepping. Every argument is checked before any work."""
+    steps = checks.whole("steps", steps, what=" (timed steps)")
+    for name, value in (("depth", depth), ("vocab", vocab), ("seq", seq), ("per_replica_batch", per_replica_batch)):
+        checks.whole(name, value)
+    if checks.whole("width", width) % WUS_HEADS:
+        raise ValueError(f"width={width} must be a multiple of the decoder's {WUS_HEADS} attention heads")
+    if model is not None and model not in workloads.NAMES:
+        raise ValueError(f"model={model!r}: bench wus takes an MLPerf workload: {', '.join(workloads.NAMES)}")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"variants={tuple(variants)!r}: choose from {', '.join(VARIANTS)}")
+    missing = [o for o in optimizers if o not in ("sgd", "adam", "lamb") and not callable(getattr(optax, o, None))]
+    if missing or not optimizers:
+        raise ValueError(f"optimizers={tuple(optimizers)!r}: give names of optax optimizers, e.g. ('adam', 'lamb')")
     mesh = make_mesh()
     n = mesh.devices.size
     makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
@@ -143,8 +200,7 @@ def bench_wus(
     floats = [x for x in jax.tree.leaves(shapes) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
     limit = hlo.ring_bytes("all-reduce", n, sum(int(np.prod(x.shape)) * 4 for x in floats))
     results: dict[str, Any] = {}
-    with Progress(console=Console(stderr=True), transient=True, disable=not progress) as bar:
-        work = bar.add_task("bench wus", total=len(optimizers) * 2 * len(variants) * (len(batches) + 1))
+    with _Progress(progress, len(optimizers) * 2 * len(variants) * (len(batches) + 1)) as bar:
         for opt in optimizers:
             runs = {}
             for which in (opt, "sgd"):
@@ -152,14 +208,14 @@ def bench_wus(
                 step = make_train_step(task, tx)
                 state = jax.device_get(task.init_state(jax.random.key(0), tx))
                 for variant in variants:
-                    bar.update(work, description=f"{opt}: compiling {variant}" + (" (sgd)" if which != opt else ""))
+                    bar.update(f"{opt}: compiling {variant}" + (" (sgd)" if which != opt else ""), line=True)
                     runs[which, variant] = _Variant(variant, step, mesh, state, batches[0])
-                    bar.advance(work)
+                    bar.advance()
             for i, batch in enumerate(batches):
-                bar.update(work, description=f"{opt}: step {i + 1}/{len(batches)}")
+                bar.update(f"{opt}: step {i + 1}/{len(batches)}")
                 for run in runs.values():
                     run.step(batch, timed=i > 0)  # the first step warms up
-                    bar.advance(work)
+                    bar.advance()
             per = {v: runs[opt, v].report(mesh, limit) for v in variants}
             ref = runs[opt, variants[0]].gather(runs[opt, variants[0]].state).params
             for v in variants:

@@ -209,7 +209,7 @@ class DataParallelStep:
         idempotent."""
         abstract = _shapes(state)
         if self.layout is not None:
-            self.layout.check(abstract)
+            self.layout.check_user(abstract)
             return self.layout
         forward = None
         if batch is not None:
@@ -335,7 +335,12 @@ class DataParallelStep:
         axes = self.axes
         split = frozenset(leaf.shape for leaf in layout.leaves if leaf.model_dim is not None and leaf.weight)
         chunks = Layout(
-            self.grad_sum, self.min_shard_size, scatter=self.sharded, bucket_bytes=self.bucket_bytes, split_shapes=split
+            self.grad_sum,
+            self.min_shard_size,
+            scatter=self.sharded,
+            bucket_bytes=self.bucket_bytes,
+            split_shapes=split,
+            split=self.mesh.shape[self.partition] if self.partition else 1,  # as layout.leaves' chunks
         )
         abstract_state = self.layout_shapes()
         gt = self.global_trace(abstract_state, batch)
@@ -466,6 +471,7 @@ class DataParallelStep:
         if self.layout is None:
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
         _check_not_donated(state, "state")
+        self.layout.check_stored(state)  # shapes and dtypes only: no device sync
         return self._compiled(state, batch)(state, batch)
 
     def lower(self, state, batch):
@@ -482,13 +488,20 @@ class DataParallelStep:
         :meth:`prepare`).
         """
         state = as_arrays(state)
+        if self.layout is None:
+            state_layout.refuse_stored(state, "state", "place")
         return self.prepare(state, batch).place(state)
 
     def gather_state(self, state):
-        """Returns the state in the user layout as host numpy arrays, on every process."""
+        """Returns the state in the user layout as host numpy arrays, on every process. Refuses a
+        state this step object did not place (:meth:`StateLayout.check_stored`: a leaf's shape is
+        not the one this step stores it in), and, before this step has placed anything, a leaf
+        stored flat by a sharded update, which it cannot read back without that step's layout."""
         _check_not_donated(state, "state")
-        if self.layout is None:
+        if self.layout is None:  # nothing placed through this step: user-layout leaves are read as they are
+            state_layout.refuse_stored(state, "state", "gather")
             return state_layout.decide(state, self.mesh, None, 1).fetch(state)
+        self.layout.check_stored(state)
         return self.layout.fetch(state)
 
     def local_rows(self, global_batch: int) -> slice:

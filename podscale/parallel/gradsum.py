@@ -32,6 +32,8 @@ from jax._src.lax.parallel import all_gather_invariant  # public lax has no inva
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.mesh import BN_GROUP
+
 MODES = ("1d", "2d")
 DEFAULT_CHUNKS = 4
 """Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
@@ -283,14 +285,20 @@ def make_grad_sum(
             f"last (the space or model axis): {axes}; make one with two, e.g. make_mesh((x, y, k))"
         )
     if len(axes) != 2:
-        extra = (
-            " (bn_group_size adds a third axis: 2-D summation and batch-norm groups do not combine yet)"
-            if len(axes) > 2
-            else ""
-        )
+        if BN_GROUP in axes:  # the axis make_mesh(bn_group_size=k) adds
+            raise ValueError(
+                f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}: bn_group_size adds a "
+                "third axis, and 2-D summation and batch-norm groups do not combine yet; drop one of them"
+            )
+        if len(axes) > 2:
+            n = math.prod(sizes.values())
+            two = (n // sizes[axes[-1]], sizes[axes[-1]])
+            raise ValueError(
+                f"grad_sum='2d' sums along two mesh axes, one after the other, and mesh {dict(mesh.shape)} has "
+                f"{len(axes)}; make a 2-D one with the same devices, e.g. make_mesh({two})"
+            )
         raise ValueError(
-            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}{extra}; make one with "
-            "make_mesh((x, y))"
+            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; make one with make_mesh((x, y))"
         )
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
     if isinstance(costs, str):

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from podscale.parallel import checks
+
 DATA = "data"
 BN_GROUP = "bn_group"
 """The mesh axis of ``make_mesh(..., bn_group_size=k)`` that batch-norm statistics are averaged over."""
-_DEFAULT_NAMES = {1: (DATA,), 2: ("x", "y"), 3: ("x", "y", "z")}
+_DEFAULT_NAMES = {1: (DATA,)}
+"""Default axis names: ``data`` for a 1-D mesh; ``x, y, z, w`` for 2 to 4 dimensions, and
+``a4, a5, ...`` after ``w`` for more (see :func:`default_axis_names`)."""
+
+
+def default_axis_names(rank: int) -> tuple[str, ...]:
+    """The axis names of a ``rank``-D mesh when none are given: ``("data",)``, ``("x", "y")``,
+    ``("x", "y", "z")``, ``("x", "y", "z", "w")``, then ``"a4"``, ``"a5"``, ..."""
+    if rank in _DEFAULT_NAMES:
+        return _DEFAULT_NAMES[rank]
+    return ("x", "y", "z", "w")[:rank] + tuple(f"a{i}" for i in range(4, rank))
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -25,6 +38,51 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def mesh_advice(n: int, k: int, field: str, min_replicas: int = 1) -> str:
+    """How to get a mesh of ``n`` devices whose last axis has ``k`` (``field=k``, a space or model
+    axis) after a data axis of at least ``min_replicas``: checked to work, not guessed. Either
+    ``make_mesh((n // k, k))``, or the values of ``field`` that ``n`` devices allow, each with its mesh."""
+    if n % k == 0 and n // k >= min_replicas:
+        return f"make one with make_mesh(({n // k}, {k}))"
+    valid = [d for d in range(2, n + 1) if n % d == 0 and n // d >= min_replicas]
+    if n % k:
+        why = f"{k} does not divide the {n} devices"
+    else:
+        why = f"{field}={k} on {n} devices leaves {n // k} replica, and it needs at least {min_replicas}"
+    if not valid:
+        return f"{why}, and no {field} above 1 fits {n} devices; run on more devices"
+    return f"{why}; choose one that fits: " + "; ".join(f"{field}={d} with make_mesh(({n // d}, {d}))" for d in valid)
+
+
+def _shape(shape) -> tuple[int, ...] | None:
+    """``make_mesh``'s ``shape``, checked: ``None``, an int or a tuple or list of ints."""
+    if shape is None:
+        return None
+    if isinstance(shape, str):
+        raise TypeError(
+            f"make_mesh: shape={shape!r} is a str; give a tuple of ints such as (4, 2) "
+            f"(podscale.parallel.mesh.parse_shape reads the text form {shape!r})"
+        )
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool | np.bool_):
+        shape = (shape,)
+    if not isinstance(shape, tuple | list):
+        raise TypeError(
+            f"make_mesh: shape={shape!r} is {checks.described(shape)}; give None, an int or a tuple of ints such as (4, 2)"
+        )
+    for i, s in enumerate(shape):
+        if isinstance(s, bool | np.bool_) or not isinstance(s, numbers.Integral):
+            raise TypeError(
+                f"make_mesh: shape={tuple(shape)!r}: dimension {i} ({s!r}) is {checks.described(s)}; every dimension is an "
+                "int (devices along that axis), e.g. shape=(4, 2)"
+            )
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError("make_mesh: shape=(): give at least one dimension, or None for a 1-D mesh over all devices")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"make_mesh: shape={shape}: every mesh dimension must be at least 1")
+    return shape
+
+
 def make_mesh(
     shape: int | Sequence[int] | None = None,
     axis_names: Sequence[str] | None = None,
@@ -34,42 +92,48 @@ def make_mesh(
     """Builds a mesh over every device of every process.
 
     Args:
-      shape: the mesh shape; ``None`` means a 1-D mesh over all devices. Its product must equal
-        ``jax.device_count()``.
-      axis_names: one name per dimension. Defaults: ``("data",)`` for 1-D, ``("x", "y")`` for 2-D.
+      shape: the mesh shape (an int or a tuple of ints); ``None`` means a 1-D mesh over all
+        devices. Its product must equal ``jax.device_count()``.
+      axis_names: one name per dimension. Defaults (:func:`default_axis_names`): ``("data",)`` for
+        1-D, ``("x", "y")`` for 2-D, ``("x", "y", "z")``, ``("x", "y", "z", "w")``, then ``a4``, ...
       bn_group_size: k > 1 splits the last dimension into (last / k, k) and names the new, innermost
         axis ``BN_GROUP``: its k devices are neighbouring replicas, and a model whose batch norm
         averages its statistics over ``BN_GROUP`` normalizes over the group's combined batch.
-      spatial: with ``Strategy(spatial=k)`` the last dimension (k) is the space axis, and
+      spatial: with ``Strategy(spatial=k)`` the last dimension (k) is the space axis (checked), and
         ``bn_group_size`` splits the dimension before it instead: a group is neighbouring
         replicas, each with its k partitions, and the space axis stays last.
 
     Devices are ordered by (process, id), so each process owns a contiguous block of the
     flattened mesh: the rows of a batch sharded over all axes that a process feeds are contiguous.
+    Arguments of the wrong type raise ``TypeError``, values out of range ``ValueError``.
     """
+    shape = _shape(shape)
+    if axis_names is not None:
+        axis_names = checks.names("axis_names", axis_names, "axis names, one per mesh dimension", "('x', 'y')")
+    bn_group_size = checks.whole("bn_group_size", bn_group_size, what=" (replicas per batch-norm group)")
+    spatial = checks.whole("spatial", spatial, optional=True, what=" (devices per image)")
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(devices)
     if shape is None:
         shape = (n,)
-    elif isinstance(shape, int):
-        shape = (shape,)
-    shape = tuple(int(s) for s in shape)
     if axis_names is None:
-        if len(shape) not in _DEFAULT_NAMES:
-            raise ValueError(f"mesh shape {shape}: pass axis_names for a {len(shape)}-D mesh")
-        axis_names = _DEFAULT_NAMES[len(shape)]
-    axis_names = tuple(axis_names)
+        axis_names = default_axis_names(len(shape))
     if len(axis_names) != len(shape):
         raise ValueError(
             f"mesh shape {shape} has {len(shape)} dimensions but axis_names {axis_names} has {len(axis_names)}"
         )
     if len(set(axis_names)) != len(axis_names):
         raise ValueError(f"mesh axis_names {axis_names} repeat a name; give each axis its own name")
-    if any(s < 1 for s in shape) or int(np.prod(shape)) != n:
+    if int(np.prod(shape)) != n:
         raise ValueError(
             f"mesh shape {shape} needs {int(np.prod(shape))} devices, but there are {n} "
             f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices). "
             f"Pass a shape whose product is {n}, for example ({n},)."
+        )
+    if spatial not in (None, 1) and (len(shape) < 2 or shape[-1] != spatial):
+        raise ValueError(
+            f"spatial={spatial} needs a mesh whose last axis has {spatial} devices (the space axis) after at least "
+            f"one data axis, got mesh shape {shape}; " + mesh_advice(n, spatial, "spatial")
         )
     if bn_group_size != 1:
         split = -2 if spatial not in (None, 1) else -1  # the last data axis
@@ -78,7 +142,7 @@ def make_mesh(
                 f"bn_group_size={bn_group_size} with spatial={spatial} needs a data axis before the space axis, "
                 f"got mesh {shape}"
             )
-        if bn_group_size < 1 or shape[split] % bn_group_size:
+        if shape[split] % bn_group_size:
             which = "last data" if split == -2 else "last"
             raise ValueError(
                 f"bn_group_size={bn_group_size} must be a positive divisor of the {which} mesh dimension "

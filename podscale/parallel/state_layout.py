@@ -20,6 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.weight_update import chunk_layout
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
@@ -114,8 +116,7 @@ class StateLayout:
 
     def stored_shapes(self):
         def one(leaf):
-            shape = (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
-            return jax.ShapeDtypeStruct(shape, leaf.dtype, weak_type=leaf.weak_type)
+            return jax.ShapeDtypeStruct(self.stored_shape(leaf), leaf.dtype, weak_type=leaf.weak_type)
 
         return jax.tree.unflatten(self.treedef, [one(leaf) for leaf in self.leaves])
 
@@ -123,6 +124,59 @@ class StateLayout:
         treedef = jax.tree.structure(state)
         if treedef != self.treedef:
             raise ValueError(f"{what} has structure {treedef}, but this step was prepared for {self.treedef}")
+
+    def stored_shape(self, leaf: LeafLayout) -> tuple[int, ...]:
+        """The shape ``leaf`` has on the mesh: flat ``N * chunk`` when sharded, else its own."""
+        return (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
+
+    def check_stored(self, state, what: str = "state") -> None:
+        """Refuses a stored ``state`` this layout did not place: its structure, and each leaf's
+        shape and dtype against the stored ones (on the host, no device sync). A stored leaf is a
+        global value (a flat, padded vector for a sharded one), so a leaf of the right shape is
+        read alike on any mesh; one of another shape was stored by another step object (another
+        strategy, mesh or ``min_shard_size``) or was never placed."""
+        self.check(state, what)
+        other = (
+            "it was placed by another step object (another weight_update, mesh, min_shard_size or model_parallel): "
+            "pass the state this step's place_state (or a call of this step) returned, or gather it with the step "
+            "that placed it (gather_state) and place the result with this one's place_state"
+        )
+        for (path, x), leaf in zip(jax.tree_util.tree_leaves_with_path(state), self.leaves, strict=True):
+            shape, expected = tuple(np.shape(x)), self.stored_shape(leaf)
+            where = f"{what}{jax.tree_util.keystr(path)}"
+            if shape != expected:
+                stored = (
+                    f"a flat {list(expected)} (its {list(leaf.shape)} padded and split over the replicas)"
+                    if leaf.sharded
+                    else f"{list(expected)}"
+                )
+                why = (
+                    "that is the user layout (gather_state's): place it with this step's place_state first"
+                    if shape == leaf.shape
+                    else other
+                )
+                raise ValueError(f"{where} has shape {list(shape)}, but this step stores that leaf as {stored}; {why}")
+            dtype = getattr(x, "dtype", None)
+            if not _same_dtype(dtype, leaf.dtype):
+                raise ValueError(f"{where} has dtype {dtype}, but this step stores that leaf as {leaf.dtype}; {other}")
+
+    def check_user(self, state, what: str = "state") -> None:
+        """Refuses a user-layout ``state`` (what :meth:`place` takes) whose leaves' shapes or dtypes
+        are not those this layout was decided for, such as a stored (flat) state."""
+        self.check(state, what)
+        for (path, x), leaf in zip(jax.tree_util.tree_leaves_with_path(state), self.leaves, strict=True):
+            shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+            if shape != leaf.shape or not _same_dtype(dtype, leaf.dtype):
+                stored = (
+                    " (the stored, flat layout of a sharded leaf)"
+                    if leaf.sharded and shape == self.stored_shape(leaf)
+                    else ""
+                )
+                raise ValueError(
+                    f"{what}{jax.tree_util.keystr(path)} is {dtype}{list(shape)}{stored}, but this step was prepared "
+                    f"for {leaf.dtype}{list(leaf.shape)}: place_state and prepare take the state as the step itself "
+                    "takes it (what gather_state returns); a state a step object stored is gathered by that one first"
+                )
 
     # -- conversions; pure functions usable under jit --------------------------------------
     def store(self, state):
@@ -163,6 +217,49 @@ class StateLayout:
                 x = np.asarray(x)[: math.prod(leaf.shape)].reshape(leaf.shape)
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
+
+
+def _same_dtype(dtype, expected) -> bool:
+    """Whether a leaf of ``dtype`` (``None``: a Python scalar, not checked) is stored as ``expected``,
+    as JAX canonicalises them (a NumPy float64 is a float32 without x64)."""
+    if dtype is None or dtype == expected:
+        return True
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype) == jax.dtypes.canonicalize_dtype(expected)
+    except TypeError:
+        return False
+
+
+def stored_chunk(x) -> tuple[str, ...] | None:
+    """The mesh axes ``x`` is split over when it looks like a sharded leaf a step stored, else
+    ``None``: a 1-D array split over the data axes, as :meth:`StateLayout.shardings` stores one (a
+    1-D leaf split over the last axis alone of a mesh of several is a weight split over a model
+    axis, in its own shape). Without that step's layout such a leaf cannot be read back: its
+    length is padded, its shape lost."""
+    if not isinstance(x, jax.Array) or _is_key(x) or x.ndim != 1 or not isinstance(x.sharding, NamedSharding):
+        return None
+    spec = tuple(x.sharding.spec)
+    if not spec or spec[0] is None:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    names = tuple(x.sharding.mesh.axis_names)
+    if len(names) > 1 and axes == names[-1:]:
+        return None  # split over a model axis
+    return axes
+
+
+def refuse_stored(state, what: str, doing: str) -> None:
+    """Refuses ``state`` when a leaf looks like a stored sharded chunk (:func:`stored_chunk`)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        axes = stored_chunk(x)
+        if axes is not None:
+            raise ValueError(
+                f"{what}{jax.tree_util.keystr(path)} is a flat {list(x.shape)} split over mesh axes {axes}: the stored "
+                f"layout of a sharded weight update, placed by another step object; this one cannot {doing} it "
+                "without that step's layout (the leaf's shape and padding): gather the state with the step that "
+                "placed it (its gather_state), then place the result with this one's place_state (an array of "
+                "your own split so: pass it as host data, np.asarray(x))"
+            )
 
 
 def _float(dtype) -> bool:
@@ -252,10 +349,8 @@ def decide(
                 )
             )
         else:
-            length, k = -(-size // n), mesh.shape[space] if space else 1
-            length = -(-length // k) * k  # the chunk splits over the space axis too
+            k = mesh.shape[space] if space else 1
+            length, padding = chunk_layout(size, n, k)  # the chunk splits over the space axis too
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
-            leaves.append(
-                LeafLayout(**kw, sharded=True, reason=reason, shard_len=length, padding=length * n - size, split=k)
-            )
+            leaves.append(LeafLayout(**kw, sharded=True, reason=reason, shard_len=length, padding=padding, split=k))
     return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, space)

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-from podscale.parallel.gradsum import MODES, parse_axis_costs
-from podscale.parallel.mesh import BN_GROUP
-from podscale.parallel.tensor import RULES
+import jax.numpy as jnp
+
+from podscale.parallel import checks
+from podscale.parallel.gradsum import MODES, AxisCost, parse_axis_costs
+from podscale.parallel.mesh import BN_GROUP, mesh_advice
+from podscale.parallel.tensor import RULES, Rules
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
 
 WEIGHT_UPDATES = ("replicated", "sharded")
@@ -26,42 +30,125 @@ RNGS = ("single-device", "independent")
 SUM_DTYPES = ("float32", "bfloat16")
 
 
-def _field(default, help: str, **flag):
-    return dataclasses.field(default=default, metadata={"help": help, **flag})
+def _field(default, help: str, check, **flag):
+    """A field with its help (the flag's), its ``check(name, value) -> value`` (run once, by
+    ``__post_init__``, for every field) and the flag's options (``choices``, ``cli=False``)."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, **flag})
+
+
+def _choice(choices):
+    return lambda name, value: checks.one_of(name, value, choices)
+
+
+def _count(optional: bool = False, what: str = ""):
+    return lambda name, value: checks.whole(name, value, optional=optional, what=what)
+
+
+def _data_axes(name, value):
+    if value is None:
+        return None
+    axes = checks.names(name, value, "mesh axis names", f"({value!r},)" if isinstance(value, str) else "('x', 'y')")
+    if not axes:
+        raise ValueError(f"{name}=(): give at least one mesh axis, or None for every axis but a space or model axis")
+    return axes
+
+
+def _sum_dtype(name, value):
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"{name}={value!r} is {checks.described(value)}, not a dtype; give None, a float dtype such as jnp.bfloat16, "
+            f"or its name ({', '.join(SUM_DTYPES)})"
+        ) from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float type such as bfloat16, got {dtype.name}")
+    return value
+
+
+def _axis_costs(name, value):
+    if value is None or value == "calibrate":
+        return value
+    if isinstance(value, str):
+        return parse_axis_costs(value)
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name}={value!r} is {checks.described(value)}; give None, 'calibrate', a text such as 'x=1e11:1e-6,y=4.5e10:1e-6' "
+            "or a dict of mesh axis name -> podscale.parallel.gradsum.AxisCost"
+        )
+    for axis, cost in value.items():
+        if not isinstance(axis, str) or not isinstance(cost, AxisCost):
+            raise TypeError(
+                f"{name}[{axis!r}]={cost!r}: give a mesh axis name (str) -> "
+                f"podscale.parallel.gradsum.AxisCost(bandwidth, latency) for every entry of {name}"
+            )
+    return value
+
+
+def _rules(name, value):
+    if value is None or isinstance(value, Rules):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name}={value!r} is {checks.described(value)}; give a built-in's name ({', '.join(RULES)}) or a "
+            "podscale.parallel.tensor.Rules(((regex, dimension), ...))"
+        )
+    if value not in RULES:
+        raise ValueError(f"{name}={value!r}: no built-in sharding rules of that name; choose one of {', '.join(RULES)}")
+    return RULES[value]
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """The parallel strategy of a step; ``Strategy()`` is plain data parallelism."""
+    """The parallel strategy of a step; ``Strategy()`` is plain data parallelism.
+
+    Every field is checked when the value is made, by the ``check`` of its declaration: a value of
+    the wrong type raises ``TypeError``, one out of range ``ValueError``, each naming the field."""
 
     data_axes: tuple[str, ...] | None = _field(
-        None, "mesh axes the batch is split over (default: every mesh axis)", cli=False
+        None, "mesh axes the batch is split over (default: every mesh axis)", _data_axes, cli=False
     )
     weight_update: str = _field(
         "replicated",
         "sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state",
+        _choice(WEIGHT_UPDATES),
         choices=WEIGHT_UPDATES,
     )
     min_shard_size: int = _field(
-        DEFAULT_MIN_SHARD_SIZE, "with the sharded update, tensors with fewer elements stay replicated"
+        DEFAULT_MIN_SHARD_SIZE,
+        "with the sharded update, tensors with fewer elements stay replicated",
+        _count(what=" (elements)"),
     )
-    bucket_bytes: int = _field(DEFAULT_BUCKET_BYTES, "size of the fused gradient buffers in bytes (16 MiB)")
+    bucket_bytes: int = _field(
+        DEFAULT_BUCKET_BYTES, "size of the fused gradient buffers in bytes (16 MiB)", _count(what=" (bytes)")
+    )
     grad_sum: str = _field(
         "1d",
         "2d: on a 2-D mesh, reduce-scatter along one axis, all-reduce along the other, all-gather back",
+        _choice(MODES),
         choices=MODES,
     )
-    grad_sum_chunks: int | None = _field(None, "pipelined chunks per fused buffer with grad_sum 2d (default 4)")
-    grad_sum_dtype: Any = _field(None, "sum gradients in this dtype (opt-in; default theirs)", choices=SUM_DTYPES)
+    grad_sum_chunks: int | None = _field(
+        None, "pipelined chunks per fused buffer with grad_sum 2d (default 4)", _count(optional=True)
+    )
+    grad_sum_dtype: Any = _field(
+        None, "sum gradients in this dtype (opt-in; default theirs)", _sum_dtype, choices=SUM_DTYPES
+    )
     axis_costs: Any = _field(
         None,
         "which axis the 2-D sum goes along first: calibrate, or AXIS=BYTES_PER_S:LATENCY_S,... (default mesh order)",
+        _axis_costs,
     )
-    strict: bool = _field(False, "refuse, before running, a step with ops that would run on gathered values")
+    strict: bool = _field(
+        False, "refuse, before running, a step with ops that would run on gathered values", checks.boolean
+    )
     rng: str = _field(
         "single-device",
         "independent (opt-in): each replica draws its rows of a batch-shaped random draw from its own "
         "stream (fold_in of the replica index), which no longer equals one device's draw",
+        _choice(RNGS),
         choices=RNGS,
     )
 
@@ -69,55 +156,43 @@ class Strategy:
         None,
         "split each image's height over the mesh's last axis, of this size (spatial partitioning: "
         "convolutions exchange halos with their neighbours), e.g. --mesh 2x4 --spatial 4",
+        _count(optional=True, what=" (devices per image)"),
     )
 
     model_parallel: int | None = _field(
         None,
         "split the weights the sharding rules name over the mesh's last axis, of this size (tensor "
         "partitioning: attention heads, the MLP hidden dimension, the vocabulary), e.g. --mesh 4x2 --model-parallel 2",
+        _count(optional=True, what=" (devices per replica)"),
     )
     rules: Any = _field(
         None,
         "the sharding rules of model_parallel: a podscale.parallel.tensor.Rules, or a built-in's name "
         "(default: the model's own)",
+        _rules,
         choices=tuple(RULES),
     )
 
     def __post_init__(self):
-        if self.model_parallel is not None and self.model_parallel < 1:
-            raise ValueError(f"model_parallel must be at least 1, got {self.model_parallel}")
-        if self.model_parallel == 1:
-            object.__setattr__(self, "model_parallel", None)  # one partition of the weights: data parallelism
-        if isinstance(self.rules, str):
-            if self.rules not in RULES:
-                raise ValueError(
-                    f"rules={self.rules!r}: no built-in sharding rules of that name; choose one of {', '.join(RULES)}"
-                )
-            object.__setattr__(self, "rules", RULES[self.rules])
+        given_rules = self.rules
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+        if self.rules is not None and self.model_parallel is None:
+            name = given_rules if isinstance(given_rules, str) else self.rules.name
+            raise ValueError(
+                f"rules={name!r} is given without model_parallel: sharding rules say how tensor partitioning "
+                "splits the weights over the mesh's last axis; give model_parallel=k (k > 1) with them, or no rules"
+            )
+        if self.model_parallel == 1:  # one partition of the weights: data parallelism, nothing for rules to split
+            object.__setattr__(self, "model_parallel", None)
+            object.__setattr__(self, "rules", None)
         if self.spatial not in (None, 1) and self.model_parallel is not None:
             raise ValueError(
                 f"spatial={self.spatial} and model_parallel={self.model_parallel}: both use the mesh's last axis, "
                 "and podscale does not combine them yet; choose one"
             )
-        if self.spatial is not None and self.spatial < 1:
-            raise ValueError(f"spatial must be at least 1, got {self.spatial}")
         if self.spatial == 1:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
-        if self.weight_update not in WEIGHT_UPDATES:
-            raise ValueError(f"weight_update={self.weight_update!r}: choose one of {', '.join(WEIGHT_UPDATES)}")
-        for name in ("min_shard_size", "bucket_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.rng not in RNGS:
-            raise ValueError(f"rng={self.rng!r}: choose one of {', '.join(RNGS)}")
-        if self.grad_sum not in MODES:
-            raise ValueError(f"grad_sum={self.grad_sum!r}: choose one of {', '.join(MODES)}")
-        if self.grad_sum_chunks is not None and self.grad_sum_chunks < 1:
-            raise ValueError(f"grad_sum_chunks must be at least 1, got {self.grad_sum_chunks}")
-        if isinstance(self.axis_costs, str) and self.axis_costs != "calibrate":
-            object.__setattr__(self, "axis_costs", parse_axis_costs(self.axis_costs))
-        if self.data_axes is not None:
-            object.__setattr__(self, "data_axes", tuple(self.data_axes))
 
     @property
     def sharded(self) -> bool:
@@ -152,8 +227,8 @@ class Strategy:
         if len(names) < 2 or shape[names[-1]] != k:
             raise ValueError(
                 f"{field}={k} needs a mesh whose last axis has {k} devices (the {role} axis) after at least one "
-                f"data axis, got mesh {shape}; make one with make_mesh((replicas, {k})), e.g. "
-                f"--mesh {max(mesh.size // k, 1)}x{k}"
+                f"data axis, got mesh {shape}; "
+                + mesh_advice(mesh.size, k, field, min_replicas=2 if field == "model_parallel" else 1)
             )
         if self.data_axes is not None and names[-1] in self.data_axes:
             raise ValueError(f"data_axes {self.data_axes} include {names[-1]!r}, the {role} axis of {field}={k}")

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 
 import jax
 import numpy as np
+
+from podscale.parallel.checks import PodscaleWarning, described, warn
 
 LARGE_SHARE = 0.01
 """A weight holding at least this share of all weight elements is *large*: left whole, it is
@@ -48,15 +51,43 @@ class Rules:
     name: str = "custom"
 
     def __post_init__(self):
-        rules = tuple((str(p), d) for p, d in self.rules)
-        for pattern, dim in rules:
+        example = "Rules(((r'kernel$', -1), (r'bias$', None)))"
+        if isinstance(self.rules, str) or not isinstance(self.rules, tuple | list):
+            raise TypeError(
+                f"Rules: rules={self.rules!r} is {described(self.rules)}; give a tuple of (regex, dimension) pairs, e.g. {example}"
+            )
+        if not isinstance(self.name, str):
+            raise TypeError(f"Rules: name={self.name!r} is {described(self.name)}; give a str")
+        rules = []
+        for i, entry in enumerate(self.rules):
+            if not isinstance(entry, tuple | list) or len(entry) != 2:
+                one = " (one rule is a pair inside the tuple: Rules(((regex, dimension),)))" if i == 0 else ""
+                raise TypeError(
+                    f"Rules: rules[{i}]={entry!r} is {described(entry)}, not a (regex, dimension) pair{one}; e.g. {example}"
+                )
+            pattern, dim = entry
+            if not isinstance(pattern, str):
+                raise TypeError(
+                    f"Rules: rules[{i}] has regex {pattern!r}, {described(pattern)}; give a str matched against leaf paths "
+                    "such as 'params/encoder/query/kernel'"
+                )
+            if isinstance(dim, bool | np.bool_) or not (dim is None or isinstance(dim, numbers.Integral)):
+                raise TypeError(
+                    f"sharding rule {pattern!r}: the dimension must be an int or None, got {dim!r} ({described(dim)}); an int "
+                    "is the dimension split over the model axis (negative counts from the end), None keeps the leaf whole"
+                )
             try:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"sharding rule {pattern!r} is not a regular expression: {e}") from None
-            if dim is not None and not isinstance(dim, int):
-                raise ValueError(f"sharding rule {pattern!r}: the dimension must be an int or None, got {dim!r}")
-        object.__setattr__(self, "rules", rules)
+            rules.append((pattern, None if dim is None else int(dim)))
+        object.__setattr__(self, "rules", tuple(rules))
+
+
+class RuleWarning(PodscaleWarning):
+    """Sharding rules that leave something undone: a rule matching nothing, a leaf two rules
+    match, a dimension a leaf does not have or the model axis does not divide, a large weight
+    left whole. ``strict=True`` refuses them instead."""
 
 
 def with_model_rules(strategy, model: str):
@@ -66,9 +97,9 @@ def with_model_rules(strategy, model: str):
         return strategy
     if model not in RULES:
         raise ValueError(
-            f"--model-parallel {strategy.model_parallel}: model {model!r} has no built-in sharding rules (these "
-            f"have: {', '.join(RULES)}); choose one with --rules, or call podscale.data_parallel with "
-            "rules=Rules(...) from Python"
+            f"model_parallel={strategy.model_parallel}: model {model!r} has no built-in sharding rules (built-in "
+            f"rules: {', '.join(RULES)}); give rules=NAME of a built-in whose layer names fit the model, or drop "
+            "model_parallel"
         )
     return dataclasses.replace(strategy, rules=RULES[model])
 
@@ -149,6 +180,12 @@ def assign(rules: Rules, state, k: int, axis: str, weights: set[int] | None = No
         raise ValueError(
             f"strict=True: refused before running; the sharding rules {rules.name!r} for mesh axis {axis!r} "
             f"({k} devices) leave these: " + "; ".join(notes)
+        )
+    if notes:
+        warn(
+            f"the sharding rules {rules.name!r} for mesh axis {axis!r} ({k} devices) leave {len(notes)} thing(s) as "
+            "they are (strict=True refuses them):\n  " + "\n  ".join(notes),
+            RuleWarning,
         )
     return Assignment(tuple(dims), tuple(notes), tuple(rule_of))
 

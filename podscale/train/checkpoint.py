@@ -2,30 +2,124 @@
 
 Saves are synchronous and atomic: orbax writes a step into a temporary directory and renames it
 when complete, so a crash mid-save leaves the previous good checkpoint untouched and never a
-half-written step that looks finished. A restore that finds no checkpoint, or one that orbax
-cannot read, raises :class:`CheckpointError` naming the directory and what to do.
+half-written step that looks finished.
+
+Every step carries a SHA-256 checksum of each array, hashed from the bytes handed to orbax and
+keyed by the leaf's pytree path (``.params['Dense_0']['kernel']``). They go into the step's own
+metadata (orbax's ``custom_metadata``, in ``STEP/_CHECKPOINT_METADATA``), written inside the
+temporary directory with the arrays, so a step that looks complete has them. A restore verifies
+every leaf against them: a step changed on disk after it was saved (a flipped bit, a bad copy)
+is refused with :class:`CheckpointError` naming the step and the leaves, never restored silently.
+``restore(fallback=True)`` (``--resume-fallback``) instead sets each damaged newer step aside as
+``STEP.damaged`` (orbax ignores it), says so, and restores the newest intact step. A step saved
+without checksums (by podscale before they existed) is restored with a warning that it could
+not be verified.
+
+A restore that finds no checkpoint, or one that orbax cannot read, also raises
+:class:`CheckpointError` naming the directory and what to do.
 """
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import os
+import re
+import sys
+from collections.abc import Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+CHECKSUMS = "podscale_checksums"
+"""The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial or unreadable."""
+    """A checkpoint is missing, partial, unreadable or damaged."""
+
+
+class _Damaged(Exception):
+    """One step cannot be restored: ``reason`` (short, for a warning) and ``message`` (the error)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def _host_array(leaf) -> np.ndarray:
+    """The whole value of ``leaf`` on this host (checkpoints hold replicated, whole tensors)."""
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        if not leaf.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
+
+
+def checksums(state) -> dict[str, dict]:
+    """SHA-256 of each leaf's bytes with its shape and dtype, keyed by its pytree path."""
+    sums = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        value = np.ascontiguousarray(_host_array(leaf))
+        sums[jax.tree_util.keystr(path)] = {
+            "sha256": hashlib.sha256(value.reshape(-1).view(np.uint8)).hexdigest(),
+            "shape": list(value.shape),
+            "dtype": str(value.dtype),
+        }
+    return sums
+
+
+def _stored_names(tree) -> dict[str, str]:
+    """Each leaf's name in orbax's files (its keys joined by dots: ``opt_state.0.mu.Dense_1.kernel``,
+    as orbax's read errors name it) -> its pytree path (``.opt_state[0].mu['Dense_1']['kernel']``)."""
+    names = {}
+    for path, _ in jax.tree_util.tree_leaves_with_path(tree):
+        parts = []
+        for key in path:
+            for attr in ("key", "idx", "name"):
+                if hasattr(key, attr):
+                    parts.append(str(getattr(key, attr)))
+                    break
+        names[".".join(parts)] = jax.tree_util.keystr(path)
+    return names
+
+
+def _quoted(name: str) -> str:
+    """A pattern for ``name`` as a whole, as an error message quotes a file path within the step."""
+    return rf"(?<![\w.]){re.escape(name)}(?=[/'\"])"
+
+
+def _collect_quietly() -> None:
+    """Collects what a failed orbax restore left: its other reads of the broken step, coroutines
+    that failed too, would otherwise print their tracebacks when collected (at exit, say)."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"podscale: warning: {message}", file=sys.stderr, flush=True)
 
 
 class Checkpointer:
-    """Saves every ``every`` steps under ``directory`` and restores the latest step."""
+    """Saves every ``every`` steps under ``directory`` and restores the latest intact step."""
 
-    def __init__(self, directory: str, every: int, max_to_keep: int = 3):
+    def __init__(self, directory: str, every: int, max_to_keep: int = 3, warn: Callable[[str], None] = _warn):
         if every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
         self.directory = os.path.abspath(directory)
         self.every = every
+        self.warn = warn
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -38,22 +132,34 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def maybe_save(self, step: int, state, transform=None, force: bool = False) -> bool:
-        """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``)."""
+        """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``), with the
+        checksum of each leaf."""
         if not force and step % self.every:
             return False
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
         state = transform(state) if transform else state
-        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        self._manager.save(
+            step, args=ocp.args.StandardSave(state), force=True, custom_metadata={CHECKSUMS: checksums(state)}
+        )
         return True
 
     def saved_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def restore(self, like):
-        """Restores the latest step into the structure, shapes and shardings of ``like``."""
-        step = self.latest_step()
-        if step is None:
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def restore(self, like, fallback: bool = False):
+        """Restores the latest step into the structure, shapes and shardings of ``like``, after
+        checking every leaf against its checksum; returns ``(step, state)``.
+
+        A damaged or unreadable latest step raises :class:`CheckpointError` naming it (and the
+        damaged leaves); with ``fallback``, each such step is set aside as ``STEP.damaged``, with
+        a warning naming it, and the newest intact earlier step is restored."""
+        self._manager.reload()
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
             raise CheckpointError(
                 f"--resume: no complete checkpoint in {self.directory}. Start without --resume, or "
                 "point --workdir at the directory of the run to continue."
@@ -61,15 +167,102 @@ class Checkpointer:
         abstract = jax.tree.map(
             lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x), like
         )
+        damaged: dict[int, str] = {}  # step: what is wrong with it
+        for i, step in enumerate(steps):
+            earlier = steps[i + 1] if i + 1 < len(steps) else None
+            try:
+                state = self._restore_verified(step, abstract, earlier)
+            except _Damaged as e:
+                if not fallback:
+                    raise CheckpointError(e.message) from e.__cause__
+                damaged[step] = e.reason
+                continue
+            for s, target in self._set_aside(list(damaged)).items():
+                self.warn(f"--resume-fallback: skipped checkpoint step {s}: {damaged[s]}; moved it to {target}")
+            if damaged:
+                self.warn(f"--resume-fallback: resuming from step {step}, the newest intact checkpoint")
+            return step, state
+        reasons = "; ".join(f"step {s}: {r}" for s, r in damaged.items())
+        raise CheckpointError(
+            f"--resume-fallback: no intact checkpoint in {self.directory} ({reasons}). Start a new run with "
+            "another --workdir."
+        )
+
+    def _restore_verified(self, step: int, abstract, earlier: int | None):
+        """Restores ``step`` and checks it against its checksums; raises :class:`_Damaged`."""
+        where = f"checkpoint step {step} in {self.directory}"
+        todo = (
+            f"Pass --resume-fallback to set it aside and resume from the newest intact earlier step (the next kept "
+            f"is step {earlier}), or start a new run with another --workdir"
+            if earlier is not None
+            else f"No earlier step is kept to fall back to: start a new run with another --workdir (or delete "
+            f"{self.step_dir(step)} and start over)"
+        )
+        unreadable = None
         try:
-            return step, self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is corrupt or does not match this "
-                f"model/optimizer ({type(e).__name__}: {str(e)[:300]}). Delete "
-                f"{os.path.join(self.directory, str(step))} to resume from an earlier step, or start "
-                "a new run with another --workdir."
-            ) from e
+            chain = [e]
+            while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+                chain.append(nxt)
+            text = "\n".join(str(x) for x in chain)
+            detail = f"{type(chain[-1]).__name__}: {str(chain[-1]).strip()[:300]}"
+            leaves = [path for name, path in _stored_names(abstract).items() if re.search(_quoted(name), text)]
+            if leaves:
+                which = f"leaf {leaves[0]} cannot" if len(leaves) == 1 else f"leaves {', '.join(leaves)} cannot"
+                reason = f"damaged: {which} be read ({detail})"
+            else:
+                reason = f"corrupt or not of this model/optimizer ({detail})"
+            unreadable = _Damaged(reason, f"{where} is {reason}. {todo}.")
+            del chain, e
+        if unreadable:  # raised outside the except clause, which no longer holds orbax's failed reads
+            _collect_quietly()
+            raise unreadable
+        try:
+            saved = (self._manager.metadata(step).custom_metadata or {}).get(CHECKSUMS)
+        except Exception as e:
+            reason = f"damaged: its metadata, which holds the checksums, cannot be read ({type(e).__name__})"
+            raise _Damaged(reason, f"{where} is {reason}. {todo}.") from e
+        if saved is None:
+            self.warn(
+                f"{where} was saved without checksums (by an older podscale), so it is restored unverified; "
+                "the checkpoints this run saves carry them"
+            )
+            return state
+        got = checksums(state)
+        bad = [path for path in got if not isinstance(saved, dict) or saved.get(path) != got[path]]
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            which = (
+                f"leaf {shown} does not match the checksum saved with it"
+                if len(bad) == 1
+                else f"leaves {shown} do not match the checksums saved with them"
+            )
+            reason = f"damaged: {which} (its files changed after the save: a disk, copy or storage error)"
+            raise _Damaged(reason, f"{where} is {reason}. {todo}.")
+        return state
+
+    def _set_aside(self, steps: list[int]) -> dict[int, str]:
+        """Renames damaged steps to ``STEP.damaged`` (process 0; every process waits for it), so
+        that the resumed run saves those steps anew; orbax ignores the renamed directories."""
+        if not steps:
+            return {}
+        moved = {}
+        for step in steps:
+            target, n = self.step_dir(step) + ".damaged", 1
+            while os.path.lexists(target):
+                n += 1
+                target = f"{self.step_dir(step)}.damaged{n}"
+            moved[step] = target
+        if jax.process_index() == 0:
+            for step, target in moved.items():
+                os.replace(self.step_dir(step), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("podscale: damaged checkpoints set aside")
+        self._manager.reload()
+        return moved
 
     def close(self) -> None:
         self._manager.close()

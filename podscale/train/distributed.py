@@ -16,7 +16,11 @@ these into one line naming the lost process or the coordinator.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import importlib.util
+import math
 import os
+import pkgutil
 import signal
 import socket
 import subprocess
@@ -29,6 +33,11 @@ ENV_COORDINATOR = "PODSCALE_COORDINATOR"
 ENV_NUM_PROCESSES = "PODSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "PODSCALE_PROCESS_ID"
 DEFAULT_CPU_REPLICAS = 8
+MAX_CPU_DEVICES = 2048
+"""The most devices a program of one process's JAX CPU client runs over: past 2048 it refuses
+("Multiprocess computations aren't implemented on the CPU backend"), and far more devices only
+cost time and memory to create (``jax_num_cpu_devices`` 100000 grows by about 1 GB every 30 s).
+:func:`setup` refuses more per process; ``podscale project`` compiles on at most this many."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,10 @@ class ClusterSpec:
             raise ValueError(
                 f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout_s}"
             )
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"--num-processes must be at least 1, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"--process-id must be 0 or more, got {self.process_id}")
         if self.join_timeout_s is not None and not self.join_timeout_s > 0:
             raise ValueError(f"--join-timeout must be a positive number of seconds, got {self.join_timeout_s}")
         address = self.coordinator_address
@@ -83,18 +96,44 @@ class ClusterSpec:
 
 
 def setup(replicas: int | None, spec: ClusterSpec) -> None:
-    """Configures CPU devices and joins the cluster. Call once, before any JAX computation."""
+    """Configures CPU devices and joins the cluster. Call once, before any JAX computation.
+
+    On the CPU backend, the replicas are simulated devices split evenly over the processes, at
+    most :data:`MAX_CPU_DEVICES` per process; without ``replicas``, :data:`DEFAULT_CPU_REPLICAS`
+    of them, which the process count must divide (a count that does not is refused, naming
+    ``--replicas``, never replaced by another). A GPU or TPU backend uses its own devices."""
     processes = spec.num_processes if spec.explicit else 1
     if spec.explicit and not 0 <= spec.process_id < processes:
         raise ValueError(f"--process-id {spec.process_id} must be in [0, {processes})")
-    if replicas is None:  # CPU only; a GPU or TPU backend uses all of its devices
-        local = DEFAULT_CPU_REPLICAS // processes if DEFAULT_CPU_REPLICAS % processes == 0 else 1
+    cpu_only_problem = None  # a refusal that holds only where JAX runs on its CPU backend
+    if replicas is None:
+        local = DEFAULT_CPU_REPLICAS // processes
+        if DEFAULT_CPU_REPLICAS % processes:
+            local = 1
+            cpu_only_problem = (
+                f"the {DEFAULT_CPU_REPLICAS} CPU devices simulated by default do not divide over the {processes} "
+                f"processes; pass --replicas {_multiples(processes)} (a multiple of {processes}: every process "
+                "simulates the same number of devices)"
+            )
     else:
         if replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {replicas}")
         if replicas % processes:
-            raise ValueError(f"--replicas {replicas} is not divisible by the {processes} processes")
+            raise ValueError(
+                f"--replicas {replicas} is not divisible by the {processes} processes; pass a multiple of "
+                f"{processes}, such as {_multiples(processes, near=replicas)}"
+            )
         local = replicas // processes
+        if local > MAX_CPU_DEVICES:
+            per = f" ({local} per process)" if processes > 1 else ""
+            cpu_only_problem = (
+                f"--replicas {replicas}: too many CPU devices to simulate{per}; JAX's CPU client runs a program "
+                f"over at most {MAX_CPU_DEVICES} devices per process. Pass --replicas {MAX_CPU_DEVICES * processes} "
+                f"or fewer{' (over these processes)' if processes > 1 else ''}, or run on a GPU or TPU backend"
+            )
+            local = 1  # never ask the CPU client for them, even where another backend runs
+    if cpu_only_problem and _cpu_only():
+        raise ValueError(cpu_only_problem)
     # This setting only concerns the CPU backend; a GPU or TPU backend ignores it.
     jax.config.update("jax_num_cpu_devices", local)
     if spec.explicit or spec.auto:
@@ -109,7 +148,19 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
                 num_processes=spec.num_processes,
                 process_id=spec.process_id,
             )
-        jax.distributed.initialize(**kwargs)
+        try:
+            jax.distributed.initialize(**kwargs)
+        except ValueError as e:
+            if spec.explicit or "should be defined" not in str(e) and "must be defined" not in str(e):
+                raise
+            raise ValueError(
+                "--distributed-auto: JAX found no cluster to join here (no SLURM job, TPU pod or other "
+                f"environment it detects; it says: {e}). Run under SLURM or on a TPU pod, or give "
+                "--coordinator-address HOST:PORT --num-processes N --process-id I on every host, or start "
+                "local processes with podscale launch --processes N -- podscale train ..."
+            ) from None
+    if cpu_only_problem and jax.default_backend() == "cpu":
+        raise ValueError(cpu_only_problem)
     if replicas is not None and jax.device_count() != replicas:
         raise ValueError(
             f"--replicas {replicas} asked for, but the {jax.default_backend()} backend has "
@@ -118,10 +169,41 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
         )
 
 
+def _multiples(processes: int, near: int = DEFAULT_CPU_REPLICAS) -> str:
+    """The multiples of ``processes`` nearest ``near``, for a message: ``6 or 9``."""
+    low = processes * max(1, near // processes)
+    high = processes * (near // processes + 1)
+    return str(low) if low == high else f"{low} or {high}"
+
+
+def _cpu_only() -> bool:
+    """Whether JAX can run on its CPU backend only, decided without starting a backend (none may
+    start before ``jax.distributed.initialize``): ``JAX_PLATFORMS`` names ``cpu`` first, or no
+    accelerator is installed (no PJRT plugin, no libtpu). Where this says no, :func:`setup`
+    checks the backend itself once it runs."""
+    platforms = jax.config.jax_platforms
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    if os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS") or importlib.util.find_spec("libtpu") is not None:
+        return False
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return False
+    try:
+        import jax_plugins
+    except ImportError:
+        return True
+    return not any(pkgutil.iter_modules(jax_plugins.__path__))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+MAX_PROCESSES_PER_CORE = 4
+"""``podscale launch`` starts its processes on this machine: past this many per CPU core they only
+time-share the cores (and each holds its own JAX runtime in memory)."""
 
 
 def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
@@ -129,11 +211,31 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
 
     Each child gets ``PODSCALE_COORDINATOR=127.0.0.1:PORT``, ``PODSCALE_NUM_PROCESSES`` and
     ``PODSCALE_PROCESS_ID``. A command starting with ``podscale`` runs this interpreter's podscale
-    (``python -m podscale.cli``), so a venv need not be on PATH. When one child fails, the others get ``grace_s`` seconds to stop with
-    their own error, then are killed. The exit code is the first failing child's, else 0.
+    (``python -m podscale.cli``), so a venv need not be on PATH. When one child fails, the others
+    get ``grace_s`` seconds to stop with their own error (0: none, they are killed at once), then
+    are killed.
+
+    The exit code is the first one a failing child gave itself (a podscale exit code: 1 target
+    not reached, 2 bad input, 3 a peer lost, ...). A child that died by a signal (SIGKILL, the
+    out-of-memory killer; also the supervisor's 128 + N for its training child) or that launch
+    killed after the grace period did not say why the run failed: its code counts only if no
+    other child gave one, and then as a shell reports it, 128 + N. So a process killed with
+    SIGKILL makes ``launch`` return the survivors' 3, not 137. 0 if every child exited 0.
     """
-    if processes < 1:
+    if not processes >= 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if processes > MAX_PROCESSES_PER_CORE * cores:
+        raise ValueError(
+            f"--processes {processes}: podscale launch starts every process on this machine, which has {cores} "
+            f"CPU core(s); at most {MAX_PROCESSES_PER_CORE * cores} ({MAX_PROCESSES_PER_CORE} per core). For "
+            "more, run podscale train on several hosts with --coordinator-address, --num-processes and --process-id"
+        )
+    if not (math.isfinite(grace_s) and grace_s >= 0):
+        raise ValueError(
+            f"--grace must be a finite number of seconds >= 0 (0 kills the other processes as soon as one "
+            f"fails), got {grace_s}"
+        )
     if not command:
         raise ValueError(
             "podscale launch: give the command after --, e.g. podscale launch --processes 2 -- podscale train"
@@ -148,21 +250,29 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
             os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
         )
         children.append(subprocess.Popen(command, env=env))
-    failed_code, failed_at = 0, None
+    exits: list[tuple[int, bool]] = []  # (code, killed by launch) of the failing children, as noticed
+    noticed: set[int] = set()
+    killed: set[int] = set()
+    failed_at = None
     try:
-        while any(c.poll() is None for c in children):
+        while len(noticed) < processes:
             for pid, child in enumerate(children):
                 code = child.poll()
-                if code not in (None, 0) and failed_at is None:
-                    failed_code, failed_at = code, time.monotonic()
-                    print(
-                        f"podscale launch: process {pid} exited with code {code}; stopping the others", file=sys.stderr
-                    )
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                for child in children:
+                if code is None or pid in noticed:
+                    continue
+                noticed.add(pid)
+                if code == 0:
+                    continue
+                exits.append((code, pid in killed))
+                if failed_at is None:
+                    failed_at = time.monotonic()
+                    print(f"podscale launch: process {pid} {_describe(code)}; stopping the others", file=sys.stderr)
+            if failed_at is not None and time.monotonic() - failed_at >= grace_s:
+                for pid, child in enumerate(children):
                     if child.poll() is None:
+                        killed.add(pid)
                         child.kill()
-            time.sleep(0.1)
+            time.sleep(0.05)
     except KeyboardInterrupt:
         for child in children:
             if child.poll() is None:
@@ -170,6 +280,30 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
         for child in children:
             child.wait()
         return 130
-    if failed_at is None:
-        failed_code = next((c.returncode for c in children if c.returncode != 0), 0)
-    return failed_code
+    return _exit_code(exits)
+
+
+def _by_signal(code: int) -> bool:
+    """An exit by a signal: Popen's -N, or 128 + N as a shell or podscale's supervisor reports it."""
+    return code < 0 or code > 128
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _exit_code(exits: list[tuple[int, bool]]) -> int:
+    """``launch``'s exit code from its failing children's (code, killed by launch), in the order
+    they were noticed: see :func:`launch`."""
+    own = [code for code, killed in exits if not killed and not _by_signal(code)]
+    if own:
+        return own[0]
+    if exits:
+        code = exits[0][0]
+        return 128 - code if code < 0 else code
+    return 0

@@ -233,7 +233,10 @@ def make_task(
     if config is not None:
         raise ValueError(f"--config is for the MLPerf workloads ({', '.join(workloads.NAMES)}), not for {model!r}")
     if bn_axis is not None:
-        raise ValueError("--bn-group-size needs an MLPerf workload with batch norm (resnet50)")
+        raise ValueError(
+            f"--bn-group-size averages batch norm over groups of replicas in the MLPerf workloads whose batch norm "
+            f"takes the group axis ({', '.join(bn_group_workloads())}); model {model!r} is not one: drop the flag"
+        )
     names = sorted(MODELS) + list(workloads.NAMES)
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of: {', '.join(names)}")
@@ -246,6 +249,18 @@ def make_task(
         )
     train_data, eval_data = datasets[dataset](seed)
     return Task(model=module, kind=kind, train_data=train_data, eval_data=eval_data)
+
+
+def bn_group_workloads() -> list[str]:
+    """The MLPerf workloads whose model averages batch norm over ``BN_GROUP`` (``--bn-group-size``):
+    those whose model changes when given the axis (the others ignore it)."""
+    names = []
+    for name in workloads.NAMES:
+        w = workloads.get(name)
+        cfg = w.config("tiny")
+        if w.make_model(cfg, BF16, None) != w.make_model(cfg, BF16, BN_GROUP):
+            names.append(name)
+    return names
 
 
 def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:

@@ -13,7 +13,9 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -28,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
-from podscale.parallel.tensor import with_model_rules
+from podscale.parallel.tensor import RuleWarning, with_model_rules
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
@@ -76,6 +78,9 @@ class TrainConfig:
     workdir: str | None = None
     """Where checkpoints and ``metrics.jsonl`` go; without it nothing is saved."""
     resume: bool = False
+    resume_fallback: bool = False
+    """With ``resume``: a damaged or unreadable latest checkpoint is set aside (``STEP.damaged``,
+    with a warning naming it) and the newest intact one restored, instead of refused."""
     seed: int = 0
     target: float | None = None
     """Held-out accuracy at which to stop and report the time to target."""
@@ -92,6 +97,7 @@ class TrainConfig:
     mllog: str | None = None
     """Write an MLPerf-format log (mlperf-logging's ``mllog``) here (default: WORKDIR/mllog.txt)."""
     metrics_file: str | None = None
+    """JSON-lines metrics (default: WORKDIR/metrics.jsonl), appended to."""
     export: str | None = None
     """Write the final parameters to this ``.npz`` file (process 0)."""
     progress: bool = True
@@ -115,33 +121,105 @@ class TrainConfig:
                 f"--target {self.target}: the held-out metric it is compared with (accuracy, exact match, "
                 "masked-LM accuracy) is a fraction; give a value in [0, 1]"
             )
-        if self.workdir is not None:
-            _check_writable_dir(self.workdir, "--workdir")
-        if self.export is not None:
-            folder = os.path.dirname(os.path.abspath(self.export))
-            if os.path.isdir(self.export):
-                raise ValueError(f"--export {self.export}: is a directory; give a file name such as params.npz")
-            if not os.path.isdir(folder):
-                raise ValueError(f"--export {self.export}: the folder {folder} does not exist; create it first")
-            if not os.access(folder, os.W_OK):
-                raise ValueError(f"--export {self.export}: the folder {folder} is not writable")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
         if self.resume and not self.workdir:
             raise ValueError("--resume needs --workdir, the directory of the run to continue")
+        if self.resume_fallback and not self.resume:
+            raise ValueError("--resume-fallback goes with --resume: add --resume to continue the run in --workdir")
+        check_output_paths(self)
 
 
-def _check_writable_dir(path: str, flag: str) -> None:
-    """``path`` is a writable directory, or can be made one; checked before any work."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path}: {existing} is a file, so the directory cannot be made")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable")
+OUTPUT_PATHS = (
+    ("workdir", None),
+    ("metrics_file", "metrics.jsonl"),
+    ("mllog", "mllog.txt"),
+    ("export", "params.npz"),
+)
+"""Every path a run writes: the ``--workdir`` directory, and files with an example name."""
+
+
+def check_output_paths(config: TrainConfig) -> None:
+    """Checks every path the run writes (:data:`OUTPUT_PATHS`), once, before any work.
+
+    ``--workdir`` is a directory, made with its missing parents. A file (``--metrics-file``,
+    ``--mllog``, ``--export``) must not be a directory, and its folder must exist or lie inside
+    ``--workdir`` (made with it; :func:`make_output_folders`). Nothing on the way may be a file;
+    the nearest existing folder must take a new file, and an existing output file must open for
+    writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``)."""
+    workdir = os.path.abspath(config.workdir) if config.workdir else None
+    for name, example in OUTPUT_PATHS:
+        path = getattr(config, name)
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not str(path).strip():
+            raise ValueError(f"{flag}: the path is empty; give a {'directory' if example is None else 'file name'}")
+        full = os.path.abspath(path)
+        if example is None:
+            if os.path.lexists(full) and not os.path.isdir(full):
+                raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
+            folder = full
+        else:
+            if os.path.isdir(full):
+                raise ValueError(
+                    f"{flag} {path}: is a directory; give a file name such as {os.path.join(path, example)}"
+                )
+            folder = os.path.dirname(full)
+        existing = folder
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(
+                f"{flag} {path}: {existing} is a file, not a folder, so nothing can be written under it; choose "
+                "another path"
+            )
+        if not _can_create_file_in(existing):
+            made = "" if existing == folder else f" (the nearest existing folder on the way to {folder})"
+            raise ValueError(
+                f"{flag} {path}: cannot write in {existing}{made}: a file cannot be created there (a read-only "
+                "or system folder); choose a writable place"
+            )
+        if existing != folder and example is not None and not (workdir and _inside(folder, workdir)):
+            raise ValueError(
+                f"{flag} {path}: the folder {folder} does not exist; create it first (podscale makes missing "
+                "folders only inside --workdir)"
+            )
+        if example is not None and os.path.lexists(full) and (problem := _cannot_open_to_write(full)):
+            raise ValueError(f"{flag} {path}: the file cannot be written ({problem}); choose another path")
+
+
+def make_output_folders(config: TrainConfig) -> None:
+    """Makes ``--workdir`` and the missing folders of the files it holds (checked already)."""
+    for name, example in OUTPUT_PATHS:
+        path = getattr(config, name)
+        if path is not None:
+            os.makedirs(path if example is None else os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _can_create_file_in(folder: str) -> bool:
+    """Creates and removes a file in ``folder``: whether this process can write there."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".podscale-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(probe)
+    return True
+
+
+def _cannot_open_to_write(path: str) -> str | None:
+    """Why an existing file cannot be opened to append to (without changing it), or ``None``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    return None
 
 
 RUN_CONFIG = "run_config.json"
@@ -163,11 +241,37 @@ count (checkpoints hold whole tensors), ``--eval-every``, ``--eval-batch-size``,
 where logs and exports go."""
 
 
-def _check_run_config(config: TrainConfig, batch_size: int, write: bool) -> None:
-    """A fresh run records ``FIXED_ON_RESUME`` in ``WORKDIR/run_config.json``; ``--resume``
-    refuses, before any work, a run that differs in one of them, naming the flag."""
+def resolved_run_config(config: TrainConfig, task, values: dict | None = None) -> dict[str, Any]:
+    """The ``FIXED_ON_RESUME`` values a run uses (``values``, default ``config``'s), with every
+    default filled in as ``task`` resolves it: the data set (``synthetic``; an MLPerf workload's
+    own is ``None``), the optimizer (``adam``; ``recipe`` for an MLPerf workload's own), its peak
+    learning rate (1e-3, or the recipe's) and the global batch (64, or the workload config's).
+    ``None`` always means the default, so a ``run_config.json`` of an older podscale, which held
+    the flags as given, resolves the same way."""
+    v = {k: getattr(config, k) for k in FIXED_ON_RESUME} | dict(values or {})
+    workload = task.workload
+    if v["data"] is None and not workload:
+        v["data"] = "synthetic"
+    if v["optimizer"] is None:
+        v["optimizer"] = "recipe" if workload else "adam"
+    if v["learning_rate"] is None:
+        v["learning_rate"] = (
+            recipe_config(task, None).learning_rate if workload and v["optimizer"] == "recipe" else 1e-3
+        )
+    if v["batch_size"] is None:
+        v["batch_size"] = task.config.global_batch if workload else 64
+    for key, default in (("seed", 0), ("precision", "bf16"), ("bn_group_size", 1)):
+        if v[key] is None:
+            v[key] = default
+    return v
+
+
+def _check_run_config(config: TrainConfig, task, write: bool) -> None:
+    """A fresh run records the resolved ``FIXED_ON_RESUME`` values (:func:`resolved_run_config`:
+    what it used, not the flags as typed) in ``WORKDIR/run_config.json``; ``--resume`` refuses,
+    before any work, a run that resolves to another value of one of them, naming the flag."""
     path = os.path.join(config.workdir, RUN_CONFIG)
-    mine = {k: getattr(config, k) for k in FIXED_ON_RESUME} | {"batch_size": batch_size}
+    mine = resolved_run_config(config, task)
     if not config.resume:
         if write and not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
             os.makedirs(config.workdir, exist_ok=True)
@@ -182,14 +286,24 @@ def _check_run_config(config: TrainConfig, batch_size: int, write: bool) -> None
             f"--resume: {path} is missing, so podscale cannot check that this run continues the one in "
             f"--workdir {config.workdir}; start a new --workdir"
         )
-    with open(path) as f:
-        saved = json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise ValueError(
+            f"--resume: {path} cannot be read ({e}), so podscale cannot check that this run continues the one "
+            f"in --workdir {config.workdir}; start a new --workdir"
+        ) from None
+    theirs = resolved_run_config(config, task, {k: saved[k] for k in FIXED_ON_RESUME if k in saved})
     for key in FIXED_ON_RESUME:
-        if key in saved and saved[key] != mine[key]:
+        if theirs[key] != mine[key]:
             flag = "--" + key.replace("_", "-")
+            hint = " (an MLPerf workload's own recipe: leave --optimizer out)" if theirs[key] == "recipe" else ""
             raise ValueError(
-                f"--resume: the run in {config.workdir} was started with {flag} {saved[key]}, this one asks for "
-                f"{mine[key]}; resume with the same {flag} (or start a new --workdir). What may change on "
+                f"--resume: the run in {config.workdir} was started with {flag} {theirs[key]}{hint}, this one asks "
+                f"for {mine[key]}; resume with the same {flag} (or start a new --workdir). What may change on "
                 "resume: --steps, --mesh/--replicas, --eval-every, --checkpoint-every, --target, the strategy"
             )
 
@@ -231,6 +345,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     """Trains as ``config`` says; returns the summary that ``--json`` prints."""
     run_start = time.perf_counter()
     lead = jax.process_index() == 0
+    if lead:
+        make_output_folders(config)
     mlpath = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
     mlog = RunLog(mlpath, write=lead)
     stop = StopRequest(jax.process_count(), sync=_preemption_sync())
@@ -260,7 +376,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         bn_axis=BN_GROUP if config.bn_group_size > 1 else None,
     )
     optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
-    batch_size = config.batch_size or (task.config.global_batch if task.workload else 64)
+    batch_size = resolved_run_config(config, task)["batch_size"]
     strategy = with_model_rules(config.strategy, config.model)
     dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, strategy)
     if batch_size % dp.replicas:
@@ -274,7 +390,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"over; use a multiple of {mesh.size}"
         )
     if config.workdir:
-        _check_run_config(config, batch_size, write=lead)
+        _check_run_config(config, task, write=lead)
 
     # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
     def init():
@@ -285,7 +401,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         raise ValueError(
             f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag"
         )
-    layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
+    with warnings.catch_warnings():  # the rules' notes (a RuleWarning) are printed below, once
+        warnings.simplefilter("ignore", RuleWarning)
+        layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
     if lead and dp.rule_notes:
         Console(stderr=True).print(
             f"podscale: the sharding rules {strategy.rules.name!r} leave {len(dp.rule_notes)} leaves as they are "
@@ -304,7 +422,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     )
     resumed_from = None
     if ckpt and config.resume:
-        resumed_from, restored = ckpt.restore(checkpointed.like())
+        resumed_from, restored = ckpt.restore(checkpointed.like(), fallback=config.resume_fallback)
         state = checkpointed.load(restored)
     elif ckpt and (existing := ckpt.latest_step()) is not None:
         raise ValueError(
@@ -475,7 +593,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         model=config.model,
         config=config.config,
         data=config.data,
-        optimizer=config.optimizer or ("recipe" if task.workload else "adam"),
+        optimizer=resolved_run_config(config, task)["optimizer"],
         batch_size=batch_size,
         resumed_from=resumed_from,
         mllog=mlog.path,
@@ -491,11 +609,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
 
 def _base_learning_rate(task, config: TrainConfig) -> float:
     """The peak learning rate the run used: the flag, the recipe's, or adam's default."""
-    if config.learning_rate is not None:
-        return config.learning_rate
-    if task.workload and config.optimizer is None:
-        return recipe_config(task, None).learning_rate
-    return 1e-3
+    return resolved_run_config(config, task)["learning_rate"]
 
 
 def _log_run_config(
