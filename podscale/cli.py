@@ -8,7 +8,9 @@ import json
 import math
 import os
 import sys
+import warnings
 
+from podscale.parallel.checks import PodscaleWarning
 from podscale.parallel.mesh import parse_shape as _parse_shape
 from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed, supervise
@@ -22,6 +24,45 @@ def parse_shape(text: str) -> tuple[int, ...]:
         return _parse_shape(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--mesh {text!r}: ")) from None
+
+
+DRY_RUN_HELP = (
+    "check every flag, output path and the mesh and batch arithmetic, as a run does before any work, "
+    "then exit 0 without running (with --json: one object saying what would run)"
+)
+
+
+def _dry_run_result(args, what: dict) -> int:
+    """What ``--dry-run`` prints once every check has passed: nothing was run."""
+    if getattr(args, "json", False):
+        print(json.dumps({"dry_run": True, **what}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+    else:
+        shown = ", ".join(f"{k} {v}" for k, v in what.items() if v is not None and not isinstance(v, list))
+        print(f"podscale {args.command}: dry run: the flags check out ({shown}); nothing was run")
+        for v in what.values():
+            if isinstance(v, list):
+                print("\n".join(f"  {item}" for item in v))
+    return 0
+
+
+def _dry_run_launch(args, cmd: list[str]) -> int:
+    """``launch --dry-run``: launch's flags, then a podscale command's dry run as process 0 of
+    ``--processes`` (a child process, as launch would start it, that joins nothing)."""
+    import subprocess
+
+    child = distributed.check_launch(args.processes, cmd, args.grace)
+    if child[1:3] != ["-m", "podscale.cli"]:
+        print(f"podscale launch: dry run: {args.processes} processes of {' '.join(cmd)}; nothing was run")
+        return 0
+    env = dict(
+        os.environ,
+        **{
+            distributed.ENV_COORDINATOR: "127.0.0.1:1",
+            distributed.ENV_NUM_PROCESSES: str(args.processes),
+            distributed.ENV_PROCESS_ID: "0",
+        },
+    )
+    return subprocess.run([*child, "--dry-run"], env=env).returncode
 
 
 def _train_parser(sub) -> None:
@@ -88,6 +129,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--export", default=None, help="write the final parameters to this .npz file")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     add_flags(p)
     g = p.add_argument_group("devices and processes")
     g.add_argument(
@@ -156,19 +198,32 @@ def _run_train(args) -> int:
         os.dup2(2, 1)
         _JSON_OUT[0] = out
     spec = _cluster_spec(args)
+    from podscale.train.trainer import TrainConfig, check, train
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["strategy"] = from_flags(args)
+    values["progress"] = not args.no_progress
+    config = TrainConfig(**values)  # flags and output paths, before joining any cluster
+    if args.dry_run and (spec.auto or spec.explicit):
+        local = distributed.check_devices(args.replicas, spec)
+        return _dry_run_result(
+            args,
+            {
+                "processes": spec.num_processes,
+                "cpu_devices_per_process": local,
+                "devices": "the rest is checked once the processes join (a multi-process run's mesh)",
+            },
+        )
     if os.environ.get(supervise.ENV_SUPERVISED):
         supervise.watch_parent()
     distributed.setup(args.replicas, spec)
 
     import jax
 
-    from podscale.train.trainer import TrainConfig, train
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    values["strategy"] = from_flags(args)
-    values["progress"] = not args.no_progress
-    summary = train(TrainConfig(**values))
+    if args.dry_run:
+        return _dry_run_result(args, check(config).dry_run_summary())
+    summary = train(config)
     if jax.process_index() == 0:
         if summary["time_to_target_s"] is not None:
             print(
@@ -212,10 +267,13 @@ def _plan_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     add_flags(p, Strategy(weight_update="sharded"))
 
 
 def _run_plan(args) -> int:
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
     import jax
@@ -235,6 +293,9 @@ def _run_plan(args) -> int:
     batch = task.batch_shapes(batch_size)
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
     dp = data_parallel(make_train_step(task, tx), mesh, with_model_rules(from_flags(args), args.model))
+    dp.prepare(state, batch)  # traces the step: spatial and rule checks, the layout
+    if args.dry_run:
+        return _dry_run_result(args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size})
     plan = dp.plan(state, batch, compile=True)
     if args.json:
         print(json.dumps(plan.to_dict()))
@@ -330,6 +391,7 @@ def _project_parser(sub) -> None:
         "--plot", default=None, help="write step time and throughput against chips to this file (.png, .pdf, .svg, ...)"
     )
     p.add_argument("--list-systems", action="store_true", help="print the systems and their figures' sources")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     p.add_argument(
         "--validate",
         action="store_true",
@@ -349,7 +411,7 @@ def _project_parser(sub) -> None:
 
 
 _VALIDATE_ONLY = ("validate_models", "steps")
-_PROJECT_MODES = ("json", "validate", "list_systems")
+_PROJECT_MODES = ("json", "validate", "list_systems", "dry_run")
 
 
 def _project_given(args) -> list[str]:
@@ -450,13 +512,15 @@ def _run_project(args) -> int:
         models = args.validate_models
         models = None if models is None else _parse_list("--validate-models", models, "gnmt,ssd")
         distributed.setup(8, distributed.ClusterSpec())
-        from podscale.perf.validate import print_validation, validate
+        from podscale.perf.validate import check, print_validation, validate
 
+        if args.dry_run:
+            return _dry_run_result(args, {"validate": ",".join(check(models, args.steps)), "steps": args.steps})
         result = validate(models=models, steps=args.steps, progress=True)
         print(json.dumps(result)) if args.json else print_validation(result)
         return 0
     if args.list_systems:
-        return _print_systems(args.json)
+        return _dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
     from podscale.perf import project as proj
     from podscale.perf import systems
 
@@ -496,7 +560,9 @@ def _run_project(args) -> int:
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
 
-    jax.config.update("jax_num_cpu_devices", min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live)))
+    devices = min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
+    if not args.dry_run:  # a dry run compiles nothing: it leaves the devices as they are
+        jax.config.update("jax_num_cpu_devices", devices)
     from podscale import workloads
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
@@ -524,6 +590,13 @@ def _run_project(args) -> int:
                 )
             replica_batches[c] = total // replicas
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
+    if args.dry_run:
+        rows = [
+            f"{c} chips: {s} " + (f"n/a ({reasons[c, s]})" if reasons[c, s] else "would compile")
+            for c in chips
+            for s in effective
+        ]
+        return _dry_run_result(args, {"system": system.name, "cpu_devices": devices, "rows": rows})
     rows = proj.project(
         make_train_step(task, tx),
         state,
@@ -603,6 +676,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--vocab", type=int, default=None, help="wus and tp: its vocabulary (default 8192; tp 512)")
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
 
 
 def _run_bench(args) -> int:
@@ -610,6 +684,8 @@ def _run_bench(args) -> int:
 
     kwargs = check_flags(args.which, vars(args))  # every flag, before any work
     distributed.setup(args.replicas, distributed.ClusterSpec())
+    if args.dry_run:
+        return _dry_run_result(args, {"benchmark": args.which, **kwargs})
     from rich.console import Console
 
     from podscale import report
@@ -797,11 +873,32 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         default=60.0,
         help="seconds the others get to stop after one fails (0: killed at once)",
     )
+    lp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check launch's flags and, for a podscale command, its own flags as process 0 would (--dry-run)",
+    )
     lp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. podscale train ...")
     args = parser.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _dispatch(args, argv)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """On the command line a podscale warning is one line in flags, like its errors."""
+    if issubclass(category, PodscaleWarning):
+        print(f"podscale: warning: {_as_flags(str(message))}", file=sys.stderr)
+    else:
+        warnings._showwarning_orig(message, category, filename, lineno, file, line)
+
+
+def _dispatch(args, argv) -> int:  # noqa: C901
     try:
         if args.command == "launch":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if args.dry_run:
+                return _dry_run_launch(args, cmd)
             return distributed.launch(args.processes, cmd, grace_s=args.grace)
         if args.command == "models":
             return _run_models(args)
@@ -811,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             return _run_plan(args)
         if args.command == "project":
             return _run_project(args)
-        supervised = _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
+        supervised = None if args.dry_run else _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
         if supervised is not None:
             return supervised
         try:

@@ -3,6 +3,7 @@ collectives against the compiled module, the command line."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -296,7 +297,7 @@ def test_cli_projects_a_model_and_plots_it(tmp_path):
         (("--system", "tpu-v5e", "--chips", "1024"), "holds at most 256 chips"),
         (("--chips", "16", "--global-batch", "100"), "do not divide it"),
         (("--chips", "sixteen"), "comma-separated whole numbers"),
-        (("--chips", "1", "--strategies", "sharded-2d"), "grad_sum 2d on 1 chips"),
+        (("--chips", "1", "--strategies", "sharded-2d"), "the 2-D gradient sum on 1 chips"),
         (("--chips", "1", "--model-parallel", "4", "--model", "transformer"), "do not divide into replicas of 4"),
     ]
     for args, message in bad:
@@ -310,3 +311,266 @@ def test_systems_cite_their_figures():
         assert (s.link_bandwidth > 0) if s.kind == "tpu" else (s.nvlink_bandwidth > 0 and s.network_bandwidth > 0)
     assert math.isclose(systems.get("tpu-v3").device_peak("bf16"), 61.5e12)
     assert np.isclose(systems.get("a100").device_peak("f32"), 156e12)
+
+
+# -- issue 23: strategies that do not apply, flags checked before any work -----------------------
+
+
+def test_a_strategy_that_does_not_apply_at_a_chip_count_is_a_row_saying_why(tmp_path):
+    """A real (tiny) projection: the 2-D sum needs two data axes of at least 2, which 2 chips of a
+    TPU v5e (2 devices) cannot give; 4 chips can. The row says why; it is never the fastest, the
+    table shows it, the plot leaves it out."""
+    step, state, batch = _mlp()
+    rows = project.project(step, state, batch, system="tpu-v5e", chips=[2, 4])
+    by = {(r.chips, r.strategy): r for r in rows}
+    assert set(by) == {(c, s) for c in (2, 4) for s in project.DEFAULT_STRATEGIES}
+    na = by[2, "sharded-2d"]
+    assert not na.applicable and "needs two data axes of at least 2" in na.not_applicable
+    assert na.step_s is None and na.collectives == [] and not na.fastest and na.to_dict()["not_applicable"]
+    assert all(r.applicable and r.step_s > 0 for k, r in by.items() if k != (2, "sharded-2d"))
+    assert sum(r.fastest for r in rows if r.chips == 2) == 1 and sum(r.fastest for r in rows if r.chips == 4) == 1
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    project.render(rows, systems.get("tpu-v5e"), "mlp", console)
+    text = console.export_text()
+    assert "n/a" in text and "2 chips, sharded-2d: not applicable: the 2-D gradient sum" in text
+    project.plot(rows, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    json.dumps([r.to_dict() for r in rows])  # n/a rows are plain JSON (null figures), no NaN
+
+
+def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_apply():
+    v5e = systems.get("tpu-v5e")
+    reasons = project.applicability(v5e, [2, 4])  # the default strategies: n/a is a row
+    assert reasons[2, "sharded-2d"] and reasons[4, "sharded-2d"] is None and reasons[2, "replicated"] is None
+    bad = [
+        (dict(chips=[2], strategies=["replicated", "sharded-2d"]), "sharded-2d: applies at none of the chip counts 2"),
+        (dict(chips=[1, 2], strategies=["sharded-2d"]), "none applies at chips 1,2"),
+        (dict(chips=[4], strategies=[]), "no strategy given"),
+        (dict(chips=[4], strategies={}), "no strategy given"),
+        (dict(chips=[4], strategies=["sharded", "sharded"]), "sharded given twice"),
+        (dict(chips=[4], strategies=["zero3"]), "unknown; choose from replicated, sharded"),
+        (dict(chips=[]), "at least one chip count"),
+        (dict(chips=[0, 4]), "chips \\[0\\]: chip counts are whole numbers of at least 1"),
+        (dict(chips=[4, 4]), "4 given twice"),
+        (dict(chips=[2.5]), "whole numbers"),
+        (dict(chips=[512]), "holds at most 256 chips"),
+    ]
+    for kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            project.applicability(v5e, **kw)
+    # The 2-D sum's own knobs go with the 2-D strategies only (a 1-D sum refuses chunks).
+    base = Strategy(grad_sum_chunks=2, spatial=2)
+    assert project.strategy_for(base, "sharded").grad_sum_chunks is None
+    assert project.strategy_for(base, "sharded-2d").grad_sum_chunks == 2
+    assert project.strategy_for(base, "replicated").spatial == 2
+
+
+def test_project_refuses_bad_replica_batches_before_compiling():
+    step, state, batch = _mlp()
+    for replica_batch, message in (
+        (0, "at least 1"),
+        ({2: 4}, "no batch for chips \\[4\\]"),
+        (None, "pass replica_batch"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            project.project(step, state, lambda n: batch, system="tpu-v5e", chips=[2, 4], replica_batch=replica_batch)
+
+
+def test_a_long_compile_reports_progress_while_it_runs():
+    import time
+
+    said = []
+    with project._heartbeat(said.append, "compiling", 0.02):
+        time.sleep(0.15)
+    assert said and all(m.startswith("compiling (") and m.endswith(" s)") for m in said)
+    n = len(said)
+    time.sleep(0.05)
+    assert len(said) == n  # stopped with the block
+
+
+def _main(capsys, *args):
+    """``podscale project`` in this process, for what is refused before JAX's devices are set."""
+    from podscale import cli
+
+    code = cli.main(["project", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        # numbers (issue 23, finding 7)
+        (("--per-chip-batch", "0"), "--per-chip-batch 0: examples, a whole number of at least 1"),
+        (("--per-chip-batch", "-2"), "--per-chip-batch -2: examples"),
+        (("--global-batch", "0"), "--global-batch 0: examples"),
+        (("--global-batch", "-64"), "--global-batch -64: examples"),
+        (("--learning-rate", "0"), "--learning-rate 0.0: a positive number"),
+        (("--learning-rate", "nan"), "--learning-rate nan: a positive number"),
+        (("--chips", "0"), "--chips '0': chip counts are whole numbers of at least 1"),
+        (("--chips", "16,-1"), "--chips '16,-1': chip counts"),
+        (("--chips", ","), "--chips ',': an empty item"),
+        (("--chips", "16,,64"), "--chips '16,,64': an empty item"),
+        (("--chips", "16,16"), "16 given twice"),
+        (("--chips", "1.5"), "comma-separated whole numbers"),
+        (("--validate", "--steps", "0"), "--steps 0: timed steps per run, a whole number of at least 1"),
+        (("--validate", "--steps", "-3"), "--steps -3: timed steps"),
+        # lists (finding 15)
+        (("--strategies", ","), "--strategies ',': an empty item"),
+        (("--strategies", ""), "--strategies '': an empty item"),
+        (("--strategies", "sharded,"), "--strategies 'sharded,': an empty item"),
+        (("--strategies", "sharded,sharded"), "sharded given twice"),
+        (("--strategies", "zero3"), "--strategies \\['zero3'\\]: unknown; choose from replicated"),
+        (("--validate", "--validate-models", ","), "--validate-models ',': an empty item"),
+        (("--validate", "--validate-models", "gnmt,gnmt"), "gnmt given twice"),
+        # flags the chosen mode would ignore (finding 15)
+        (("--validate-models", "gnmt"), "--validate-models: only with --validate"),
+        (("--steps", "3"), "--steps: only with --validate"),
+        (("--validate", "--list-systems"), "--validate and --list-systems: give one"),
+        (("--validate", "--chips", "16"), "--chips with --validate: .* would be ignored"),
+        (("--validate", "--model", "ssd", "--spatial", "4"), "--model, --spatial with --validate: .* would be ignored"),
+        (("--validate", "--plot", "x.png"), "--plot with --validate"),
+        (("--list-systems", "--system", "h100"), "--system with --list-systems"),
+        (("--list-systems", "--steps", "2"), "--steps with --list-systems"),
+        (("--weight-update", "replicated"), "--weight-update replicated: podscale project sets the weight update"),
+        (("--grad-sum", "2d"), "--grad-sum 2d: podscale project sets"),
+        (("--grad-sum-chunks", "2", "--strategies", "replicated,sharded"), "--grad-sum-chunks applies to the 2-D"),
+        (("--min-shard-size", "64", "--strategies", "replicated"), "--min-shard-size applies to the sharded"),
+        (("--axis-costs", "calibrate", "--strategies", "sharded-2d"), "--axis-costs calibrate measures this machine"),
+        # strategies that apply nowhere (finding 1): still an error when asked for
+        (("--chips", "1", "--strategies", "sharded-2d"), "none applies at chips 1 .*the 2-D gradient sum on 1 chips"),
+        (
+            ("--system", "tpu-v5e", "--chips", "1,2", "--strategies", "replicated,sharded-2d"),
+            "--strategies sharded-2d: applies at none",
+        ),
+    ],
+)
+def test_project_refuses_bad_flags_before_any_work(capsys, args, message):
+    code, out, err = _main(capsys, *args)
+    assert code == 2 and out == "" and err.startswith("podscale: error: ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    code, out, err = _main(capsys, *args, "--json")
+    assert code == 2 and re.search(message, json.loads(out)["error"]) and json.loads(out)["exit_code"] == 2
+
+
+def test_the_plot_path_is_checked_before_any_work(capsys, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cases = [
+        (tmp_path / "missing" / "p.png", "the folder .*missing does not exist"),
+        (tmp_path / "p.txt", "the suffix .txt; name a file matplotlib can write: .*\\.png"),
+        (tmp_path / "p", "no suffix"),
+        (tmp_path, "a folder; give a file name in it"),
+        (a_file / "p.png", ".*file is a file, not a folder"),  # a file where the folder should be
+        ("", "give a file name"),
+    ]
+    for path, message in cases:
+        code, out, err = _main(capsys, "--model", "mlp", "--chips", "16", "--plot", str(path))
+        assert code == 2 and re.search(f"--plot '.*': {message}", err), (path, err)
+    for name in ("p.png", "p.PDF", "p.svg"):
+        project.check_plot_path(str(tmp_path / name))
+    assert not list(tmp_path.glob(".podscale-plot-probe-*"))  # the probe cleans up after itself
+
+
+_STUB = """
+import sys
+from podscale.perf import project
+
+def one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy):
+    mesh = project.target_shape(topology, strategy)
+    k = strategy.spatial or strategy.model_parallel or 1
+    step_s = 0.01 * (1 + (name == "replicated"))
+    return project.Row(
+        chips=topology.chips, strategy=name, devices=topology.devices, topology=topology.describe(), mesh=mesh,
+        global_batch=replica_batch * topology.devices // k, replica_batch=replica_batch, compute_s=step_s,
+        update_s=0.0, communication_s=0.0, exposed_s=0.0, hidden_s=0.0, step_s=step_s,
+        examples_per_s=replica_batch * topology.devices / k / step_s, mfu=0.1, memory_per_chip=1.0,
+        hbm_per_chip=2.0, fits=True, collectives=[], flops_per_device=1.0, compiled_mesh=mesh,
+    )
+
+project._project_one = one  # the compile and its cost: what this test does not run
+if sys.argv[1] == "plot-fails":
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+    project.plot = fail
+from podscale.cli import main
+sys.exit(main(["project", *sys.argv[2:]]))
+"""
+
+
+def _stubbed(*args, plot="plots"):
+    """``podscale project`` in a fresh process (it sets JAX's device count), every row's compile
+    replaced by a stub: the argument handling, the checks, the rows, the output and the plot."""
+    return subprocess.run([sys.executable, "-c", _STUB, plot, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_the_readmes_commands_get_rows_that_say_why_a_strategy_does_not_apply(tmp_path):
+    """README: resnet50 on 8, 64, 512 H100s (one node of 8 has no two data axes for the 2-D sum)
+    and SSD on 2 TPU v3 chips with each image over 4 cores (one replica): the default strategies'
+    sharded-2d is a row saying why, not the end of the command."""
+    png = tmp_path / "scaling.png"
+    proc = _stubbed(
+        "--model",
+        "resnet50",
+        "--config",
+        "full",
+        "--system",
+        "h100",
+        "--chips",
+        "8,64,512",
+        "--json",
+        "--plot",
+        str(png),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.strip().splitlines()  # one JSON object on stdout; progress on stderr
+    rows = json.loads(line)["rows"]
+    na = [(r["chips"], r["strategy"]) for r in rows if r["not_applicable"]]
+    assert na == [(8, "sharded-2d")], na
+    assert "needs two data axes of at least 2" in rows[2]["not_applicable"] and rows[2]["step_s"] is None
+    assert [r["chips"] for r in rows if r["fastest"]] == [8, 64, 512] and not rows[2]["fastest"]
+    assert png.stat().st_size > 1000
+    assert "8 chips, sharded-2d: not applicable" in proc.stderr and "512 chips, sharded: done in" in proc.stderr
+
+    proc = _stubbed(
+        "--model",
+        "ssd",
+        "--config",
+        "full",
+        "--system",
+        "tpu-v3",
+        "--chips",
+        "2",
+        "--global-batch",
+        "4",
+        "--spatial",
+        "4",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 chips, sharded-2d: not applicable: the 2-D gradient sum" in proc.stdout
+    assert "replicated" in proc.stdout and "n/a" in proc.stdout
+
+
+def test_the_table_is_kept_when_the_plot_fails_at_the_end(tmp_path):
+    for extra in ((), ("--json",)):
+        proc = _stubbed("--model", "mlp", "--chips", "16", "--plot", str(tmp_path / "p.png"), *extra, plot="plot-fails")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "podscale: error: --plot" in proc.stderr and "No space left on device" in proc.stderr
+        if extra:
+            assert len(json.loads(proc.stdout)["rows"]) == 3
+        else:
+            assert "16 chips: " in proc.stdout and "sharded-2d" in proc.stdout
+
+
+def test_validate_refuses_bad_steps_and_workloads_before_measuring():
+    for kw, message in (
+        (dict(steps=0), "--steps 0: timed steps per run"),
+        (dict(steps=-1), "--steps -1"),
+        (dict(models=[]), "--validate-models: no workload given"),
+        (dict(models=["gnmt", "gnmt"]), "gnmt given twice"),
+        (dict(models=["nope"]), "unknown; choose from"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            validate.validate(progress=False, **kw)

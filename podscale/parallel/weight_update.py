@@ -6,8 +6,9 @@ with values in one of two layouts:
 
 * *full*: an ordinary value, the same on every replica (weights, scalars, small tensors);
 * :class:`Sharded`: this replica's 1/N chunk of a tensor flattened in row-major order and padded
-  with zeros to a multiple of N. Every tensor of a given shape uses the same chunking, so two
-  sharded operands of one shape line up element for element.
+  with zeros to N chunks of :func:`chunk_layout`'s length. Every tensor of a given size uses the
+  same chunking (a stored optimizer-state chunk, a reduce-scattered gradient, a sliced weight,
+  alone or in a fused buffer), so two sharded operands of one shape line up element for element.
 
 The gradient sums become one fused reduce-scatter (gradients of at least ``min_shard_size``
 elements) and one fused all-reduce (the rest). Ops downstream then run on shards where that is
@@ -52,6 +53,21 @@ DEFAULT_BUCKET_BYTES = 16 * 2**20
 """Gradients are summed in fused buffers of about this size (Horovod's tensor fusion): a buffer
 is sent as soon as the backward pass has filled it, so its local gradients can be freed and its
 collective can overlap the rest of the backward pass. Results do not depend on it."""
+
+
+def chunk_layout(size: int, chunks: int, split: int = 1) -> tuple[int, int]:
+    """(chunk length, padding) of a tensor of ``size`` elements cut into ``chunks`` chunks, one
+    per data replica, each chunk split further over ``split`` devices (a spatial strategy's space
+    axis or tensor partitioning's model axis; XLA partitions a replica's chunk over them): the
+    length is ``ceil(size / chunks)`` rounded up to a multiple of ``split``, the padding what
+    ``chunks`` such chunks hold beyond ``size``. The one rule for every chunk of a tensor: the
+    stored state (:func:`podscale.parallel.state_layout.decide`), the gradient sums and slices
+    (:class:`Layout`), whatever ``size``, ``chunks`` and ``split``."""
+    if size < 0 or chunks < 1 or split < 1:
+        raise ValueError(f"chunk_layout({size}, {chunks}, {split}): a size of at least 0, chunks and split at least 1")
+    length = -(-size // chunks)
+    length = -(-length // split) * split
+    return length, length * chunks - size
 
 
 def _buckets(items: list, nbytes, limit: int) -> list[list]:
@@ -129,9 +145,13 @@ class Layout:
         scatter: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         split_shapes: frozenset = frozenset(),
+        split: int = 1,
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
         self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
+        self.split = split
+        """Devices each replica's chunk is split over (the space or model axis): chunk lengths are
+        multiples of it, as the stored state's are (:func:`chunk_layout`)."""
         self.split_shapes = split_shapes
         """Shapes of the weights split over a model axis (tensor partitioning): an all-reduced
         gradient of such a shape is summed alone and unflattened, so that XLA keeps its split
@@ -142,10 +162,10 @@ class Layout:
         return nbytes >= self.bucket_bytes // 4
 
     def shard_len(self, size: int) -> int:
-        return -(-size // self.n)
+        return chunk_layout(size, self.n, self.split)[0]
 
     def padding(self, size: int) -> int:
-        return self.shard_len(size) * self.n - size
+        return chunk_layout(size, self.n, self.split)[1]
 
     def shards(self, shape, dtype) -> bool:
         return math.prod(shape) >= self.min_shard_size and jnp.issubdtype(dtype, jnp.inexact)

@@ -30,7 +30,9 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +43,7 @@ from podscale.parallel.strategy import Strategy
 from podscale.perf import hlo
 from podscale.perf.network import Topology
 from podscale.perf.systems import System
+from podscale.train.distributed import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 
 DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
 STRATEGIES = {
@@ -53,37 +56,136 @@ STRATEGIES = {
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One chip count and strategy, projected."""
+    """One chip count and strategy, projected; or, with ``not_applicable`` set, a strategy that
+    does not apply at that chip count (its mesh cannot be made there): the reason, and the
+    figures ``None``."""
 
     chips: int
     strategy: str
     devices: int
-    mesh: dict[str, int]
     topology: str
-    global_batch: int
-    replica_batch: int
-    compute_s: float
-    update_s: float
-    communication_s: float
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    global_batch: int | None = None
+    replica_batch: int | None = None
+    compute_s: float | None = None
+    update_s: float | None = None
+    communication_s: float | None = None
     """Every collective's time, hidden or not."""
-    exposed_s: float
-    hidden_s: float
-    step_s: float
-    examples_per_s: float
-    mfu: float
-    memory_per_chip: float
-    hbm_per_chip: float
-    fits: bool
-    collectives: list[dict[str, Any]]
+    exposed_s: float | None = None
+    hidden_s: float | None = None
+    step_s: float | None = None
+    examples_per_s: float | None = None
+    mfu: float | None = None
+    memory_per_chip: float | None = None
+    hbm_per_chip: float | None = None
+    fits: bool | None = None
+    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Per (kind, axes, update or model): runs, buffer bytes, seconds per step, the path."""
-    flops_per_device: float
+    flops_per_device: float | None = None
     compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
     with a smaller first axis, scaled as :func:`cost` says."""
     fastest: bool = False
+    not_applicable: str | None = None
+    """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
+
+    @property
+    def applicable(self) -> bool:
+        return self.not_applicable is None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def strategy_for(base: Strategy, name: str) -> Strategy:
+    """``base`` (spatial or tensor partitioning, the other fields) with the weight update and the
+    gradient sum of ``STRATEGIES[name]``; the 2-D sum's own knobs (``grad_sum_chunks``,
+    ``axis_costs``) apply to the 2-D strategies only."""
+    fields = dict(STRATEGIES[name])
+    if fields["grad_sum"] != "2d":
+        fields.update(grad_sum_chunks=None, axis_costs=None)
+    return dataclasses.replace(base, **fields)
+
+
+def _names(strategies, what: str) -> list[str]:
+    names = list(strategies)
+    if not names:
+        raise ValueError(f"{what}: no strategy given; choose from {', '.join(STRATEGIES)}")
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"{what} {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
+    twice = sorted({s for s in names if names.count(s) > 1})
+    if twice:
+        raise ValueError(f"{what}: {', '.join(twice)} given twice; give each strategy once")
+    return names
+
+
+def applicability(
+    system: System | str,
+    chips: Sequence[int],
+    strategies: Sequence[str] | dict[str, Strategy] | None = None,
+    base: Strategy | None = None,
+    multi_axis: str = "torus",
+    what: str = "strategies",
+) -> dict[tuple[int, str], str | None]:
+    """Checks a projection's request before anything is compiled, and says which strategies apply
+    at which chip counts: ``{(chips, name): None, or why the strategy does not apply there}`` (its
+    mesh cannot be made on that slice, or not compiled on this machine's CPU devices).
+
+    Raises ``ValueError`` for an unknown system, a chip count the system cannot hold, an empty,
+    unknown or repeated strategy, when nothing applies at all, and when a strategy given
+    explicitly (``strategies`` not ``None``) applies at none of the chip counts; ``what`` names
+    the strategies in the messages (the CLI's ``--strategies``). ``None`` means
+    :data:`DEFAULT_STRATEGIES`, where a strategy that applies nowhere is a row saying why."""
+    from podscale.perf import systems
+
+    system = systems.get(system) if isinstance(system, str) else system
+    base = base or Strategy()
+    explicit = strategies is not None
+    if isinstance(strategies, dict):
+        resolved = dict(strategies)
+        if not resolved:
+            raise ValueError(f"{what}: no strategy given; choose from {', '.join(STRATEGIES)}")
+    else:
+        resolved = {
+            s: strategy_for(base, s) for s in _names(DEFAULT_STRATEGIES if strategies is None else strategies, what)
+        }
+    chips = list(chips)
+    if not chips:
+        raise ValueError("chips: give at least one chip count")
+    bad = [c for c in chips if isinstance(c, bool) or not isinstance(c, int | np.integer) or c < 1]
+    if bad:
+        raise ValueError(f"chips {bad}: chip counts are whole numbers of at least 1")
+    twice = sorted({c for c in chips if chips.count(c) > 1})
+    if twice:
+        raise ValueError(f"chips: {', '.join(map(str, twice))} given twice; give each chip count once")
+    reasons: dict[tuple[int, str], str | None] = {}
+    for n_chips in chips:
+        topology = Topology(system, n_chips, multi_axis)  # a size the system cannot hold: refused
+        for name, strategy in resolved.items():
+            try:
+                target = target_shape(topology, strategy)
+                compile_shape(target, MAX_CPU_DEVICES)
+                reasons[n_chips, name] = None
+            except ValueError as e:
+                reasons[n_chips, name] = str(e)
+    if all(r is not None for r in reasons.values()):
+        why = "; ".join(f"{c} chips, {s}: {r}" for (c, s), r in reasons.items())
+        raise ValueError(
+            f"{what if explicit else 'the strategies'} {','.join(resolved)}: none applies at chips {','.join(map(str, chips))} ({why}); project other "
+            "chip counts or strategies"
+        )
+    if explicit:
+        for name in resolved:
+            mine = {c: reasons[c, name] for c in chips}
+            if all(r is not None for r in mine.values()):
+                why = "; ".join(f"{c} chips: {r}" for c, r in mine.items())
+                fits = [s for s in resolved if any(reasons[c, s] is None for c in chips)]
+                raise ValueError(
+                    f"{what} {name}: applies at none of the chip counts {','.join(map(str, chips))} ({why}); drop it "
+                    f"(these apply: {', '.join(fits)}) or project other chip counts"
+                )
+    return reasons
 
 
 def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
@@ -94,14 +196,17 @@ def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
     k = strategy.spatial or strategy.model_parallel or 1
     n = topology.devices
     if n % k:
-        raise ValueError(f"{topology.describe()}: its {n} devices are not a multiple of the last axis's {k}")
+        raise ValueError(
+            f"{topology.describe()}: its {n} devices do not divide into replicas of {k} devices (spatial or tensor "
+            "partitions)"
+        )
     replicas = n // k
     if strategy.grad_sum == "2d":
         inner = topology.shape[0] * s.devices_per_chip if s.kind == "tpu" else min(n, s.node_size)
         if inner % k or inner // k < 2 or replicas // (inner // k) < 2:
             raise ValueError(
-                f"grad_sum 2d on {topology.describe()} with a last axis of {k}: needs two data axes of at "
-                f"least 2 (the first dimension's {inner} devices / {k}, and the rest)"
+                f"the 2-D gradient sum on {topology.describe()} with replicas of {k} device(s): needs two data axes "
+                f"of at least 2 (the first dimension's {inner} devices / {k}, and the rest)"
             )
         shape: tuple[int, ...] = (replicas // (inner // k), inner // k)
     else:
@@ -110,11 +215,6 @@ def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
         shape = (*shape, k)
     names = {1: ("data",), 2: ("x", "y"), 3: ("x", "y", "z")}[len(shape)]
     return dict(zip(names, shape, strict=True))
-
-
-MAX_CPU_DEVICES = 2048
-"""JAX's CPU client here refuses programs over more devices ("Multiprocess computations aren't
-implemented on the CPU backend" past 2048)."""
 
 
 def compile_shape(target: dict[str, int], available: int) -> tuple[dict[str, int], str | None, int]:
@@ -256,41 +356,57 @@ def project(
     *,
     system: System | str,
     chips: Sequence[int],
-    strategies: Sequence[str] | dict[str, Strategy] = DEFAULT_STRATEGIES,
+    strategies: Sequence[str] | dict[str, Strategy] | None = None,
     base: Strategy | None = None,
-    replica_batch: int | None = None,
+    replica_batch: int | Mapping[int, int] | None = None,
     multi_axis: str = "torus",
     progress: Callable[[str], None] | None = None,
+    heartbeat_s: float = 10.0,
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
     to each of ``chips`` chips of ``system``, for each strategy.
 
     ``batch``: a function from the global batch size to the batch (arrays or ``ShapeDtypeStruct``),
     or one replica's batch (its leading dimension is the replica's batch; the global batch is it
-    times the replicas). ``replica_batch`` is the per-replica batch when ``batch`` is a function.
+    times the replicas). ``replica_batch`` is the per-replica batch when ``batch`` is a function:
+    one for every chip count, or ``{chips: batch}``.
     ``strategies``: names of ``STRATEGIES`` (applied over ``base``, which carries spatial or
-    tensor partitioning and the other fields) or ``{name: Strategy}``. ``multi_axis``: how a
-    collective over several torus dimensions is costed (:data:`podscale.perf.network.MULTI_AXIS`).
+    tensor partitioning and the other fields; default :data:`DEFAULT_STRATEGIES`) or
+    ``{name: Strategy}``. A strategy that does not apply at a chip count is a row saying why
+    (``Row.not_applicable``); what :func:`applicability` refuses is refused before anything is
+    compiled. ``multi_axis``: how a collective over several torus dimensions is costed
+    (:data:`podscale.perf.network.MULTI_AXIS`). ``progress`` gets a line as each compile starts
+    and ends (with the time taken) and every ``heartbeat_s`` seconds while one runs.
     """
     from podscale.parallel.engine import data_parallel
     from podscale.perf import systems
 
     system = systems.get(system) if isinstance(system, str) else system
     base = base or Strategy()
-    if not isinstance(strategies, dict):
-        unknown = [s for s in strategies if s not in STRATEGIES]
-        if unknown:
-            raise ValueError(f"strategies {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
-        strategies = {s: dataclasses.replace(base, **STRATEGIES[s]) for s in strategies}
+    chips = list(chips)
+    reasons = applicability(system, chips, strategies, base, multi_axis)
+    if isinstance(strategies, dict):
+        resolved = dict(strategies)
+    else:
+        resolved = {s: strategy_for(base, s) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)}
     if callable(batch):
         if replica_batch is None:
             raise ValueError("project(..., batch=FUNCTION): pass replica_batch, the batch of one replica")
+        per_chips = dict(replica_batch) if isinstance(replica_batch, Mapping) else dict.fromkeys(chips, replica_batch)
+        missing = [c for c in chips if c not in per_chips]
+        if missing:
+            raise ValueError(f"project(..., replica_batch): no batch for chips {missing}")
+        bad = {
+            c: b for c, b in per_chips.items() if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 1
+        }
+        if bad:
+            raise ValueError(f"project(..., replica_batch={bad}): a replica's batch is a whole number of at least 1")
         make_batch = batch
     else:
         leaves = jax.tree.leaves(batch)
-        if not leaves or not np.shape(leaves[0]):
+        if not leaves or not np.shape(leaves[0]) or not np.shape(leaves[0])[0]:
             raise ValueError("project(..., batch): one replica's batch, every leaf with a leading batch dimension")
-        replica_batch = int(np.shape(leaves[0])[0])
+        per_chips = dict.fromkeys(chips, int(np.shape(leaves[0])[0]))
 
         def make_batch(n, example=batch):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), example)
@@ -299,25 +415,82 @@ def project(
     topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
     cpus = len(jax.devices("cpu"))
     for topology in topologies:  # every mesh is checked before anything is compiled
-        for strategy in strategies.values():
-            target = target_shape(topology, strategy)
-            compile_shape(target, MAX_CPU_DEVICES)
-            need = min(math.prod(target.values()), MAX_CPU_DEVICES)
+        for name, strategy in resolved.items():
+            if reasons[topology.chips, name] is not None:
+                continue
+            need = min(math.prod(target_shape(topology, strategy).values()), MAX_CPU_DEVICES)
             if cpus < need:
                 raise ValueError(
                     f"projecting to {topology.describe()} compiles for {need} CPU devices, but this process has "
                     f"{cpus}: start Python with jax.config.update('jax_num_cpu_devices', {need}) before using JAX "
                     "(podscale project does)"
                 )
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
     rows: list[Row] = []
     for topology in topologies:
         n_chips = topology.chips
-        for name, strategy in strategies.items():
-            if progress:
-                progress(f"{system.name} {n_chips} chips, {name}: compiling for {topology.devices} devices")
-            row = _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy)
+        for name, strategy in resolved.items():
+            what = f"{system.name} {n_chips} chips, {name}"
+            reason = reasons[n_chips, name]
+            if reason is not None:
+                say(f"{what}: not applicable: {reason}")
+                rows.append(_not_applicable(topology, name, strategy, per_chips[n_chips], reason))
+                continue
+            one = time.perf_counter()
+            say(f"{what}: compiling for {topology.devices} devices ({_elapsed(started)} since the start)")
+            with _heartbeat(progress, f"{what}: still compiling", heartbeat_s):
+                row = _project_one(
+                    data_parallel, step, shapes, make_batch, per_chips[n_chips], system, topology, name, strategy
+                )
+            say(
+                f"{what}: done in {_elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({_elapsed(started)} since the start)"
+            )
             rows.append(row)
     return mark_fastest(rows)
+
+
+def _elapsed(since: float) -> str:
+    s = time.perf_counter() - since
+    return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+@contextlib.contextmanager
+def _heartbeat(progress: Callable[[str], None] | None, message: str, every: float):
+    """Calls ``progress`` with ``message`` and the time so far every ``every`` seconds until the
+    block ends (a compile for thousands of devices runs for minutes without a word)."""
+    if progress is None or not every or every <= 0:
+        yield
+        return
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat():
+        while not done.wait(every):
+            progress(f"{message} ({_elapsed(start)})")
+
+    thread = threading.Thread(target=beat, name="podscale-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
+    k = strategy.spatial or strategy.model_parallel or 1
+    replicas = topology.devices // k if topology.devices % k == 0 else None
+    return Row(
+        chips=topology.chips,
+        strategy=name,
+        devices=topology.devices,
+        topology=topology.describe(),
+        global_batch=replica_batch * replicas if replicas else None,
+        replica_batch=replica_batch,
+        hbm_per_chip=float(topology.system.hbm_bytes),
+        not_applicable=reason,
+    )
 
 
 def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape):
@@ -384,10 +557,11 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
 
 
 def mark_fastest(rows: list[Row]) -> list[Row]:
-    """The rows, with ``fastest`` set on the quickest strategy that fits at each chip count."""
+    """The rows, with ``fastest`` set on the quickest strategy that fits at each chip count (rows
+    that do not apply are never the fastest)."""
     best: dict[int, Row] = {}
     for r in rows:
-        if r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
+        if r.applicable and r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
             best[r.chips] = r
     return [dataclasses.replace(r, fastest=best.get(r.chips) is r) for r in rows]
 
@@ -404,10 +578,13 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
         "strategy",
         *numbers,
         "fits",
-        title=f"{what} projected to {system.name} (per step; * fastest that fits)",
+        title=f"{what} projected to {system.name} (per step; * fastest that fits; n/a: does not apply, see below)",
         numbers=("chips", *numbers),
     )
     for r in rows:
+        if not r.applicable:
+            table.add_row(str(r.chips), r.strategy, *(["-"] * len(numbers)), "n/a")
+            continue
         table.add_row(
             str(r.chips),
             r.strategy + (" *" if r.fastest else ""),
@@ -426,9 +603,14 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
         if r.chips in seen:
             continue
         seen.add(r.chips)
-        console.print(f"{r.chips} chips: {r.topology}; global batch {r.global_batch} ({r.replica_batch} per replica)")
+        batch = next((x for x in rows if x.chips == r.chips and x.global_batch is not None), r)
+        console.print(
+            f"{r.chips} chips: {r.topology}; global batch {batch.global_batch} ({batch.replica_batch} per replica)"
+        )
     for r in rows:
-        if r.compiled_mesh != r.mesh:
+        if not r.applicable:
+            console.print(f"  {r.chips} chips, {r.strategy}: not applicable: {r.not_applicable}", markup=False)
+        elif r.compiled_mesh != r.mesh:
             console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
     console.print(
         "comm = exposed communication; (hidden) = gradient sums overlapped with the backward pass. "
@@ -436,16 +618,57 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     )
 
 
+def plot_formats() -> dict[str, str]:
+    """The file suffixes (without the dot) matplotlib writes here -> their description."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure().canvas.get_supported_filetypes()
+
+
+def check_plot_path(path: str, what: str = "--plot") -> None:
+    """Refuses, before any work, a plot path that cannot be written: a suffix matplotlib does not
+    write, a folder that does not exist or is not writable (probed by creating a file there, as
+    permission bits say nothing to root), a folder given as the file. ``what`` names it."""
+    import os
+    import tempfile
+
+    formats = plot_formats()
+    choices = ", ".join(f".{f}" for f in sorted(formats))
+    if not path or not path.strip():
+        raise ValueError(f"{what} {path!r}: give a file name, e.g. scaling.png")
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r}: a folder; give a file name in it, e.g. {os.path.join(path, 'scaling.png')}")
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in formats:
+        said = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise ValueError(f"{what} {path!r}: {said}; name a file matplotlib can write: {choices}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{what} {path!r}: {folder} is a file, not a folder; write elsewhere")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what} {path!r}: the folder {folder} does not exist; create it or write elsewhere")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".podscale-plot-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path!r}: cannot write in {folder} ({e.strerror or e}); write elsewhere") from None
+
+
 def plot(rows: list[Row], path: str, title: str = "") -> None:
-    """Step time and throughput against chips, a line per strategy."""
+    """Step time and throughput against chips, a line per strategy (rows that do not apply are
+    left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in dict.fromkeys(r.strategy for r in rows):
-        mine = sorted((r for r in rows if r.strategy == name), key=lambda r: r.chips)
+    applicable = [r for r in rows if r.applicable]
+    for name in dict.fromkeys(r.strategy for r in applicable):
+        mine = sorted((r for r in applicable if r.strategy == name), key=lambda r: r.chips)
         chips = [r.chips for r in mine]
         left.plot(chips, [r.step_s * 1e3 for r in mine], marker="o", label=name)
         right.plot(chips, [r.examples_per_s for r in mine], marker="o", label=name)
@@ -458,5 +681,7 @@ def plot(rows: list[Row], path: str, title: str = "") -> None:
     left.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)

@@ -290,21 +290,35 @@ def _row(what: str, how: str, predicted: dict[str, float], measured_s: float) ->
     }
 
 
-def validate(models=None, steps: int = 5, progress: bool = True) -> dict[str, Any]:
+def check(models=None, steps: int = 5) -> list[str]:
+    """Refuses :func:`validate`'s arguments before any measurement; returns the workloads."""
     from podscale import workloads
 
-    if len(jax.devices()) < max(COUNTS):
-        raise ValueError(f"--validate needs {max(COUNTS)} devices (podscale project --validate starts them)")
-    models = list(models) if models else list(workloads.NAMES)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps {steps!r}: timed steps per run, a whole number of at least 1")
+    models = list(workloads.NAMES) if models is None else list(models)
+    if not models:
+        raise ValueError(f"--validate-models: no workload given; choose from {', '.join(workloads.NAMES)}")
     unknown = [m for m in models if m not in workloads.NAMES]
     if unknown:
         raise ValueError(f"--validate-models {unknown}: unknown; choose from {', '.join(workloads.NAMES)}")
+    twice = sorted({m for m in models if models.count(m) > 1})
+    if twice:
+        raise ValueError(f"--validate-models: {', '.join(twice)} given twice; give each workload once")
+    return models
+
+
+def validate(models=None, steps: int = 5, progress: bool = True) -> dict[str, Any]:
+    models = check(models, steps)
+    if len(jax.devices()) < max(COUNTS):
+        raise ValueError(f"--validate needs {max(COUNTS)} devices (podscale project --validate starts them)")
+    started = time.perf_counter()
 
     def log(message: str) -> None:
         if progress:
             import sys
 
-            print(f"validate: {message}", file=sys.stderr, flush=True)
+            print(f"validate [{time.perf_counter() - started:.0f} s]: {message}", file=sys.stderr, flush=True)
 
     measured = {}
     for n in COUNTS:

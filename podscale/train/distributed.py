@@ -102,36 +102,7 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     most :data:`MAX_CPU_DEVICES` per process; without ``replicas``, :data:`DEFAULT_CPU_REPLICAS`
     of them, which the process count must divide (a count that does not is refused, naming
     ``--replicas``, never replaced by another). A GPU or TPU backend uses its own devices."""
-    processes = spec.num_processes if spec.explicit else 1
-    if spec.explicit and not 0 <= spec.process_id < processes:
-        raise ValueError(f"--process-id {spec.process_id} must be in [0, {processes})")
-    cpu_only_problem = None  # a refusal that holds only where JAX runs on its CPU backend
-    if replicas is None:
-        local = DEFAULT_CPU_REPLICAS // processes
-        if DEFAULT_CPU_REPLICAS % processes:
-            local = 1
-            cpu_only_problem = (
-                f"the {DEFAULT_CPU_REPLICAS} CPU devices simulated by default do not divide over the {processes} "
-                f"processes; pass --replicas {_multiples(processes)} (a multiple of {processes}: every process "
-                "simulates the same number of devices)"
-            )
-    else:
-        if replicas < 1:
-            raise ValueError(f"--replicas must be at least 1, got {replicas}")
-        if replicas % processes:
-            raise ValueError(
-                f"--replicas {replicas} is not divisible by the {processes} processes; pass a multiple of "
-                f"{processes}, such as {_multiples(processes, near=replicas)}"
-            )
-        local = replicas // processes
-        if local > MAX_CPU_DEVICES:
-            per = f" ({local} per process)" if processes > 1 else ""
-            cpu_only_problem = (
-                f"--replicas {replicas}: too many CPU devices to simulate{per}; JAX's CPU client runs a program "
-                f"over at most {MAX_CPU_DEVICES} devices per process. Pass --replicas {MAX_CPU_DEVICES * processes} "
-                f"or fewer{' (over these processes)' if processes > 1 else ''}, or run on a GPU or TPU backend"
-            )
-            local = 1  # never ask the CPU client for them, even where another backend runs
+    local, cpu_only_problem = local_devices(replicas, spec)
     if cpu_only_problem and _cpu_only():
         raise ValueError(cpu_only_problem)
     # This setting only concerns the CPU backend; a GPU or TPU backend ignores it.
@@ -167,6 +138,51 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
             f"{jax.device_count()} devices over {jax.process_count()} process(es); leave --replicas "
             "out to use all devices"
         )
+
+
+def local_devices(replicas: int | None, spec: ClusterSpec) -> tuple[int, str | None]:
+    """The CPU devices this process simulates for ``replicas`` over the spec's processes, checked
+    without starting JAX; and a refusal that holds only where JAX runs on its CPU backend (or
+    ``None``). :func:`setup` and ``--dry-run`` share it."""
+    processes = spec.num_processes if spec.explicit else 1
+    if spec.explicit and not 0 <= spec.process_id < processes:
+        raise ValueError(f"--process-id {spec.process_id} must be in [0, {processes})")
+    cpu_only_problem = None  # a refusal that holds only where JAX runs on its CPU backend
+    if replicas is None:
+        local = DEFAULT_CPU_REPLICAS // processes
+        if DEFAULT_CPU_REPLICAS % processes:
+            local = 1
+            cpu_only_problem = (
+                f"the {DEFAULT_CPU_REPLICAS} CPU devices simulated by default do not divide over the {processes} "
+                f"processes; pass --replicas {_multiples(processes)} (a multiple of {processes}: every process "
+                "simulates the same number of devices)"
+            )
+    else:
+        if replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {replicas}")
+        if replicas % processes:
+            raise ValueError(
+                f"--replicas {replicas} is not divisible by the {processes} processes; pass a multiple of "
+                f"{processes}, such as {_multiples(processes, near=replicas)}"
+            )
+        local = replicas // processes
+        if local > MAX_CPU_DEVICES:
+            per = f" ({local} per process)" if processes > 1 else ""
+            cpu_only_problem = (
+                f"--replicas {replicas}: too many CPU devices to simulate{per}; JAX's CPU client runs a program "
+                f"over at most {MAX_CPU_DEVICES} devices per process. Pass --replicas {MAX_CPU_DEVICES * processes} "
+                f"or fewer{' (over these processes)' if processes > 1 else ''}, or run on a GPU or TPU backend"
+            )
+            local = 1  # never ask the CPU client for them, even where another backend runs
+    return local, cpu_only_problem
+
+
+def check_devices(replicas: int | None, spec: ClusterSpec) -> int:
+    """:func:`local_devices`, its CPU-only refusal raised where JAX can only run on the CPU."""
+    local, problem = local_devices(replicas, spec)
+    if problem and _cpu_only():
+        raise ValueError(problem)
+    return local
 
 
 def _multiples(processes: int, near: int = DEFAULT_CPU_REPLICAS) -> str:
@@ -206,22 +222,8 @@ MAX_PROCESSES_PER_CORE = 4
 time-share the cores (and each holds its own JAX runtime in memory)."""
 
 
-def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
-    """Runs ``command`` as ``processes`` local processes of one JAX run; returns an exit code.
-
-    Each child gets ``PODSCALE_COORDINATOR=127.0.0.1:PORT``, ``PODSCALE_NUM_PROCESSES`` and
-    ``PODSCALE_PROCESS_ID``. A command starting with ``podscale`` runs this interpreter's podscale
-    (``python -m podscale.cli``), so a venv need not be on PATH. When one child fails, the others
-    get ``grace_s`` seconds to stop with their own error (0: none, they are killed at once), then
-    are killed.
-
-    The exit code is the first one a failing child gave itself (a podscale exit code: 1 target
-    not reached, 2 bad input, 3 a peer lost, ...). A child that died by a signal (SIGKILL, the
-    out-of-memory killer; also the supervisor's 128 + N for its training child) or that launch
-    killed after the grace period did not say why the run failed: its code counts only if no
-    other child gave one, and then as a shell reports it, 128 + N. So a process killed with
-    SIGKILL makes ``launch`` return the survivors' 3, not 137. 0 if every child exited 0.
-    """
+def check_launch(processes: int, command: list[str], grace_s: float = 60.0) -> list[str]:
+    """Refuses launch's flags before any process starts; returns the command each child runs."""
     if not processes >= 1:
         raise ValueError(f"--processes must be at least 1, got {processes}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -243,6 +245,26 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     if os.path.basename(command[0]) == "podscale":
         # This interpreter's podscale, whatever (if anything) ``podscale`` is on PATH.
         command = [sys.executable, "-m", "podscale.cli", *command[1:]]
+    return command
+
+
+def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
+    """Runs ``command`` as ``processes`` local processes of one JAX run; returns an exit code.
+
+    Each child gets ``PODSCALE_COORDINATOR=127.0.0.1:PORT``, ``PODSCALE_NUM_PROCESSES`` and
+    ``PODSCALE_PROCESS_ID``. A command starting with ``podscale`` runs this interpreter's podscale
+    (``python -m podscale.cli``), so a venv need not be on PATH. When one child fails, the others
+    get ``grace_s`` seconds to stop with their own error (0: none, they are killed at once), then
+    are killed.
+
+    The exit code is the first one a failing child gave itself (a podscale exit code: 1 target
+    not reached, 2 bad input, 3 a peer lost, ...). A child that died by a signal (SIGKILL, the
+    out-of-memory killer; also the supervisor's 128 + N for its training child) or that launch
+    killed after the grace period did not say why the run failed: its code counts only if no
+    other child gave one, and then as a shell reports it, 128 + N. So a process killed with
+    SIGKILL makes ``launch`` return the survivors' 3, not 137. 0 if every child exited 0.
+    """
+    command = check_launch(processes, command, grace_s)
     address = f"127.0.0.1:{_free_port()}"
     children = []
     for pid in range(processes):

@@ -31,7 +31,7 @@ from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.tensor import RuleWarning, with_model_rules
-from podscale.train.checkpoint import Checkpointer
+from podscale.train.checkpoint import Checkpointer, CheckpointError
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
@@ -361,11 +361,40 @@ def train(config: TrainConfig) -> dict[str, Any]:
         mlog.close()
 
 
-def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest) -> dict[str, Any]:
-    # MLPerf asks whether the system's caches were cleared before the run: podscale does not
-    # clear them (its data sets are synthetic or small, read into memory).
-    mlog.event(C.CACHE_CLEAR, False)
-    mlog.start(C.INIT_START)
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A run checked before any work: everything :func:`check` resolved from the config."""
+
+    mesh: Any
+    task: Any
+    optimizer: Any
+    strategy: Strategy
+    dp: Any
+    batch_size: int
+    eval_batch: int
+    init: Any
+    latest_checkpoint: int | None
+    layout: Any
+    """The state's stored layout (``dp.prepare``: the step traced at the global batch's shapes)."""
+
+    def dry_run_summary(self) -> dict[str, Any]:
+        """What ``--dry-run`` prints: the run as it would start."""
+        return {
+            "dry_run": True,
+            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+            "replicas": self.dp.replicas,
+            "batch_size": self.batch_size,
+            "eval_batch_size": self.eval_batch,
+            "resume_from": self.latest_checkpoint,
+        }
+
+
+def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepared:
+    """Every check a run makes before any work (the devices, the model, its data, the optimizer,
+    the batch over the replicas, the state's dtypes, the run recorded in ``--workdir``, the
+    checkpoints there, the step traced at the global shapes and its layout decided), with nothing
+    initialised, compiled or written unless ``write`` (then a new run records its
+    ``run_config.json``). ``--dry-run`` stops here."""
     mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size, spatial=config.strategy.spatial)
     task = make_task(
         config.model,
@@ -389,21 +418,65 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"--eval-batch-size {eval_batch} is not divisible by the {mesh.size} devices the evaluation splits it "
             f"over; use a multiple of {mesh.size}"
         )
+    latest = _check_checkpoints(config)
     if config.workdir:
-        _check_run_config(config, task, write=lead)
+        _check_run_config(config, task, write=write and lead)
 
-    # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)
 
-    check_state(jax.eval_shape(init))
-    if config.bn_group_size > 1 and not jax.eval_shape(init).batch_stats:
+    shapes = jax.eval_shape(init)
+    check_state(shapes)
+    if config.bn_group_size > 1 and not shapes.batch_stats:
         raise ValueError(
             f"--bn-group-size {config.bn_group_size}: model {config.model!r} has no batch norm; drop the flag"
         )
-    with warnings.catch_warnings():  # the rules' notes (a RuleWarning) are printed below, once
+    with warnings.catch_warnings():  # the rules' notes (a RuleWarning) are printed once, by the run
         warnings.simplefilter("ignore", RuleWarning)
-        layout = dp.prepare(jax.eval_shape(init), task.batch_shapes(batch_size))
+        layout = dp.prepare(shapes, task.batch_shapes(batch_size))  # traces the step: its own checks
+    return Prepared(mesh, task, optimizer, strategy, dp, batch_size, eval_batch, init, latest, layout)
+
+
+def _check_checkpoints(config: TrainConfig) -> int | None:
+    """The latest checkpoint step in ``--workdir`` (``None``: none), checked against ``--resume``
+    and ``--steps`` before any work; nothing is created."""
+    folder = os.path.join(config.workdir, "checkpoints") if config.workdir else None
+    latest = None
+    if folder and os.path.isdir(folder):
+        found = Checkpointer(folder, config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
+        try:
+            latest = found.latest_step()
+        finally:
+            found.close()
+    if config.resume and latest is None:
+        raise CheckpointError(
+            f"--resume: no complete checkpoint in {folder}. Start without --resume, or point --workdir at the "
+            "directory of the run to continue."
+        )
+    if not config.resume and latest is not None:
+        raise ValueError(
+            f"--workdir {config.workdir} already holds checkpoints (latest step {latest}); pass --resume "
+            "to continue that run, or choose a new --workdir"
+        )
+    if config.resume and latest >= config.steps and not config.resume_fallback:
+        raise ValueError(
+            f"the run in {config.workdir} is already at step {latest}, and --steps is {config.steps}; "
+            f"pass a larger --steps to train further"
+        )
+    return latest
+
+
+def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest) -> dict[str, Any]:
+    # MLPerf asks whether the system's caches were cleared before the run: podscale does not
+    # clear them (its data sets are synthetic or small, read into memory).
+    mlog.event(C.CACHE_CLEAR, False)
+    mlog.start(C.INIT_START)
+    run = check(config, lead, write=True)
+    mesh, task, strategy, dp = run.mesh, run.task, run.strategy, run.dp
+    batch_size, eval_batch, init = run.batch_size, run.eval_batch, run.init
+
+    # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
+    layout = run.layout
     if lead and dp.rule_notes:
         Console(stderr=True).print(
             f"podscale: the sharding rules {strategy.rules.name!r} leave {len(dp.rule_notes)} leaves as they are "
@@ -424,11 +497,6 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     if ckpt and config.resume:
         resumed_from, restored = ckpt.restore(checkpointed.like(), fallback=config.resume_fallback)
         state = checkpointed.load(restored)
-    elif ckpt and (existing := ckpt.latest_step()) is not None:
-        raise ValueError(
-            f"--workdir {config.workdir} already holds checkpoints (latest step {existing}); pass --resume "
-            "to continue that run, or choose a new --workdir"
-        )
     start = int(np.asarray(state.step.addressable_data(0)))
     if start >= config.steps:
         raise ValueError(
