@@ -8,6 +8,12 @@ terminal wraps its lines, but every figure is whole).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+
 from rich import box
 from rich.console import Console
 from rich.measure import Measurement
@@ -58,3 +64,53 @@ def size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def elapsed(since: float) -> str:
+    s = time.perf_counter() - since
+    return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+@contextlib.contextmanager
+def heartbeat(progress: Callable[[str], None] | None, message: str, every: float):
+    """Calls ``progress`` with ``message`` and the time so far every ``every`` seconds until the
+    block ends (a compile for thousands of devices runs for minutes without a word)."""
+    if progress is None or not every or every <= 0:
+        yield
+        return
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat():
+        while not done.wait(every):
+            progress(f"{message} ({elapsed(start)})")
+
+    thread = threading.Thread(target=beat, name="podscale-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+class Ticker:
+    """Progress for a stream that is not a terminal (a pipe, a CI log), where rich draws no live
+    bar: a plain line, ``PREFIX: message (elapsed)``, at most every ``every_s`` seconds (or at once
+    with ``force``), so that a long command never looks hung. On a terminal it prints nothing."""
+
+    def __init__(self, prefix: str, every_s: float = 10.0, enabled: bool = True, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and not _is_terminal(self.stream)
+        self.prefix, self.every_s = prefix, every_s
+        self.start, self.last = time.perf_counter(), -float("inf")
+
+    def __call__(self, message: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.enabled and (force or now - self.last >= self.every_s):
+            print(f"{self.prefix}: {message} ({elapsed(self.start)})", file=self.stream, flush=True)
+            self.last = now
+
+
+def _is_terminal(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())

@@ -160,7 +160,7 @@ def test_bench_wus_prints_progress_lines_when_stderr_is_not_a_terminal(capsys):
         bar.update("adam: compiling replicated", line=True)
         bar.update("adam: step 1/2")  # within a few seconds of the last line: not printed
         bar.advance()
-        bar.last -= _Progress.EVERY_S
+        bar.ticker.last -= _Progress.EVERY_S
         bar.update("adam: step 2/2")
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" (")[0] for line in lines] == [

@@ -335,3 +335,26 @@ sys.exit(int(what))
 def test_launch_returns_the_exit_code_a_child_gave_not_a_signal(children, code):
     command = [sys.executable, "-c", _CHILD, *children]
     assert distributed.launch(len(children), command, grace_s=1.0) == code
+
+
+def test_a_run_whose_stderr_is_not_a_terminal_prints_progress_lines():
+    """A pipe or a CI log gets no live bar: plain lines say what the run is doing (the first
+    step's compile, steps, evaluations), so a long run never looks hung."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "podscale.cli", "train", "--model", "mlp", "--steps", "4", "--eval-every", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("podscale train: ")]
+    assert lines[0].startswith("podscale train: compiling and running step 1 of 4 (")
+    assert any(line.startswith("podscale train: step 2: held-out accuracy ") for line in lines), lines
+    assert any(line.startswith("podscale train: step 4: held-out accuracy ") for line in lines), lines
+    quiet = subprocess.run(
+        [sys.executable, "-m", "podscale.cli", "train", "--model", "mlp", "--steps", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert quiet.returncode == 0 and "podscale train: " not in quiet.stderr

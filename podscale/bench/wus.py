@@ -22,9 +22,7 @@ against ``replicated`` after the same steps.
 
 from __future__ import annotations
 
-import math
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -42,6 +40,7 @@ from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
+from podscale.report import Ticker
 from podscale.train import data, models
 from podscale.train.tasks import Task, make_task, make_train_step
 
@@ -119,15 +118,15 @@ VARIANTS = ("replicated", "sharded", "gspmd")
 class _Progress:
     """rich's bar on a terminal; elsewhere (stderr piped to a file or a CI log, where the bar does
     not show) a line to stderr for each ``line=True`` update and at most every few seconds for the
-    others, with the time since the start."""
+    others, with the time since the start (:class:`podscale.report.Ticker`)."""
 
     EVERY_S = 5.0
 
     def __init__(self, enabled: bool, total: int):
         console = Console(stderr=True)
-        self.lines = enabled and not console.is_terminal
-        self.bar = Progress(console=console, transient=True, disable=not enabled or self.lines)
-        self.total, self.start, self.last = total, time.perf_counter(), -math.inf
+        self.ticker = Ticker("podscale bench wus", self.EVERY_S, enabled=enabled and not console.is_terminal)
+        self.bar = Progress(console=console, transient=True, disable=not enabled or self.ticker.enabled)
+        self.total = total
 
     def __enter__(self):
         self.bar.__enter__()
@@ -139,10 +138,7 @@ class _Progress:
 
     def update(self, description: str, line: bool = False) -> None:
         self.bar.update(self.work, description=description)
-        now = time.perf_counter()
-        if self.lines and (line or now - self.last >= self.EVERY_S):
-            print(f"podscale bench wus: {description} ({now - self.start:.0f} s)", file=sys.stderr, flush=True)
-            self.last = now
+        self.ticker(description, force=line)
 
     def advance(self) -> None:
         self.bar.advance(self.work)

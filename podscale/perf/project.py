@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,6 +42,7 @@ from podscale.parallel.strategy import Strategy
 from podscale.perf import hlo
 from podscale.perf.network import Topology
 from podscale.perf.systems import System
+from podscale.report import elapsed, heartbeat
 from podscale.train.distributed import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 
 DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
@@ -438,44 +438,14 @@ def project(
                 rows.append(_not_applicable(topology, name, strategy, per_chips[n_chips], reason))
                 continue
             one = time.perf_counter()
-            say(f"{what}: compiling for {topology.devices} devices ({_elapsed(started)} since the start)")
-            with _heartbeat(progress, f"{what}: still compiling", heartbeat_s):
+            say(f"{what}: compiling for {topology.devices} devices ({elapsed(started)} since the start)")
+            with heartbeat(progress, f"{what}: still compiling", heartbeat_s):
                 row = _project_one(
                     data_parallel, step, shapes, make_batch, per_chips[n_chips], system, topology, name, strategy
                 )
-            say(
-                f"{what}: done in {_elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({_elapsed(started)} since the start)"
-            )
+            say(f"{what}: done in {elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({elapsed(started)} since the start)")
             rows.append(row)
     return mark_fastest(rows)
-
-
-def _elapsed(since: float) -> str:
-    s = time.perf_counter() - since
-    return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
-
-
-@contextlib.contextmanager
-def _heartbeat(progress: Callable[[str], None] | None, message: str, every: float):
-    """Calls ``progress`` with ``message`` and the time so far every ``every`` seconds until the
-    block ends (a compile for thousands of devices runs for minutes without a word)."""
-    if progress is None or not every or every <= 0:
-        yield
-        return
-    done = threading.Event()
-    start = time.perf_counter()
-
-    def beat():
-        while not done.wait(every):
-            progress(f"{message} ({_elapsed(start)})")
-
-    thread = threading.Thread(target=beat, name="podscale-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
 
 
 def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:

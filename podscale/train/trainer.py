@@ -31,6 +31,7 @@ from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.tensor import RuleWarning, with_model_rules
+from podscale.report import Ticker, heartbeat
 from podscale.train.checkpoint import Checkpointer, CheckpointError
 from podscale.train.data import Loader, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
@@ -537,6 +538,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     last_loss = None
     timed_from, timed_steps, step = None, 0, start
     excluded = 0.0  # seconds of eval and checkpointing inside the timed span
+    console = Console(stderr=True, force_terminal=True if os.environ.get(ENV_STDERR_TTY) else None)
+    # Where stderr is not a terminal (a pipe, a CI log) the bar does not show: plain lines instead.
+    ticker = Ticker("podscale train", 10.0, enabled=lead and config.progress and not console.is_terminal)
     progress = Progress(
         TextColumn("step"),
         MofNCompleteColumn(),
@@ -545,8 +549,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         TextColumn("{task.fields[eps]} ex/s"),
         TimeElapsedColumn(),
         # Under podscale's supervisor (multi-process) stderr is a pipe to a terminal.
-        console=Console(stderr=True, force_terminal=True if os.environ.get(ENV_STDERR_TTY) else None),
-        disable=not (lead and config.progress),
+        console=console,
+        disable=not (lead and config.progress) or ticker.enabled,
     )
     try:
         with progress:
@@ -555,7 +559,10 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             for step, batch in loader:
                 if step >= config.steps:
                     break
-                state, metrics = dp(state, batch)
+                if step == start:
+                    ticker(f"compiling and running step {start + 1} of {config.steps}", force=True)
+                with heartbeat(ticker if step == start else None, "still compiling the first step", 10.0):
+                    state, metrics = dp(state, batch)
                 if pending is not None:  # read the previous step's metrics while this one runs
                     last_loss = _log_step(pending, record, ckpt)
                 pending = (step, metrics)
@@ -569,6 +576,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                 progress.update(
                     bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}"
                 )
+                shown = f", loss {last_loss:.4f}" if last_loss is not None else ""
+                rate = f", {eps:,.0f} examples/s" if timed_steps else ""
+                ticker(f"step {done} of {config.steps}{shown}{rate}", force=done == start + 1)
                 aside = time.perf_counter()
                 evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
                 if evaluating or (ckpt and done % ckpt.every == 0):
@@ -597,6 +607,11 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                     mlog.end(C.EVAL_STOP, metadata=at)
                     mlog.event(C.EVAL_ACCURACY, accuracy(results), metadata={**at, "metric": task.eval_metric})
                     summary["eval"] = results
+                    ticker(
+                        f"step {done}: held-out "
+                        + ", ".join(f"{k} {v:.4f}" for k, v in results.items() if isinstance(v, float)),
+                        force=True,
+                    )
                     record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
                     reached = targets is not None and all(results[k] >= v for k, v in targets.items())
                     if reached:
