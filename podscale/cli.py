@@ -45,6 +45,21 @@ def _dry_run_result(args, what: dict) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an unknown flag, ``--steps x``) as podscale's: one ``podscale:
+    error:`` line after the usage, exit code 2, and under ``--json`` one JSON object on stdout."""
+
+    argv: list[str] = []
+
+    def error(self, message: str):
+        text = f"{self.prog}: {message} ({self.prog} --help lists what it takes)"
+        print(f"podscale: error: {text.removeprefix('podscale: ')}", file=sys.stderr)
+        command = self.argv[: self.argv.index("--")] if "--" in self.argv else self.argv
+        if "--json" in command:
+            print(json.dumps({"error": text, "exit_code": 2}), flush=True)
+        sys.exit(2)
+
+
 def _dry_run_launch(args, cmd: list[str]) -> int:
     """``launch --dry-run``: launch's flags, then a podscale command's dry run as process 0 of
     ``--processes`` (a child process, as launch would start it, that joins nothing)."""
@@ -857,7 +872,8 @@ def _run_bench_gradsum(args, kwargs: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
-    parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _plan_parser(sub)

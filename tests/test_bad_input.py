@@ -104,3 +104,27 @@ def test_reusing_a_donated_state_raises_instead_of_crashing():
     with pytest.raises(ValueError, match="donated"):
         dp.gather_state(state)
     assert dp.gather_state(new)["w"].tolist() == pytest.approx([0.9] * 4)
+
+
+ARGPARSE_CASES = [
+    ["train", "--steps", "x"],
+    ["train", "--precision", "fp8"],
+    ["train", "--bogus"],
+    ["project", "--multi-axis", "foo"],
+    ["bench", "nothing"],
+    ["plan", "--replicas", "2.5"],
+    ["bogus"],
+]
+
+
+@pytest.mark.parametrize("argv", ARGPARSE_CASES, ids=" ".join)
+def test_a_flag_argparse_refuses_is_one_podscale_error_and_json_under_json(argv, capsys):
+    from podscale import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--json"])
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("podscale: error: ") and out.err.count("\n") == 1, out.err
+    assert "--help" in out.err and "usage:" not in out.err
+    assert json.loads(out.out)["exit_code"] == 2

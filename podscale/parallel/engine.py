@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import _interpret, spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
-from podscale.parallel.mesh import BN_GROUP, replica_count
+from podscale.parallel.mesh import BN_GROUP, mesh_advice, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
@@ -136,8 +136,7 @@ class DataParallelStep:
             k = self.strategy.model_parallel
             raise ValueError(
                 f"model_parallel={k} on mesh {dict(mesh.shape)} leaves one replica, which podscale cannot run yet "
-                f"(XLA's partitioner refuses the data-axis sums); use at least two replicas, e.g. "
-                f"--mesh 2x{k // 2 or 1} --model-parallel {k // 2 or 1}"
+                f"(XLA's partitioner refuses the data-axis sums): {mesh_advice(mesh.size, k, 'model_parallel', 2)}"
             )
         st = self.strategy
         self.grad_sum = make_grad_sum(
@@ -374,7 +373,7 @@ class DataParallelStep:
             if self.strict and (trace.gathered_ops or trace.whole_ops):
                 raise ValueError(
                     "strict=True: refused before running; these ops would run on whole (gathered) values, "
-                    f"not on shards: {[*trace.whole_ops, *trace.gathered_ops]}. Drop strict to run them so."
+                    f"not on shards: {[*trace.whole_ops, *trace.gathered_ops]}. Drop strict=True to run them so."
                 )
             return new_state, metrics
 
