@@ -219,6 +219,8 @@ def _run_train(args) -> int:
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["strategy"] = from_flags(args)
     values["progress"] = not args.no_progress
+    if spec.explicit:  # which process this is decides which output paths it checks (process 0 writes files)
+        os.environ[distributed.ENV_PROCESS_ID] = str(spec.process_id)
     config = TrainConfig(**values)  # flags and output paths, before joining any cluster
     if args.dry_run and (spec.auto or spec.explicit):
         local = distributed.check_devices(args.replicas, spec)
@@ -966,7 +968,7 @@ def _as_flags(message: str) -> str:
         if "_" in f.name:  # a bare parameter name of two words cannot be plain English: the flag
             message = re.sub(rf"(?<![\w.-]){f.name}\b(?![=(])", flag, message)
     message = re.sub(r"make_mesh\(\((\d+(?:, \d+)*),?\)\)", lambda m: "--mesh " + "x".join(m[1].split(", ")), message)
-    return message.replace("make_mesh((x, y))", "--mesh 4x2")
+    return message
 
 
 if __name__ == "__main__":

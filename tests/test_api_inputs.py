@@ -159,6 +159,22 @@ def test_the_2d_sum_on_three_axes_names_the_real_reason_and_a_mesh_that_works():
         make_grad_sum(make_mesh((4, 2), bn_group_size=2), "2d")
 
 
+@pytest.mark.parametrize("n", range(1, 9))
+def test_the_2d_sum_on_one_axis_advises_a_mesh_of_its_own_devices(n):
+    """Followed, the advice works: a 2-D mesh of the same n devices, or none where none exists."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    with pytest.raises(ValueError) as e:
+        make_grad_sum(mesh, "2d")
+    shapes = [tuple(int(d) for d in m.split(", ")) for m in re.findall(r"make_mesh\(\(([\d, ]+)\)\)", str(e.value))]
+    if any(n % d == 0 and 2 <= d <= n // 2 for d in range(2, n)):
+        ((a, b),) = shapes
+        assert a * b == n and min(a, b) >= 2
+        two = Mesh(np.array(jax.devices()[:n]).reshape(a, b), ("x", "y"))
+        assert make_grad_sum(two, "2d").mode == "2d"
+    else:
+        assert not shapes and "use grad_sum='1d'" in str(e.value)
+
+
 def test_bn_group_size_names_every_workload_that_takes_it():
     from podscale.parallel.mesh import BN_GROUP
     from podscale.train.tasks import bn_group_workloads, make_task

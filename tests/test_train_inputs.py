@@ -358,3 +358,16 @@ def test_a_run_whose_stderr_is_not_a_terminal_prints_progress_lines():
         timeout=300,
     )
     assert quiet.returncode == 0 and "podscale train: " not in quiet.stderr
+
+
+def test_only_process_0_checks_the_files_it_alone_writes(monkeypatch, tmp_path):
+    """--metrics-file, --mllog and --export are written by process 0: another host need not have
+    their folders; every process writes its part of --workdir, so each checks it."""
+    missing = str(tmp_path / "only-on-host-0" / "m.jsonl")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
+    TrainConfig(metrics_file=missing, mllog=missing, export=missing.replace(".jsonl", ".npz"))
+    with pytest.raises(ValueError, match="--workdir"):
+        TrainConfig(workdir="/proc/podscale-run")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    with pytest.raises(ValueError, match="--metrics-file"):
+        TrainConfig(metrics_file=missing)

@@ -282,7 +282,8 @@ def make_grad_sum(
     if data_only and len(axes) != 2:
         raise ValueError(
             f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(axes)} besides its "
-            f"last (the space or model axis): {axes}; make one with two, e.g. make_mesh((x, y, k))"
+            f"last (the space or model axis): {axes}; make one with two, e.g. "
+            + _three_axis_example(math.prod(mesh.shape.values()), mesh.shape[mesh.axis_names[-1]])
         )
     if len(axes) != 2:
         if BN_GROUP in axes:  # the axis make_mesh(bn_group_size=k) adds
@@ -297,8 +298,15 @@ def make_grad_sum(
                 f"grad_sum='2d' sums along two mesh axes, one after the other, and mesh {dict(mesh.shape)} has "
                 f"{len(axes)}; make a 2-D one with the same devices, e.g. make_mesh({two})"
             )
+        n = math.prod(sizes.values())
+        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= 2]
         raise ValueError(
-            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; make one with make_mesh((x, y))"
+            f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; "
+            + (
+                f"make one of its {n} devices, e.g. make_mesh({two[len(two) // 2]})"
+                if two
+                else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
+            )
         )
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
     if isinstance(costs, str):
@@ -327,3 +335,12 @@ def parse_axis_costs(text: str | None):
             raise ValueError(f"axis_costs={part!r}: bandwidth must be positive and latency at least 0")
         costs[axis.strip()] = AxisCost(bandwidth, latency)
     return costs
+
+
+def _three_axis_example(n: int, k: int) -> str:
+    """``make_mesh((x, y, k))`` for ``n`` devices, with ``x, y`` at least 2, or why there is none."""
+    rest = n // k
+    ys = [d for d in range(2, rest // 2 + 1) if rest % d == 0 and rest // d >= 2]
+    if not ys:
+        return f"there is none on {n} devices with a last axis of {k}: use grad_sum='1d', or more devices"
+    return f"make_mesh(({rest // ys[0]}, {ys[0]}, {k}))"

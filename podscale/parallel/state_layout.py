@@ -10,6 +10,7 @@ between the two; checkpoints hold the user layout, so they restore onto any repl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -125,6 +126,10 @@ class StateLayout:
         if treedef != self.treedef:
             raise ValueError(f"{what} has structure {treedef}, but this step was prepared for {self.treedef}")
 
+    @functools.cached_property
+    def _stored_signature(self) -> tuple[tuple[tuple[int, ...], Any], ...]:
+        return tuple((self.stored_shape(leaf), leaf.dtype) for leaf in self.leaves)
+
     def stored_shape(self, leaf: LeafLayout) -> tuple[int, ...]:
         """The shape ``leaf`` has on the mesh: flat ``N * chunk`` when sharded, else its own."""
         return (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
@@ -135,6 +140,12 @@ class StateLayout:
         global value (a flat, padded vector for a sharded one), so a leaf of the right shape is
         read alike on any mesh; one of another shape was stored by another step object (another
         strategy, mesh or ``min_shard_size``) or was never placed."""
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef == self.treedef and all(
+            getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
+            for x, (shape, dtype) in zip(leaves, self._stored_signature, strict=True)
+        ):
+            return  # the usual case, what the step returned: checked in a few microseconds a leaf
         self.check(state, what)
         other = (
             "it was placed by another step object (another weight_update, mesh, min_shard_size or model_parallel): "

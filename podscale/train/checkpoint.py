@@ -66,7 +66,7 @@ def checksums(state) -> dict[str, dict]:
     """SHA-256 of each leaf's bytes with its shape and dtype, keyed by its pytree path."""
     sums = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        value = np.ascontiguousarray(_host_array(leaf))
+        value = np.require(_host_array(leaf), requirements="C")  # 0-d stays 0-d
         sums[jax.tree_util.keystr(path)] = {
             "sha256": hashlib.sha256(value.reshape(-1).view(np.uint8)).hexdigest(),
             "shape": list(value.shape),

@@ -34,6 +34,7 @@ from podscale.parallel.tensor import RuleWarning, with_model_rules
 from podscale.report import Ticker, heartbeat
 from podscale.train.checkpoint import Checkpointer, CheckpointError
 from podscale.train.data import Loader, padded_eval_batches
+from podscale.train.distributed import ENV_PROCESS_ID
 from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
@@ -128,7 +129,8 @@ class TrainConfig:
             raise ValueError("--resume needs --workdir, the directory of the run to continue")
         if self.resume_fallback and not self.resume:
             raise ValueError("--resume-fallback goes with --resume: add --resume to continue the run in --workdir")
-        check_output_paths(self)
+        # Process 0 alone writes the files; every process writes its part of --workdir's checkpoints.
+        check_output_paths(self, files=os.environ.get(ENV_PROCESS_ID, "0") == "0")
 
 
 OUTPUT_PATHS = (
@@ -140,18 +142,19 @@ OUTPUT_PATHS = (
 """Every path a run writes: the ``--workdir`` directory, and files with an example name."""
 
 
-def check_output_paths(config: TrainConfig) -> None:
+def check_output_paths(config: TrainConfig, files: bool = True) -> None:
     """Checks every path the run writes (:data:`OUTPUT_PATHS`), once, before any work.
 
     ``--workdir`` is a directory, made with its missing parents. A file (``--metrics-file``,
     ``--mllog``, ``--export``) must not be a directory, and its folder must exist or lie inside
     ``--workdir`` (made with it; :func:`make_output_folders`). Nothing on the way may be a file;
     the nearest existing folder must take a new file, and an existing output file must open for
-    writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``)."""
+    writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
+    ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
     workdir = os.path.abspath(config.workdir) if config.workdir else None
     for name, example in OUTPUT_PATHS:
         path = getattr(config, name)
-        if path is None:
+        if path is None or (example is not None and not files):
             continue
         flag = "--" + name.replace("_", "-")
         if not str(path).strip():
@@ -396,6 +399,8 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
     checkpoints there, the step traced at the global shapes and its layout decided), with nothing
     initialised, compiled or written unless ``write`` (then a new run records its
     ``run_config.json``). ``--dry-run`` stops here."""
+    if lead:  # the files process 0 writes, checked there (a run whose process index is known only now)
+        check_output_paths(config)
     mesh = make_mesh(config.mesh, bn_group_size=config.bn_group_size, spatial=config.strategy.spatial)
     task = make_task(
         config.model,
