@@ -547,6 +547,8 @@ def _run_project(args) -> int:
     effective = names or list(proj.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
 
+    if args.axis_costs is not None:  # the 2-D strategies' knob: each strategy sets grad_sum itself
+        args.grad_sum = "2d"
     strategy = with_model_rules(from_flags(args), args.model)
     unknown = [s for s in effective if s not in proj.STRATEGIES]
     if unknown:

@@ -234,3 +234,33 @@ def test_the_command_line_gives_advice_in_flags(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "make_mesh" not in err and "=" not in err.split("error:")[1], err
+
+
+# -- A step's own contract: its state keeps its shapes, its batch has rows, placed state only ------
+
+
+def _growing_step(state, batch):
+    w, opt = state
+    return (jnp.concatenate([w, w[:1]]), opt), {}
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_a_step_that_changes_a_state_leaf_s_shape_is_refused_on_its_first_call(weight_update):
+    dp = data_parallel(_growing_step, make_mesh(), weight_update=weight_update, min_shard_size=64, donate_state=False)
+    with pytest.raises(ValueError, match=r"new_state\[0\] with shape \[66, 3\], but was given it with shape \[65, 3\]"):
+        dp(dp.place_state(STATE, BATCH), BATCH)
+
+
+@pytest.mark.parametrize("rows", [0])
+def test_a_batch_without_rows_is_refused_naming_the_leaf(rows):
+    dp = data_parallel(_step, make_mesh(), donate_state=False)
+    state = dp.place_state(STATE, BATCH)
+    with pytest.raises(ValueError, match=r"batch\['x'\] has no rows .* at least 8 rows"):
+        dp(state, {"x": np.zeros((rows, 65), np.float32)})
+
+
+def test_a_fresh_step_object_called_with_another_s_stored_state_names_the_leaf(placed_by_a):
+    _, stored = placed_by_a
+    fresh = data_parallel(_step, make_mesh(), weight_update="sharded", min_shard_size=64, donate_state=False)
+    with pytest.raises(ValueError, match=r"state\[1\]\['m'\] is a flat \[200\] .* placed by another step object"):
+        fresh(stored, BATCH)

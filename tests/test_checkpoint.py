@@ -233,18 +233,22 @@ def test_damaged_checksums_are_refused(tmp_path):
         train(_config(tmp_path, resume=True))
 
 
-def test_a_checkpoint_without_checksums_is_restored_with_a_warning(tmp_path, capfd):
-    """Steps saved by podscale before checksums existed: restored unverified, saying so."""
+@pytest.mark.parametrize("how", ["removed", "unreadable", "whole file removed"])
+def test_a_checkpoint_whose_checksums_are_gone_is_refused_as_damaged(tmp_path, how):
+    """Every save writes them atomically with the step: without them a step cannot be verified."""
     train(_config(tmp_path, steps=3))
     path, meta = _step_metadata(tmp_path / "checkpoints" / "3")
-    del meta["custom_metadata"]["podscale_checksums"]
-    with open(path, "w") as f:
-        json.dump(meta, f)
-    capfd.readouterr()
-    out = train(_config(tmp_path, resume=True))
-    err = capfd.readouterr().err
-    assert out["resumed_from"] == 3
-    assert "checkpoint step 3 in" in err and "saved without checksums" in err and "unverified" in err
+    if how == "removed":
+        del meta["custom_metadata"]["podscale_checksums"]
+        with open(path, "w") as f:
+            json.dump(meta, f)
+    elif how == "unreadable":
+        with open(path, "w") as f:
+            f.write("{garbage")
+    else:
+        os.remove(path)
+    with pytest.raises(CheckpointError, match=r"step 3 .* is damaged: the checksums saved with it are missing"):
+        train(_config(tmp_path, resume=True))
 
 
 @pytest.mark.parametrize("damage", ["2 flipped bits", "its first bytes"])

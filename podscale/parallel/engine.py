@@ -95,6 +95,20 @@ def trace_global(step: Step, state, batch, group_axis: str | None = None) -> Glo
     return GlobalTrace(closed, jax.tree.structure(out_shape), len(jax.tree.leaves(state)))
 
 
+def _check_kept_shapes(new_state, layout) -> None:
+    """A step keeps every state leaf's shape, as a loop carry does: the next call reads the state
+    it returned in the layout this one was placed in."""
+    pairs = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
+    for (path, v), leaf in zip(pairs, layout.leaves, strict=True):
+        shape = tuple(v.shape) if isinstance(v, Sharded) else tuple(np.shape(v))
+        if shape != tuple(leaf.shape):
+            raise ValueError(
+                f"the step returned new_state{_path(path)} with shape {list(shape)}, but was given it with shape "
+                f"{list(leaf.shape)}: a step must return every state leaf in the shape it took (as a loop carry), "
+                "so that its result can be stepped again; keep values of other shapes in the metrics"
+            )
+
+
 def _signature(batch) -> tuple:
     """What a traced program depends on in a batch: its tree, and each leaf's shape and dtype."""
     shapes = _shapes(batch)
@@ -359,6 +373,7 @@ class DataParallelStep:
             except (TypeError, ValueError):
                 raise TypeError("the step must return a pair (new_state, metrics)") from None
             layout.check(new_state, "the step's new_state")
+            _check_kept_shapes(new_state, layout)
             trace.whole_ops = list(part.whole_ops)
             trace.collectives[:0] = [
                 Collective(kind, axes, nbytes, 1, why) for kind, axes, nbytes, why in part.collectives
@@ -449,6 +464,11 @@ class DataParallelStep:
             shape = np.shape(leaf)
             if not shape:
                 raise ValueError(f"batch{_path(path)} is a scalar; every batch leaf needs a leading batch dimension")
+            if shape[0] == 0:
+                raise ValueError(
+                    f"batch{_path(path)} has no rows (shape {list(shape)}); give a global batch of at least {n} rows, "
+                    f"one per replica of mesh {dict(self.mesh.shape)}"
+                )
             if first is None:
                 first = (path, shape)
             elif shape[0] != first[1][0]:
@@ -468,6 +488,7 @@ class DataParallelStep:
     def __call__(self, state, batch):
         self.check_batch(batch)
         if self.layout is None:
+            state_layout.refuse_stored(state, "state", "step")  # placed by another step object
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
         _check_not_donated(state, "state")
         self.layout.check_stored(state)  # shapes and dtypes only: no device sync

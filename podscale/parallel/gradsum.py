@@ -36,6 +36,9 @@ from podscale.parallel.mesh import BN_GROUP
 
 MODES = ("1d", "2d")
 DEFAULT_CHUNKS = 4
+MAX_CHUNKS = 64
+"""At most this many pipelined chunks per fused buffer: each chunk is a collective of its own that
+pays the links' latency, and each is traced and compiled; paper 1 pipelines a few per buffer."""
 """Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
 
 
@@ -271,6 +274,11 @@ def make_grad_sum(
         raise ValueError(f"grad_sum={mode!r}: choose one of {', '.join(MODES)}")
     if chunks is not None and chunks < 1:
         raise ValueError(f"grad_sum_chunks must be at least 1, got {chunks}")
+    if chunks is not None and chunks > MAX_CHUNKS:
+        raise ValueError(
+            f"grad_sum_chunks={chunks}: at most {MAX_CHUNKS} pipelined chunks per fused buffer (each is a collective "
+            f"that pays the links' latency, and each is compiled); use {DEFAULT_CHUNKS} (the default) to {MAX_CHUNKS}"
+        )
     if dtype is not None:
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -284,6 +292,19 @@ def make_grad_sum(
             f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(axes)} besides its "
             f"last (the space or model axis): {axes}; make one with two, e.g. "
             + _three_axis_example(math.prod(mesh.shape.values()), mesh.shape[mesh.axis_names[-1]])
+        )
+    one = [a for a in axes if sizes[a] < 2]
+    if len(axes) == 2 and one:
+        n = math.prod(sizes.values())
+        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= 2]
+        raise ValueError(
+            f"grad_sum='2d' sums along two mesh axes, and axis {one[0]!r} of mesh {dict(mesh.shape)} has one device: "
+            "there is no second sum; "
+            + (
+                f"make a mesh of two axes of at least 2, e.g. make_mesh({two[len(two) // 2]})"
+                if two
+                else "use grad_sum='1d'"
+            )
         )
     if len(axes) != 2:
         if BN_GROUP in axes:  # the axis make_mesh(bn_group_size=k) adds
@@ -331,9 +352,17 @@ def parse_axis_costs(text: str | None):
             raise ValueError(
                 f"axis_costs={text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6"
             ) from None
-        if bandwidth <= 0 or latency < 0:
-            raise ValueError(f"axis_costs={part!r}: bandwidth must be positive and latency at least 0")
-        costs[axis.strip()] = AxisCost(bandwidth, latency)
+        if not (math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0):
+            raise ValueError(
+                f"axis_costs={part!r}: the bandwidth must be a finite number of bytes/s > 0 and the latency a finite "
+                "number of seconds >= 0"
+            )
+        axis = axis.strip()
+        if not axis or axis in costs:
+            raise ValueError(
+                f"axis_costs={text!r}: " + (f"axis {axis!r} given twice" if axis else "an axis without a name")
+            )
+        costs[axis] = AxisCost(bandwidth, latency)
     return costs
 
 

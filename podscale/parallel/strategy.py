@@ -193,6 +193,14 @@ class Strategy:
             )
         if self.spatial == 1:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
+        if self.axis_costs is not None and self.grad_sum != "2d":
+            raise ValueError(
+                "axis_costs choose which axis the 2-D gradient sum goes along first, and grad_sum is "
+                f"{self.grad_sum!r}: they would be ignored; add grad_sum='2d', or leave axis_costs out"
+            )
+        if self.data_axes is not None and len(set(self.data_axes)) != len(self.data_axes):
+            twice = sorted({a for a in self.data_axes if self.data_axes.count(a) > 1})
+            raise ValueError(f"data_axes={self.data_axes}: {', '.join(map(repr, twice))} named twice; name each once")
 
     @property
     def sharded(self) -> bool:

@@ -11,9 +11,8 @@ temporary directory with the arrays, so a step that looks complete has them. A r
 every leaf against them: a step changed on disk after it was saved (a flipped bit, a bad copy)
 is refused with :class:`CheckpointError` naming the step and the leaves, never restored silently.
 ``restore(fallback=True)`` (``--resume-fallback``) instead sets each damaged newer step aside as
-``STEP.damaged`` (orbax ignores it), says so, and restores the newest intact step. A step saved
-without checksums (by podscale before they existed) is restored with a warning that it could
-not be verified.
+``STEP.damaged`` (orbax ignores it), says so, and restores the newest intact step. A step whose
+checksums are missing or unreadable cannot be verified, and is refused as damaged too.
 
 A restore that finds no checkpoint, or one that orbax cannot read, also raises
 :class:`CheckpointError` naming the directory and what to do.
@@ -223,12 +222,9 @@ class Checkpointer:
         except Exception as e:
             reason = f"damaged: its metadata, which holds the checksums, cannot be read ({type(e).__name__})"
             raise _Damaged(reason, f"{where} is {reason}. {todo}.") from e
-        if saved is None:
-            self.warn(
-                f"{where} was saved without checksums (by an older podscale), so it is restored unverified; "
-                "the checkpoints this run saves carry them"
-            )
-            return state
+        if not isinstance(saved, dict):  # every save writes them, atomically with the step
+            reason = "damaged: the checksums saved with it are missing or unreadable (its _CHECKPOINT_METADATA)"
+            raise _Damaged(reason, f"{where} is {reason}, so it cannot be verified. {todo}.")
         got = checksums(state)
         bad = [path for path in got if not isinstance(saved, dict) or saved.get(path) != got[path]]
         if bad:
