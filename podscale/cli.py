@@ -37,7 +37,9 @@ def _dry_run_result(args, what: dict) -> int:
     if getattr(args, "json", False):
         print(json.dumps({"dry_run": True, **what}), file=_JSON_OUT[0] or sys.stdout, flush=True)
     else:
-        shown = ", ".join(f"{k} {v}" for k, v in what.items() if v is not None and not isinstance(v, list))
+        shown = ", ".join(
+            f"{k} {v}" for k, v in what.items() if v is not None and k != "dry_run" and not isinstance(v, list)
+        )
         print(f"podscale {args.command}: dry run: the flags check out ({shown}); nothing was run")
         for v in what.values():
             if isinstance(v, list):
@@ -289,8 +291,10 @@ def _plan_parser(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.batch_size is not None and not 1 <= args.batch_size < 2**31:
+        raise ValueError(
+            f"--batch-size must be at least 1 and below 2**31 (XLA's 32-bit dimensions), got {args.batch_size}"
+        )
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
     import jax
@@ -508,6 +512,10 @@ def _check_project_flags(args, given: list[str]) -> None:
     for dest in ("per_chip_batch", "global_batch"):
         if dest in given and getattr(args, dest) < 1:
             raise ValueError(f"{flags[dest]} {getattr(args, dest)}: examples, a whole number of at least 1")
+        if dest in given and getattr(args, dest) >= 2**31:
+            raise ValueError(
+                f"{flags[dest]} {getattr(args, dest)}: a batch dimension must be below 2**31 (XLA's 32-bit dimensions)"
+            )
     if "learning_rate" in given and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise ValueError(f"--learning-rate {args.learning_rate}: a positive number, e.g. 1e-3")
 
@@ -969,6 +977,7 @@ def _as_flags(message: str) -> str:
         message = re.sub(rf"\b{f.name} must\b", f"{flag} must", message)
         if "_" in f.name:  # a bare parameter name of two words cannot be plain English: the flag
             message = re.sub(rf"(?<![\w.-]){f.name}\b(?![=(])", flag, message)
+    message = re.sub(r"\bbn_group_size=(\d+)", r"--bn-group-size \1", message)  # make_mesh's, a train flag
     message = re.sub(r"make_mesh\(\((\d+(?:, \d+)*),?\)\)", lambda m: "--mesh " + "x".join(m[1].split(", ")), message)
     return message
 

@@ -128,3 +128,53 @@ def test_a_flag_argparse_refuses_is_one_podscale_error_and_json_under_json(argv,
     assert out.err.startswith("podscale: error: ") and out.err.count("\n") == 1, out.err
     assert "--help" in out.err and "usage:" not in out.err
     assert json.loads(out.out)["exit_code"] == 2
+
+
+def _dir_named(tmp_path, name):
+    (tmp_path / "w" / name).mkdir(parents=True)
+    return str(tmp_path / "w")
+
+
+# Found by a second new-user sweep: each refused before any work, in the run's own words.
+SWEEP_CASES = [
+    (lambda t: ["--seed", str(10**20)], "--seed must be below 2**63"),
+    (lambda t: ["--batch-size", str(2**40)], "below 2**31"),
+    (lambda t: ["--eval-batch-size", str(2**40)], "below 2**31"),
+    (lambda t: ["--eval-batch-size", "100000"], "larger than the held-out set (512 examples)"),
+    (lambda t: ["--batch-size", "100000"], "larger than the data set"),
+    (lambda t: ["--export", str(t / "p.txt")], "ending in .npz"),
+    (lambda t: ["--mllog", str(t / "x"), "--metrics-file", str(t / "x")], "give each output a path of its own"),
+    (lambda t: ["--workdir", str(t / "w"), "--metrics-file", str(t / "w" / "run_config.json")], "run_config.json"),
+    (lambda t: ["--workdir", _dir_named(t, "metrics.jsonl")], "--workdir's metrics.jsonl"),
+    (lambda t: ["--workdir", _dir_named(t, "mllog.txt")], "--workdir's mllog.txt"),
+    (lambda t: ["--optimizer", ""], "--optimizer is empty"),
+    (lambda t: ["--data", ""], "--data is empty"),
+    (lambda t: ["--mesh", "8x1", "--grad-sum", "2d"], "has one device"),
+    (lambda t: ["--mesh", "4x2", "--grad-sum", "2d", "--grad-sum-chunks", "100000"], "at most 64"),
+    (lambda t: ["--axis-costs", "x=1:1,y=1:1"], "add --grad-sum 2d"),
+    (lambda t: ["--mesh", "4x2", "--grad-sum", "2d", "--axis-costs", "x=nan:1,y=1:1"], "finite"),
+    (lambda t: ["--mesh", "3x3"], "for example --mesh 8 or --mesh 4x2"),
+    (lambda t: ["--model", "resnet", "--data", "digits", "--bn-group-size", "3"], "--bn-group-size 3 must be"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), SWEEP_CASES, ids=[m for _, m in SWEEP_CASES])
+def test_a_dry_run_refuses_what_a_new_user_got_wrong(args, message, tmp_path, capsys):
+    from podscale import cli
+
+    assert cli.main(["train", "--no-progress", *args(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_launch_refuses_a_command_that_cannot_run(tmp_path, monkeypatch, capsys):
+    from podscale import cli
+
+    plain = tmp_path / "not-executable"
+    plain.write_text("")
+    for command in ("/nonexistent/cmd", "", str(plain)):
+        assert cli.main(["launch", "--processes", "2", "--", command]) == 2
+        assert "is not found or not executable" in capsys.readouterr().err
+    monkeypatch.setenv("PODSCALE_PROCESS_ID", "abc")
+    assert cli.main(["train", "--dry-run"]) == 2
+    assert "PODSCALE_PROCESS_ID='abc'" in capsys.readouterr().err

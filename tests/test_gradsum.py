@@ -112,7 +112,7 @@ def test_bfloat16_summation_is_opt_in_and_close(setup):
 def test_bad_grad_sum_settings_say_what_to_do():
     mesh8 = make_mesh()
     with pytest.raises(
-        ValueError, match=r"grad_sum='2d' needs a mesh with exactly two axes, got \{'data': 8\}.*make_mesh\(\(x, y\)\)"
+        ValueError, match=r"grad_sum='2d' needs a mesh with exactly two axes, got \{'data': 8\}.*make_mesh\(\(4, 2\)\)"
     ):
         make_grad_sum(mesh8, "2d")
     with pytest.raises(ValueError, match="grad_sum='ring': choose one of 1d, 2d"):
@@ -125,4 +125,13 @@ def test_bad_grad_sum_settings_say_what_to_do():
         make_grad_sum(make_mesh((4, 2)), "2d", axis_costs={"x": AxisCost(1e9, 1e-6)})
     with pytest.raises(ValueError, match="axis_costs='x=fast'"):
         parse_axis_costs("x=fast")
+    for text in ("x=nan:1e-6,y=1:1", "x=inf:1e-6,y=1:1", "x=1:nan,y=1:1", "x=0:1,y=1:1", "x=1:-1,y=1:1"):
+        with pytest.raises(ValueError, match="finite"):
+            parse_axis_costs(text)
+    with pytest.raises(ValueError, match="axis 'x' given twice"):
+        parse_axis_costs("x=1:1,x=2:2,y=1:1")
+    with pytest.raises(ValueError, match="at most 64 pipelined chunks"):
+        make_grad_sum(make_mesh((4, 2)), "2d", chunks=65)
+    with pytest.raises(ValueError, match="axis 'y' of mesh .* has one device.*make_mesh\(\(4, 2\)\)"):
+        make_grad_sum(make_mesh((8, 1)), "2d")
     assert parse_axis_costs("x=1e11:1e-6,y=4.5e10:2e-6") == {"x": AxisCost(1e11, 1e-6), "y": AxisCost(4.5e10, 2e-6)}

@@ -296,15 +296,11 @@ def make_grad_sum(
     one = [a for a in axes if sizes[a] < 2]
     if len(axes) == 2 and one:
         n = math.prod(sizes.values())
-        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= 2]
+        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]  # squarest last
         raise ValueError(
             f"grad_sum='2d' sums along two mesh axes, and axis {one[0]!r} of mesh {dict(mesh.shape)} has one device: "
             "there is no second sum; "
-            + (
-                f"make a mesh of two axes of at least 2, e.g. make_mesh({two[len(two) // 2]})"
-                if two
-                else "use grad_sum='1d'"
-            )
+            + (f"make a mesh of two axes of at least 2, e.g. make_mesh({two[-1]})" if two else "use grad_sum='1d'")
         )
     if len(axes) != 2:
         if BN_GROUP in axes:  # the axis make_mesh(bn_group_size=k) adds
@@ -320,11 +316,11 @@ def make_grad_sum(
                 f"{len(axes)}; make a 2-D one with the same devices, e.g. make_mesh({two})"
             )
         n = math.prod(sizes.values())
-        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= 2]
+        two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]  # squarest last
         raise ValueError(
             f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; "
             + (
-                f"make one of its {n} devices, e.g. make_mesh({two[len(two) // 2]})"
+                f"make one of its {n} devices, e.g. make_mesh({two[-1]})"
                 if two
                 else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
             )

@@ -128,7 +128,9 @@ def make_mesh(
         raise ValueError(
             f"mesh shape {shape} needs {int(np.prod(shape))} devices, but there are {n} "
             f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices). "
-            f"Pass a shape whose product is {n}, for example ({n},)."
+            f"Pass a shape whose product is {n}, for example make_mesh(({n},))"
+            + (f" or make_mesh({_two_axes(n)})" if _two_axes(n) else "")
+            + "."
         )
     if spatial not in (None, 1) and (len(shape) < 2 or shape[-1] != spatial):
         raise ValueError(
@@ -160,3 +162,9 @@ def make_mesh(
 def replica_count(mesh: Mesh) -> int:
     """Number of data-parallel replicas: every device of the mesh is one replica."""
     return int(np.prod(list(mesh.shape.values())))
+
+
+def _two_axes(n: int) -> tuple[int, int] | None:
+    """A 2-D shape of ``n`` devices with both axes at least 2, the squarest, or ``None``."""
+    pairs = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]
+    return pairs[-1] if pairs else None

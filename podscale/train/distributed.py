@@ -21,6 +21,7 @@ import importlib.util
 import math
 import os
 import pkgutil
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +60,8 @@ class ClusterSpec:
         env = os.environ
         spec = cls(
             coordinator_address=env.get(ENV_COORDINATOR),
-            num_processes=int(env[ENV_NUM_PROCESSES]) if ENV_NUM_PROCESSES in env else None,
-            process_id=int(env[ENV_PROCESS_ID]) if ENV_PROCESS_ID in env else None,
+            num_processes=_env_int(ENV_NUM_PROCESSES),
+            process_id=_env_int(ENV_PROCESS_ID),
         )
         return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -93,6 +94,19 @@ class ClusterSpec:
                 "--process-id (or none of them, with --distributed-auto)"
             )
         return all(v is not None for v in given)
+
+
+def _env_int(name: str) -> int | None:
+    """An environment variable podscale launch sets, as a whole number (``None`` when unset)."""
+    if name not in os.environ:
+        return None
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(
+            f"{name}={os.environ[name]!r} (in the environment): a whole number, as podscale launch sets it; unset it "
+            "or give the --coordinator-address, --num-processes and --process-id flags"
+        ) from None
 
 
 def setup(replicas: int | None, spec: ClusterSpec) -> None:
@@ -245,6 +259,11 @@ def check_launch(processes: int, command: list[str], grace_s: float = 60.0) -> l
     if os.path.basename(command[0]) == "podscale":
         # This interpreter's podscale, whatever (if anything) ``podscale`` is on PATH.
         command = [sys.executable, "-m", "podscale.cli", *command[1:]]
+    elif shutil.which(command[0]) is None:
+        raise ValueError(
+            f"podscale launch: command {command[0]!r} is not found or not executable (looked up as a shell would, on "
+            "PATH for a bare name); give a program that runs, e.g. podscale launch --processes 2 -- podscale train"
+        )
     return command
 
 

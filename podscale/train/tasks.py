@@ -214,6 +214,9 @@ def make_task(
     axis batch-norm statistics are averaged over). ``with_data=False`` builds an MLPerf workload's
     task without its data (to trace, compile and plan a full config: shapes come from the config).
     """
+    for flag, value in (("--model", model), ("--config", config), ("--data", dataset)):
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{flag} is empty; give a name, or leave the flag out for the default")
     if bn_axis not in (None, BN_GROUP):
         raise ValueError(
             f"bn_axis={bn_axis!r}: batch norm can average over the {BN_GROUP!r} axis of make_mesh(bn_group_size=k) "
@@ -279,6 +282,8 @@ def make_task_optimizer(
 ) -> optax.GradientTransformation:
     """An optax optimizer by name (default adam at 1e-3) or, for an MLPerf workload without
     ``name``, its recipe over ``steps`` steps (``learning_rate`` then replaces the recipe's peak)."""
+    if name is not None and not str(name).strip():
+        raise ValueError("--optimizer is empty; give an optax optimizer's name, or leave the flag out for the default")
     if task.workload and name is None:
         return task.workload.make_optimizer(recipe_config(task, learning_rate), steps)
     return make_optimizer(name or "adam", 1e-3 if learning_rate is None else learning_rate)

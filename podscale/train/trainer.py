@@ -116,6 +116,16 @@ class TrainConfig:
             raise ValueError("--checkpoint-every needs --workdir, the directory the checkpoints go to")
         if self.learning_rate is not None and not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"--learning-rate must be a finite number > 0, got {self.learning_rate}")
+        if self.seed >= 2**63:
+            raise ValueError(
+                f"--seed must be below 2**63 (JAX's and NumPy's generators take a 64-bit seed), got {self.seed}"
+            )
+        for name in ("batch_size", "eval_batch_size"):
+            if (getattr(self, name) or 0) >= 2**31:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: a batch dimension must be below 2**31 (XLA's "
+                    "32-bit dimensions); give a smaller batch"
+                )
         if self.seed < 0:
             raise ValueError(f"--seed must be 0 or more (it seeds JAX's and NumPy's generators), got {self.seed}")
         if self.target is not None and not 0 <= self.target <= 1:
@@ -152,11 +162,27 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
     writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
     ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
     workdir = os.path.abspath(config.workdir) if config.workdir else None
+    if config.export is not None and not str(config.export).endswith(".npz") and not os.path.isdir(config.export):
+        raise ValueError(
+            f"--export {config.export}: the parameters are written as a NumPy .npz archive; give a name ending in "
+            f".npz, e.g. {os.path.splitext(config.export)[0] or 'params'}.npz"
+        )
+    written: dict[str, str] = {}  # each file once: two outputs on one path would interleave
+    if workdir:
+        written[os.path.join(workdir, RUN_CONFIG)] = f"podscale's own {RUN_CONFIG} in --workdir"
     for name, example in OUTPUT_PATHS:
         path = getattr(config, name)
+        flag = "--" + name.replace("_", "-")
+        if path is None and workdir and name in ("metrics_file", "mllog"):  # their defaults live in --workdir
+            path, flag = os.path.join(workdir, example), f"--workdir's {example}"
         if path is None or (example is not None and not files):
             continue
-        flag = "--" + name.replace("_", "-")
+        if example is not None:
+            full = os.path.abspath(path)
+            if full in written or (workdir and _inside(full, os.path.join(workdir, "checkpoints"))):
+                other = written.get(full, "--workdir's checkpoints")
+                raise ValueError(f"{flag} {path}: {other} is written there too; give each output a path of its own")
+            written[full] = flag
         if not str(path).strip():
             raise ValueError(f"{flag}: the path is empty; give a {'directory' if example is None else 'file name'}")
         full = os.path.abspath(path)
@@ -418,7 +444,16 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         raise ValueError(
             f"--batch-size {batch_size} is not divisible by the {dp.replicas} replicas; use a multiple of {dp.replicas}"
         )
+    if task.train_data is not None and batch_size > len(task.train_data):
+        raise ValueError(f"--batch-size {batch_size} is larger than the data set ({len(task.train_data)} examples)")
     eval_batch = config.eval_batch_size or batch_size
+    held_out = len(task.eval_data) if task.eval_data is not None else None
+    if config.eval_batch_size and held_out is not None and eval_batch > -(-held_out // mesh.size) * mesh.size:
+        fits = -(-held_out // mesh.size) * mesh.size
+        raise ValueError(
+            f"--eval-batch-size {eval_batch} is larger than the held-out set ({held_out} examples): one batch of "
+            f"{fits} (a multiple of the {mesh.size} devices) holds it all; give at most {fits}"
+        )
     if eval_batch % mesh.size:  # the evaluation splits its rows over every device (spatial's too)
         raise ValueError(
             f"--eval-batch-size {eval_batch} is not divisible by the {mesh.size} devices the evaluation splits it "
