@@ -132,6 +132,6 @@ def test_bad_grad_sum_settings_say_what_to_do():
         parse_axis_costs("x=1:1,x=2:2,y=1:1")
     with pytest.raises(ValueError, match="at most 64 pipelined chunks"):
         make_grad_sum(make_mesh((4, 2)), "2d", chunks=65)
-    with pytest.raises(ValueError, match="axis 'y' of mesh .* has one device.*make_mesh\(\(4, 2\)\)"):
+    with pytest.raises(ValueError, match=r"axis 'y' of mesh .* has one device.*make_mesh\(\(4, 2\)\)"):
         make_grad_sum(make_mesh((8, 1)), "2d")
     assert parse_axis_costs("x=1e11:1e-6,y=4.5e10:2e-6") == {"x": AxisCost(1e11, 1e-6), "y": AxisCost(4.5e10, 2e-6)}
