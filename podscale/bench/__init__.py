@@ -8,6 +8,7 @@ ones that take it), so that a bad value fails in a second, not after minutes of 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 BENCHMARKS = ("wus", "gradsum", "spatial", "tp")
@@ -38,7 +39,28 @@ def size_problem(mib: float) -> str | None:
         return f"every size must be a finite number of MiB above 0, got {mib:g}"
     if mib * 2**20 < 4:
         return f"{mib:g} MiB is less than one float32 per device; give at least 4 bytes = {4 / 2**20:.2g} MiB"
+    need = mib * 2**20 * GRADSUM_DEVICES * GRADSUM_COPIES
+    memory = _host_memory()
+    if memory and need > memory:
+        return (
+            f"{mib:g} MiB per device needs about {need / 2**30:.1f} GiB on this host ({GRADSUM_DEVICES} devices x "
+            f"{GRADSUM_COPIES} buffers: gradients, their sum, reference and result), which has {memory / 2**30:.1f} GiB; "
+            f"give at most {memory / (2**20 * GRADSUM_DEVICES * GRADSUM_COPIES):.0f} MiB"
+        )
     return None
+
+
+GRADSUM_DEVICES = 8
+"""``bench gradsum`` runs on 8 CPU devices of this host."""
+GRADSUM_COPIES = 4
+
+
+def _host_memory() -> int | None:
+    """This host's physical memory in bytes, where the OS says (``None`` elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_sizes(sizes_mib) -> list[float]:
