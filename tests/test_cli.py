@@ -49,7 +49,7 @@ def _assert_bit_identical(tmp_path, after: str) -> None:
         (["--batch-size", "20"], "--batch-size 20 is not divisible by the 8 replicas"),
         (
             ["--grad-sum", "2d"],
-            "--grad-sum 2d needs a mesh with exactly two axes, got {'data': 8}; make one with --mesh 4x2",
+            "--grad-sum 2d needs a mesh with exactly two axes, got {'data': 8}; make one of its 8 devices, e.g. --mesh 4x2",
         ),
         (["--grad-sum-chunks", "0"], "--grad-sum-chunks must be at least 1, got 0"),
         (["--bucket-bytes", "0"], "--bucket-bytes must be at least 1, got 0"),
@@ -57,7 +57,7 @@ def _assert_bit_identical(tmp_path, after: str) -> None:
         (["--mesh", "4x2", "--grad-sum", "2d", "--axis-costs", "x=fast"], "--axis-costs x=fast: write calibrate"),
         (["--model", "resnet50"], "model 'resnet50' needs --config; choose one of: full, tiny"),
         (["--model", "resnet50", "--config", "full"], "does not ship with podscale"),
-        (["--bn-group-size", "3"], "bn_group_size=3 must be a positive divisor of the last mesh dimension"),
+        (["--bn-group-size", "3"], "--bn-group-size 3 must be a positive divisor of the last mesh dimension"),
         (
             ["--replicas", "6", "--num-processes", "4", "--coordinator-address", "127.0.0.1:1", "--process-id", "0"],
             "--replicas 6 is not divisible by the 4 processes",

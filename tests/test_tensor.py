@@ -220,7 +220,7 @@ def test_global_norm_clipping_over_split_weights_equals_one_device():
 
 def test_one_replica_is_refused_before_running():
     task, tx, _ = _small()
-    with pytest.raises(ValueError, match=r"leaves one replica.*--mesh 2x4 --model-parallel 4"):
+    with pytest.raises(ValueError, match=r"leaves one replica.*model_parallel=4 with make_mesh\(\(2, 4\)\)"):
         data_parallel(make_train_step(task, tx), make_mesh((1, 8)), model_parallel=8, rules="transformer")
 
 

@@ -32,6 +32,11 @@ def _flag(name):
     return "--" + name.replace("_", "-")
 
 
+def _file(name, path):
+    """``path`` as a file name the flag takes (``--export`` writes a .npz archive)."""
+    return f"{path}.npz" if name == "export" else str(path)
+
+
 # --- every output path, checked once before any work ---------------------------------------------
 
 
@@ -50,7 +55,7 @@ def _bad_paths(tmp_path):
 def test_every_output_flag_refuses_a_path_it_cannot_write(tmp_path, name):
     for kind, path, message in _bad_paths(tmp_path):
         with pytest.raises(ValueError, match="^" + _flag(name) + " .*" + message) as err:
-            TrainConfig(**{name: path})
+            TrainConfig(**{name: path if name == "workdir" else _file(name, path)})
         assert "choose" in str(err.value), kind
 
 
@@ -58,10 +63,10 @@ def test_every_output_flag_refuses_a_path_it_cannot_write(tmp_path, name):
 def test_an_output_file_that_is_a_directory_or_whose_folder_is_missing_is_refused(tmp_path, name):
     with pytest.raises(ValueError, match=f"^{_flag(name)} {tmp_path}: is a directory; give a file name"):
         TrainConfig(**{name: str(tmp_path)})
-    missing = tmp_path / "missing" / "out"
+    missing = _file(name, tmp_path / "missing" / "out")
     with pytest.raises(ValueError, match=f"the folder {tmp_path / 'missing'} does not exist; create it first"):
         TrainConfig(**{name: str(missing)})
-    fifo = tmp_path / "fifo"  # no reader: opening it to write would wait for one forever
+    fifo = _file(name, tmp_path / "fifo")  # no reader: opening it to write would wait for one forever
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match=f"^{_flag(name)} {fifo}: the file cannot be written"):
         TrainConfig(**{name: str(fifo)})
@@ -76,7 +81,7 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
 @pytest.mark.parametrize("name", FILES)
 def test_an_output_file_may_go_into_the_workdir_before_it_exists(tmp_path, name):
     workdir = tmp_path / "run" / "new"
-    config = TrainConfig(workdir=str(workdir), **{name: str(workdir / "sub" / "out")})
+    config = TrainConfig(workdir=str(workdir), **{name: _file(name, workdir / "sub" / "out")})
     make_output_folders(config)
     assert (workdir / "sub").is_dir()
 
