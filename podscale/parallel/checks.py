@@ -100,3 +100,18 @@ def names(name: str, value, what: str, example: str) -> tuple[str, ...]:
                 f"{name}[{i}]={item!r} is {described(item)}; give a non-empty str for every entry of {name} ({what})"
             )
     return tuple(value)
+
+
+def some_of(flag: str, items: Sequence[str], choices: Sequence[str], kind: str) -> list[str]:
+    """``items`` chosen from ``choices``: at least one, each known, none twice; the errors name
+    ``flag`` and list the choices."""
+    items = list(items)
+    if not items:
+        raise ValueError(f"{flag}: no {kind} given; choose from {', '.join(choices)}")
+    unknown = [s for s in items if s not in choices]
+    if unknown:
+        raise ValueError(f"{flag} {unknown}: unknown; choose from {', '.join(choices)}")
+    twice = sorted({s for s in items if items.count(s) > 1})
+    if twice:
+        raise ValueError(f"{flag}: {', '.join(twice)} given twice; give each {kind} once")
+    return items

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from podscale.parallel import checks
 from podscale.parallel.strategy import Strategy
 from podscale.perf import hlo
 from podscale.perf.network import Topology
@@ -108,16 +109,7 @@ def strategy_for(base: Strategy, name: str) -> Strategy:
 
 
 def _names(strategies, what: str) -> list[str]:
-    names = list(strategies)
-    if not names:
-        raise ValueError(f"{what}: no strategy given; choose from {', '.join(STRATEGIES)}")
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"{what} {unknown}: unknown; choose from {', '.join(STRATEGIES)}")
-    twice = sorted({s for s in names if names.count(s) > 1})
-    if twice:
-        raise ValueError(f"{what}: {', '.join(twice)} given twice; give each strategy once")
-    return names
+    return checks.some_of(what, strategies, tuple(STRATEGIES), "strategy")
 
 
 def applicability(

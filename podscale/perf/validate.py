@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel import checks
 from podscale.perf import hlo
 from podscale.perf.network import Path
 from podscale.perf.project import cost, make_mesh
@@ -296,16 +297,9 @@ def check(models=None, steps: int = 5) -> list[str]:
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--steps {steps!r}: timed steps per run, a whole number of at least 1")
-    models = list(workloads.NAMES) if models is None else list(models)
-    if not models:
-        raise ValueError(f"--validate-models: no workload given; choose from {', '.join(workloads.NAMES)}")
-    unknown = [m for m in models if m not in workloads.NAMES]
-    if unknown:
-        raise ValueError(f"--validate-models {unknown}: unknown; choose from {', '.join(workloads.NAMES)}")
-    twice = sorted({m for m in models if models.count(m) > 1})
-    if twice:
-        raise ValueError(f"--validate-models: {', '.join(twice)} given twice; give each workload once")
-    return models
+    if models is None:
+        return list(workloads.NAMES)
+    return checks.some_of("--validate-models", models, workloads.NAMES, "workload")
 
 
 def validate(models=None, steps: int = 5, progress: bool = True) -> dict[str, Any]:
