@@ -255,7 +255,7 @@ def test_the_2d_gradient_sum_over_two_data_axes_with_a_model_axis_equals_one_dev
 
 def test_the_2d_sum_needs_two_data_axes_besides_the_model_axis():
     task, tx, _ = _small()
-    with pytest.raises(ValueError, match=r"has 1 besides its last .*make_mesh\(\(x, y, k\)\)"):
+    with pytest.raises(ValueError, match=r"has 1 besides its last .*make_mesh\(\(2, 2, 2\)\)"):
         data_parallel(
             make_train_step(task, tx), make_mesh((4, 2)), model_parallel=2, rules="transformer", grad_sum="2d"
         )
