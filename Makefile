@@ -15,7 +15,12 @@ demo: $(BIN)/.installed
 	$(BIN)/podscale train --model resnet --data digits --optimizer adam --learning-rate 3e-3 \
 	  --batch-size 128 --steps 600 --eval-every 25 --target 0.97 --replicas 8
 
-test: $(BIN)/.installed
+# The tests also compile for TPU slices (libtpu's compile-only topologies): the tpu extra.
+$(BIN)/.installed-tpu: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test,tpu]'
+	touch $@
+
+test: $(BIN)/.installed-tpu
 	$(BIN)/ruff check podscale tests
 	$(BIN)/ruff format --check podscale tests
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile

@@ -285,9 +285,37 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2")
+    p.add_argument(
+        "--system",
+        default=None,
+        help="with --chips: compile for that TPU slice with XLA:TPU (tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, tpu-v6e; "
+        "libtpu's compile-only devices, pip install 'podscale[tpu]') and show its module's collectives and memory",
+    )
+    p.add_argument("--chips", type=int, default=None, help="with --system: the slice's chips (--mesh: its devices)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     add_flags(p, Strategy(weight_update="sharded"))
+
+
+def _plan_devices(args) -> list | None:
+    """The compile-only TPU devices ``plan --system S --chips N`` compiles for (``None``: this
+    machine's devices); refuses an incomplete or impossible request before any work."""
+    if args.system is None and args.chips is None:
+        return None
+    if args.system is None or args.chips is None:
+        given, missing = ("--system", "--chips") if args.chips is None else ("--chips", "--system")
+        raise ValueError(f"{given} needs {missing}: name the TPU system and its chips, e.g. --system tpu-v3 --chips 16")
+    from podscale.perf import systems, tpu
+
+    system = systems.get(args.system)
+    if system.kind != "tpu":
+        tpus = ", ".join(s.name for s in systems.SYSTEMS.values() if s.kind == "tpu")
+        raise ValueError(f"--system {args.system}: XLA:TPU compiles for TPU systems only ({tpus})")
+    if args.replicas is not None:
+        raise ValueError("--replicas with --system: the slice's devices are the replicas; give --mesh for its shape")
+    if not tpu.available():
+        raise ValueError(f"--system {args.system}: {tpu.MISSING.split(':')[0]}; pip install 'podscale[tpu]'")
+    return list(tpu.devices(system.name, tpu.topology_name(system, args.chips)))
 
 
 def _run_plan(args) -> int:
@@ -295,6 +323,7 @@ def _run_plan(args) -> int:
         raise ValueError(
             f"--batch-size must be at least 1 and below 2**31 (XLA's 32-bit dimensions), got {args.batch_size}"
         )
+    tpu_devices = _plan_devices(args)
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
     import jax
@@ -307,7 +336,7 @@ def _run_plan(args) -> int:
     task = make_task(args.model, args.data, config=args.config, with_data=args.model not in workloads.NAMES)
     steps = task.config.train_steps if task.workload else 100
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=steps)
-    mesh = make_mesh(args.mesh)
+    mesh = make_mesh(args.mesh, devices=tpu_devices)
     batch_size = args.batch_size
     if batch_size is None:
         batch_size = task.config.per_core_batch * mesh.size if task.workload else 64
@@ -315,13 +344,25 @@ def _run_plan(args) -> int:
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
     dp = data_parallel(make_train_step(task, tx), mesh, with_model_rules(from_flags(args), args.model))
     dp.prepare(state, batch)  # traces the step: spatial and rule checks, the layout
+    compiler = (
+        f"XLA:TPU for {args.system} {args.chips} chips ({len(tpu_devices)} devices)" if tpu_devices else "XLA:CPU"
+    )
     if args.dry_run:
-        return _dry_run_result(args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size})
-    plan = dp.plan(state, batch, compile=True)
+        return _dry_run_result(
+            args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size, "compiler": compiler}
+        )
+    if tpu_devices:
+        from jax._src import config
+
+        with config.enable_compilation_cache(False):  # a compile-only client's executables are not cached
+            plan = dp.plan(state, batch, compile=True)
+    else:
+        plan = dp.plan(state, batch, compile=True)
     if args.json:
-        print(json.dumps(plan.to_dict()))
+        print(json.dumps({**plan.to_dict(), "compiler": compiler}))
     else:
         plan.render()
+        print(f"the compiled module: {compiler}, mesh {dict(mesh.shape)}")
     return 0
 
 
@@ -389,7 +430,7 @@ def _project_parser(sub) -> None:
     p.add_argument("--data", default=None)
     p.add_argument("--optimizer", default=None, help="default adam; MLPerf workloads: their recipe")
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--system", default="tpu-v3", help="tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, a100, h100, h200")
+    p.add_argument("--system", default="tpu-v3", help="tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, tpu-v6e, a100, h100, h200")
     p.add_argument("--chips", default="16,64,256,1024", help="comma-separated chip counts")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--per-chip-batch", type=int, default=None, help="examples per chip (default: the workload's)")
@@ -406,6 +447,14 @@ def _project_parser(sub) -> None:
         default="torus",
         help="a collective over several torus dimensions: torus (dimension by dimension, as XLA on a TPU "
         "slice) or ring (one ring through them all, paper 1's 1-D summation)",
+    )
+    p.add_argument(
+        "--compiler",
+        choices=("auto", "tpu", "cpu"),
+        default="auto",
+        help="whose module is costed: tpu (XLA:TPU for the target slice, compile-only, needs libtpu: "
+        "pip install 'podscale[tpu]'), cpu (XLA:CPU on this machine), auto (tpu for a TPU system where libtpu "
+        "is installed, else cpu)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument(
@@ -587,8 +636,9 @@ def _run_project(args) -> int:
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
 
-    devices = min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
-    if not args.dry_run:  # a dry run compiles nothing: it leaves the devices as they are
+    on_tpu = proj.use_tpu_compiler(system, args.compiler, progress)
+    devices = 0 if on_tpu else min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
+    if not args.dry_run and not on_tpu:  # a dry run compiles nothing: it leaves the devices as they are
         jax.config.update("jax_num_cpu_devices", devices)
     from podscale import workloads
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
@@ -623,7 +673,10 @@ def _run_project(args) -> int:
             for c in chips
             for s in effective
         ]
-        return _dry_run_result(args, {"system": system.name, "cpu_devices": devices, "rows": rows})
+        compiler = "XLA:TPU (libtpu, compile-only)" if on_tpu else "XLA:CPU"
+        return _dry_run_result(
+            args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows}
+        )
     rows = proj.project(
         make_train_step(task, tx),
         state,
@@ -635,6 +688,7 @@ def _run_project(args) -> int:
         replica_batch=replica_batches,
         multi_axis=args.multi_axis,
         progress=progress,
+        compiler="tpu" if on_tpu else "cpu",
     )
     if args.json:
         print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)

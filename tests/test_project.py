@@ -135,11 +135,15 @@ def test_op_costs_of_a_convolution_and_its_phases():
 
     args = (jnp.ones((3, 3, 4, 8)), jnp.ones((2, 8, 8, 4)))
     module = hlo.read(jax.jit(jax.grad(loss)).lower(*args).compile())
-    one = 2 * (2 * 8 * 8 * 8) * (3 * 3 * 4)  # 2 x output elements x window x input features
+    # 2 x batch x output features x input features x the window taps that fall on the input (not
+    # on SAME's padding: 8 x 3 - 2 = 22 per spatial dimension), as XLA's cost analysis counts.
+    one = 2 * 2 * 8 * 4 * 22 * 22
     (conv,) = [o for o in module.ops if o.op_name.endswith("jvp()/conv_general_dilated")]
     assert conv.phase == "forward" and conv.matmul_flops == conv.conv_flops == one and conv.conv_channels == 4
     # The kernel's gradient is a convolution of the input with the output's gradient: as many FLOPs.
     assert sum(o.matmul_flops * o.count for o in module.ops) == 2 * one
+    without_padding = 2 * (2 * 8 * 8 * 8) * (3 * 3 * 4)
+    assert one < without_padding
     assert any(o.phase == "backward" for o in module.ops)
 
 
@@ -184,8 +188,9 @@ def _mlp():
 
 @pytest.mark.parametrize("strategy", ["replicated", "sharded", "sharded-2d"])
 def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(strategy):
+    """XLA:CPU's module (XLA:TPU's: tests/test_tpu_project.py)."""
     step, state, batch = _mlp()
-    (row,) = project.project(step, state, batch, system="tpu-v5e", chips=[8], strategies=[strategy])
+    (row,) = project.project(step, state, batch, system="tpu-v5e", chips=[8], strategies=[strategy], compiler="cpu")
     target = project.target_shape(Topology(systems.get("tpu-v5e"), 8), Strategy(**project.STRATEGIES[strategy]))
     assert row.mesh == row.compiled_mesh == target
     dp = data_parallel(step, project.make_mesh(target), Strategy(**project.STRATEGIES[strategy]), donate_state=False)

@@ -88,8 +88,10 @@ def make_mesh(
     axis_names: Sequence[str] | None = None,
     bn_group_size: int = 1,
     spatial: int | None = None,
+    *,
+    devices: Sequence | None = None,
 ) -> Mesh:
-    """Builds a mesh over every device of every process.
+    """Builds a mesh over every device of every process (or over ``devices``).
 
     Args:
       shape: the mesh shape (an int or a tuple of ints); ``None`` means a 1-D mesh over all
@@ -103,6 +105,9 @@ def make_mesh(
         ``bn_group_size`` splits the dimension before it instead: a group is neighbouring
         replicas, each with its k partitions, and the space axis stays last.
 
+      devices: the devices to place the mesh over instead of JAX's, e.g. the compile-only devices
+        of a TPU slice (``podscale.perf.tpu.devices``), to compile for it without running.
+
     Devices are ordered by (process, id), so each process owns a contiguous block of the
     flattened mesh: the rows of a batch sharded over all axes that a process feeds are contiguous.
     Arguments of the wrong type raise ``TypeError``, values out of range ``ValueError``.
@@ -112,7 +117,8 @@ def make_mesh(
         axis_names = checks.names("axis_names", axis_names, "axis names, one per mesh dimension", "('x', 'y')")
     bn_group_size = checks.whole("bn_group_size", bn_group_size, what=" (replicas per batch-norm group)")
     spatial = checks.whole("spatial", spatial, optional=True, what=" (devices per image)")
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    given = devices is not None
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
     n = len(devices)
     if shape is None:
         shape = (n,)
@@ -127,8 +133,12 @@ def make_mesh(
     if int(np.prod(shape)) != n:
         raise ValueError(
             f"mesh shape {shape} needs {int(np.prod(shape))} devices, but there are {n} "
-            f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices). "
-            f"Pass a shape whose product is {n}, for example make_mesh(({n},))"
+            + (
+                "(the devices given). "
+                if given
+                else f"({jax.process_count()} process(es) x {jax.local_device_count()} local devices). "
+            )
+            + f"Pass a shape whose product is {n}, for example make_mesh(({n},))"
             + (f" or make_mesh({_two_axes(n)})" if _two_axes(n) else "")
             + "."
         )

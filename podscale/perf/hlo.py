@@ -109,6 +109,14 @@ class Module:
     ``peak`` (= arguments + outputs + temporaries - aliased) bytes per device."""
     ops: list[Op] = dataclasses.field(default_factory=list)
     """The ops that do work, each with its FLOPs, bytes and runs per step (see :class:`Op`)."""
+    schedule: dict[str, list[tuple]] = dataclasses.field(default_factory=dict)
+    """Each computation that runs (not a fusion's body), its instructions in the compiled order
+    (a scheduled module's text is its schedule): ``("op", i)`` (``ops[i]``), ``("sync", i)``
+    (``collectives[i]``, the next instruction waits for it), ``("start", i)`` and ``("done", i)``
+    (an asynchronous collective: what runs between them can hide it), ``("call", computation,
+    trips)`` (a loop body, a called computation)."""
+    entry: str = ""
+    """The entry computation's name (where :attr:`schedule` starts)."""
 
     def flops(self, phases: Sequence[str] = PHASES) -> float:
         """FLOPs per device per step (loops counted with their trip counts)."""
@@ -182,8 +190,43 @@ def _bytes(type_text: str) -> tuple[int, str, list[int]]:
     return sum(sizes), first, sizes
 
 
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_MESH_PICK = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    """Groups in the mesh form XLA:TPU prints: ``mesh['axis_0'=4,'axis_1'=8] {'axis_1'}`` (devices
+    numbered over the mesh, row-major; a group spans the listed axes; ``'axis_0':(2)2`` is the
+    sub-axis of size 2 after a first factor of 2)."""
+    dims: list[tuple[str, int]] = [(name, int(size)) for name, size in _MESH_AXIS.findall(m.group(1))]
+    picked = _MESH_PICK.findall(m.group(2))
+    split: list[tuple[str, int]] = []  # the mesh with each picked sub-axis split out
+    chosen: list[str] = []
+    for name, size in dims:
+        subs = [(int(pre), int(n)) for p, pre, n in picked if p == name and n]
+        if not subs:
+            split.append((name, size))
+            if any(p == name and not n for p, _, n in picked):
+                chosen.append(name)
+            continue
+        pre, n = subs[0]
+        parts = [(f"{name}.pre", pre), (f"{name}.sub", n), (f"{name}.post", size // (pre * n))]
+        split += [p for p in parts if p[1] > 1 or p[0].endswith(".sub")]
+        chosen.append(f"{name}.sub")
+    names = [n for n, _ in split]
+    ids = np.arange(math.prod(size for _, size in split)).reshape([size for _, size in split] or [1])
+    order = [names.index(n) for n in names if n not in chosen] + [names.index(n) for n in chosen]
+    size = math.prod(dict(split)[n] for n in chosen) if chosen else 1
+    return ids.transpose(order).reshape(-1, size).tolist()
+
+
 def _groups(attrs: str) -> list[list[int]] | None:
-    """``replica_groups``, listed (``{{0,1},{2,3}}``) or in iota form (``[2,4]<=[4,2]T(1,0)``)."""
+    """``replica_groups``, listed (``{{0,1},{2,3}}``), in iota form (``[2,4]<=[4,2]T(1,0)``) or in
+    XLA:TPU's mesh form (see :func:`_mesh_groups`)."""
+    m = _MESH_GROUPS.search(attrs)
+    if m:
+        return _mesh_groups(m)
     m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}", attrs)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1) or "")]
@@ -379,11 +422,7 @@ def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: s
         f = 2.0 * out * k
         return f, f, _bytes(operand_types[0])[1] if operand_types else ""
     if opcode == "convolution":
-        kernel = _dims(operand_types[1]) if len(operand_types) > 1 else []
-        m = re.search(r"dim_labels=[^_]+_([^-]+)->", attrs)
-        o = m.group(1).index("o") if m and "o" in m.group(1) else len(kernel) - 1
-        k = math.prod(kernel) // max(kernel[o], 1) if kernel else 1
-        f = 2.0 * out * k
+        f = _conv_instr_flops(type_text, operand_types, attrs)
         return f, f, _bytes(operand_types[0])[1] if operand_types else ""
     if opcode in ("reduce", "reduce-window"):
         return float(sum(_elements(t) for t in operand_types[: max(1, len(operand_types) // 2)])), 0.0, ""
@@ -392,12 +431,47 @@ def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: s
     return 0.0, 0.0, ""
 
 
+def _window(attrs: str) -> dict[str, list[str]]:
+    m = re.search(r"window=\{([^}]*)\}", attrs)
+    return {k: v.split("x") for k, v in re.findall(r"(\w+)=(\S+)", m.group(1))} if m else {}
+
+
+def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> float:
+    """2 x multiply-adds of a convolution, counting only the window taps that fall on the input
+    (not on padding), as XLA's cost analysis does: XLA:TPU writes some matrix products as
+    convolutions whose padded window touches one input position (heads as a spatial dimension)."""
+    out = _elements(type_text)
+    lhs = _dims(operand_types[0]) if operand_types else []
+    kernel = _dims(operand_types[1]) if len(operand_types) > 1 else []
+    m = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", attrs)
+    if not m or not kernel or not lhs:
+        return 2.0 * out * (math.prod(kernel[:-1]) if kernel else 1)
+    lhs_l, rhs_l, out_l = m.groups()
+    outs = _dims(type_text)
+    taps = float(kernel[rhs_l.index("i")]) if "i" in rhs_l else 1.0
+    per_out = out / max(1, math.prod(outs[out_l.index(d)] for d in out_l if d.isdigit()))
+    window = _window(attrs)
+    spatial = sorted(d for d in rhs_l if d.isdigit())
+    for n, d in enumerate(spatial):
+        size, in_size, out_size = kernel[rhs_l.index(d)], lhs[lhs_l.index(d)], outs[out_l.index(d)]
+
+        def field(key, default, n=n):
+            v = window.get(key)
+            return v[n] if v and n < len(v) else default
+
+        stride, lo = int(field("stride", 1)), int(field("pad", "0_0").split("_")[0])
+        lhs_dil, rhs_dil = int(field("lhs_dilate", 1)), int(field("rhs_dilate", 1))
+        o = np.arange(out_size)[:, None]
+        w = np.arange(size)[None, :]
+        pos = o * stride + w * rhs_dil - lo  # in the (lhs-dilated) input
+        valid = (pos >= 0) & (pos % lhs_dil == 0) & (pos // lhs_dil < in_size)
+        taps *= float(valid.sum())
+    return 2.0 * per_out * taps
+
+
 def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None) -> Module:
     """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes."""
     comps: dict[str, list[tuple]] = {}
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    fusion_bodies: set[str] = set()
-    unknown: list[str] = []
     entry, current = None, None
     devices = 0
     m = re.search(r"num_partitions=(\d+)", text)
@@ -418,24 +492,30 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             continue
         name, type_text, opcode, rest = i.groups()
         operands, attrs = _split_operands(rest)
-        trips = 1
-        if opcode == "while":
-            t = _TRIP.search(rest)
-            if t:
-                trips = int(t.group(1))
-            else:
-                unknown.append(name)
-        for role, target in _CALLED.findall(attrs):
-            for callee in re.findall(r"%?([\w.\-]+)", target):
-                if role == "to_apply" and opcode != "call":
-                    continue  # a reducer, costed by its reduce
-                if opcode == "fusion":
-                    fusion_bodies.add(callee)
-                    continue
-                calls[current].append((callee, trips if role in ("body", "condition") else 1))
         comps[current].append((name, type_text, opcode, operands, attrs, rest))
     if entry is None:
         raise ValueError("no ENTRY computation in the module text")
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    fusion_bodies: set[str] = set()  # a fusion's body, an async op's wrapped computation: not run on their own
+    unknown: list[str] = []
+    loop_trips: dict[tuple[str, str], int] = {}  # (computation, while) -> trips
+    for comp, instrs in comps.items():
+        for name, _, opcode, operands, attrs, rest in instrs:
+            trips = 1
+            if opcode == "while":
+                trips = _trip_count(comps, comp, operands, attrs, rest)
+                if trips is None:
+                    unknown.append(name)
+                    trips = 1
+                loop_trips[comp, name] = trips
+            for role, target in _CALLED.findall(attrs):
+                for callee in re.findall(r"%?([\w.\-]+)", target):
+                    if role == "to_apply" and opcode != "call":
+                        continue  # a reducer, costed by its reduce
+                    if opcode in ("fusion", "async-start"):
+                        fusion_bodies.add(callee)
+                        continue
+                    calls[comp].append((callee, trips if role in ("body", "condition") else 1))
     runs: dict[str, int] = defaultdict(int)
 
     def visit(comp: str, times: int, depth: int = 0) -> None:
@@ -449,20 +529,51 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
     visit(entry, 1)
     types = {c: {ins[0]: ins[1] for ins in instrs} for c, instrs in comps.items()}
     out, ops = [], []
+    schedule: dict[str, list[tuple]] = {}
     for comp, instrs in comps.items():
         if not runs.get(comp) or comp in fusion_bodies:
             continue
         raw = {}
+        events: list[tuple] = []
+        started: dict[str, int] = {}  # an async collective's start -> its index in ``out``
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
             op_name = op.group(1) if op else ""
+            if opcode == "async-start":
+                wrapped = _wrapped_collective(comps, attrs)
+                if wrapped is not None:
+                    kind, w_type, w_rest = wrapped
+                    op = _OP_NAME.search(w_rest)
+                    w_name = op.group(1) if op else op_name
+                    out.append(_collective(name, kind, kind, w_type, w_rest, mesh_shape, devices, runs[comp], w_name))
+                    started[name] = len(out) - 1
+                    events.append(("start", len(out) - 1))
+                    continue
             if base in KINDS:
                 if opcode.endswith("-done"):
                     continue
                 out.append(_collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name))
+                if opcode.endswith("-start"):
+                    started[name] = len(out) - 1
+                    events.append(("start", len(out) - 1))
+                else:
+                    events.append(("sync", len(out) - 1))
                 continue
-            if opcode in _NO_COST or opcode.endswith("-done") or opcode.endswith("-start"):
+            if opcode.endswith("-done"):
+                if operands and operands[0] in started:
+                    events.append(("done", started[operands[0]]))
+                continue
+            if opcode in ("while", "call", "conditional"):
+                trips = loop_trips.get((comp, name), 1)
+                for role, target in _CALLED.findall(attrs):
+                    if role == "to_apply" and opcode != "call":
+                        continue
+                    for callee in re.findall(r"%?([\w.\-]+)", target):
+                        if callee in comps:
+                            events.append(("call", callee, trips if role in ("body", "condition") else 1))
+                continue
+            if opcode in _NO_COST or opcode.endswith("-start"):
                 continue
             operand_types = [types[comp].get(o, "") for o in operands]
             flops, mm, dtype, nbytes = _op_cost(comps, types, opcode, type_text, operand_types, attrs)
@@ -475,9 +586,70 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 operand_types,
                 _converts(comps, opcode, attrs, operand_types, out_dtype),
             )
+            events.append(("op", name))
         _mark_upcasts(raw)
+        index = {name: len(ops) + i for i, name in enumerate(raw)}
         ops += [r.op for r in raw.values()]
-    return Module(out, unknown, memory or {}, ops)
+        schedule[comp] = [("op", index[e[1]]) if e[0] == "op" else e for e in events]
+    return Module(out, unknown, memory or {}, ops, schedule, entry)
+
+
+def _wrapped_collective(comps, attrs: str) -> tuple[str, str, str] | None:
+    """(kind, result type, attributes) of the collective an ``async-start`` wraps (XLA:TPU runs a
+    reduce-scatter or an all-to-all asynchronously this way); ``None`` for other async ops."""
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    for _, t, opc, _, _, rest in comps.get(m.group(1), []) if m else []:
+        if opc in KINDS:
+            return opc, t, rest
+    return None
+
+
+_CONSTANT = re.compile(r"^(-?\d+)\)")
+
+
+def _trip_count(comps, comp: str, operands: list[str], attrs: str, rest: str) -> int | None:
+    """A ``while`` loop's trip count: XLA's ``known_trip_count`` (XLA:CPU records it), else read
+    from the loop (XLA:TPU does not record it): a condition ``i < N`` on a tuple element whose
+    initial value is a constant (through copies), as ``jax.lax.scan`` and ``fori_loop`` lower."""
+    t = _TRIP.search(rest)
+    if t:
+        return int(t.group(1))
+    m = re.search(r"condition=%?([\w.\-]+)", attrs)
+    cond = comps.get(m.group(1), []) if m else []
+    if not cond or not operands:
+        return None
+    by_name = {ins[0]: ins for ins in cond}
+    root = cond[-1]
+    direction = re.search(r"direction=(\w+)", root[4])
+    if root[2] != "compare" or not direction or direction.group(1) not in ("LT", "GT") or len(root[3]) != 2:
+        return None
+    counter, bound = root[3] if direction.group(1) == "LT" else root[3][::-1]
+    limit = _constant_of(by_name, bound)
+    element = by_name.get(counter)
+    if limit is None or element is None or element[2] != "get-tuple-element":
+        return None
+    index = re.search(r"index=(\d+)", element[4])
+    caller = {ins[0]: ins for ins in comps.get(comp, [])}
+    init = caller.get(operands[0])
+    if not index or init is None or init[2] != "tuple" or int(index.group(1)) >= len(init[3]):
+        return None
+    start = _constant_of(caller, init[3][int(index.group(1))])
+    if start is None or limit < start:
+        return None
+    return limit - start
+
+
+def _constant_of(by_name: dict, name: str, depth: int = 0) -> int | None:
+    """The integer value of ``name``: a scalar ``constant``, through copies and bitcasts."""
+    ins = by_name.get(name)
+    if ins is None or depth > 8:
+        return None
+    if ins[2] == "constant":
+        m = _CONSTANT.match(ins[5])
+        return int(m.group(1)) if m and not _dims(ins[1]) else None
+    if ins[2] in ("copy", "bitcast", "convert") and ins[3]:
+        return _constant_of(by_name, ins[3][0], depth + 1)
+    return None
 
 
 def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
@@ -485,11 +657,7 @@ def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[
     if opcode == "convolution":
         convs = [(type_text, operand_types, attrs)]
     elif opcode == "fusion":
-        m = re.search(r"calls=%?([\w.\-]+)", attrs)
-        body, btypes = (comps.get(m.group(1), []), types.get(m.group(1), {})) if m else ([], {})
-        convs = [
-            (t, [btypes.get(o, "") for o in operands], a) for _, t, opc, operands, a, _ in body if opc == "convolution"
-        ]
+        convs = _body_convs(comps, types, attrs)
     else:
         return 0.0, 0
     flops = sum(_instr_flops("convolution", t, ots, a)[1] for t, ots, a in convs)
@@ -560,6 +728,39 @@ def _mark_upcasts(raw: dict[str, _Draft]) -> None:
             mm.op = dataclasses.replace(mm.op, bytes=max(0.0, mm.op.bytes - _bytes(r.operand_types[0])[0] / 2))
 
 
+def _nested_flops(comps, types, attrs: str, depth: int = 0) -> tuple[float, float, str]:
+    """(FLOPs, matmul FLOPs, matmul dtype) of a fusion nested in a fusion's body."""
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    if not m or depth > 16:
+        return 0.0, 0.0, ""
+    btypes = types.get(m.group(1), {})
+    flops = mm = 0.0
+    dtype = ""
+    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
+        if opc == "fusion":
+            f, g, d = _nested_flops(comps, types, a, depth + 1)
+        else:
+            f, g, d = _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)
+        flops, mm, dtype = flops + f, mm + g, dtype or d
+    return flops, mm, dtype
+
+
+def _body_convs(comps, types, attrs: str, depth: int = 0) -> list[tuple]:
+    """(result type, operand types, attributes) of each convolution in a fusion's body, nested
+    fusions included."""
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    if not m or depth > 16:
+        return []
+    btypes = types.get(m.group(1), {})
+    out = []
+    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
+        if opc == "convolution":
+            out.append((t, [btypes.get(o, "") for o in operands], a))
+        elif opc == "fusion":
+            out += _body_convs(comps, types, a, depth + 1)
+    return out
+
+
 def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
     """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
     if opcode != "fusion":
@@ -574,39 +775,96 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
     btypes = types.get(m.group(1), {}) if m else {}
     flops = mm = 0.0
     dtype = ""
-    params: dict[str, int] = {}  # parameter name -> index
-    readers: dict[str, list[tuple[str, str, int]]] = defaultdict(list)  # operand -> (opcode, result type, position)
     converts: dict[str, str] = {}  # a convert's name -> its operand's dtype
-    root = None
-    for name, t, opc, operands, a, rest in body:
+    for name, _, opc, operands, a, _ in body:
         if opc == "parameter":
-            params[name] = int(re.match(r"(\d+)", rest).group(1)) if re.match(r"(\d+)", rest) else len(params)
             continue
-        for pos, o in enumerate(operands):
-            readers[o].append((opc, t, pos))
-        f, g, d = _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)
+        if opc == "fusion":  # XLA:TPU nests fusions (a matmul's operand fusion): their work counts here
+            f, g, d = _nested_flops(comps, types, a)
+        else:
+            f, g, d = _instr_flops(opc, btypes.get(name, ""), [btypes.get(o, "") for o in operands], a)
         if g and operands and operands[0] in converts:
             d = converts[operands[0]]  # XLA:CPU computes a bf16 product in f32: the program's dtype is the input's
         if opc == "convert" and operands:
             converts[name] = _bytes(btypes.get(operands[0], ""))[1]
         flops, mm, dtype = flops + f, mm + g, dtype or d
-        root = (name, t, opc, operands)
-    in_place = None
+    return flops, mm, dtype, _fusion_bytes(comps, types, m.group(1) if m else "", type_text, operand_types)
+
+
+_SHAPE = frozenset({"bitcast", "get-tuple-element"})
+
+
+def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: list[str], depth: int = 0) -> float:
+    """Bytes a fusion moves to and from memory: each parameter as it is read (only the slices a
+    parameter read through slices or dynamic slices, in nested fusions too; nothing of the buffer a
+    dynamic-update-slice updates in place), and each result as written (an in-place update: the
+    update, read and written)."""
+    body = comps.get(body_name, [])
+    if not body:
+        return float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+    by_name = {ins[0]: ins for ins in body}
+    params: dict[int, str] = {}
+    for ins in body:
+        if ins[2] == "parameter":
+            m = re.match(r"(\d+)", ins[5])
+            params[int(m.group(1)) if m else len(params)] = ins[0]
+    root = body[-1]
+
+    def through(name: str) -> tuple | None:  # the instruction behind bitcasts
+        ins = by_name.get(name)
+        while ins is not None and ins[2] == "bitcast" and ins[3]:
+            ins = by_name.get(ins[3][0])
+        return ins
+
+    in_place: set[str] = set()
     nbytes = 0.0
-    if root is not None and root[2] == "dynamic-update-slice":
-        in_place = root[3][0]
-        nbytes += 2.0 * _bytes(btypes.get(root[3][1], ""))[0]  # the update, read and written
-    else:
-        nbytes += _bytes(type_text)[0]
-    for pname, index in params.items():
-        if pname == in_place:
+    for e in root[3] if root[2] == "tuple" else [root[0]]:
+        ins = through(e)
+        if ins is not None and ins[2] == "dynamic-update-slice" and len(ins[3]) > 1:
+            target = through(ins[3][0])
+            if target is not None and target[2] == "parameter":
+                in_place.add(target[0])
+            nbytes += 2.0 * _bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
+        else:
+            nbytes += _bytes(by_name[e][1] if e in by_name else "")[0]
+
+    read = _fusion_reader(comps, types, body_name)
+    for index, pname in params.items():
+        if pname in in_place:
             continue
-        uses = readers.get(pname, [])
-        if uses and all(opc in ("slice", "dynamic-slice") and pos == 0 for opc, _, pos in uses):
-            nbytes += sum(_bytes(t)[0] for _, t, _ in uses)  # only the slices are read
-        elif index < len(operand_types):
-            nbytes += _bytes(operand_types[index])[0]
-    return flops, mm, dtype, nbytes
+        nbytes += read(pname, depth) if pname in by_name else _bytes(operand_types[index])[0]
+    return nbytes
+
+
+def _fusion_reader(comps, types, body_name: str):
+    """The ``read`` of :func:`_fusion_bytes` for a nested fusion's body."""
+    body = comps.get(body_name, [])
+    by_name = {ins[0]: ins for ins in body}
+    readers: dict[str, list[tuple[tuple, int]]] = defaultdict(list)
+    for ins in body:
+        for pos, o in enumerate(ins[3]):
+            readers[o].append((ins, pos))
+
+    def read(name: str, level: int) -> float:
+        full = float(_bytes(by_name[name][1])[0])
+        total = 0.0
+        for ins, pos in readers.get(name, []):
+            if ins[2] in ("slice", "dynamic-slice") and pos == 0:
+                total += _bytes(ins[1])[0]
+            elif ins[2] == "dynamic-update-slice" and pos == 0:
+                continue  # updated in place: its update is counted with the result
+            elif ins[2] in _SHAPE:
+                total += read(ins[0], level)
+            elif ins[2] == "fusion" and level < 8:
+                m = re.search(r"calls=%?([\w.\-]+)", ins[4])
+                inner = comps.get(m.group(1) if m else "", [])
+                names = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
+                total += _fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else 0.0
+            else:
+                return full
+        return min(full, total)
+
+    return read
 
 
 def _collective(name, kind, opcode, type_text, rest, mesh_shape, devices, count, op_name) -> Collective:

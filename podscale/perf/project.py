@@ -86,6 +86,13 @@ class Row:
     compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
     with a smaller first axis, scaled as :func:`cost` says."""
+    compiler: str = ""
+    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for) or ``XLA:CPU``."""
+    compile_s: float | None = None
+    """Seconds the compile of :attr:`compiled_mesh` took (``None``: reused from another row)."""
+    does_not_fit: str | None = None
+    """The TPU compiler's refusal when the program does not fit the chip's memory (the row's
+    figures are then ``None`` but for memory)."""
     fastest: bool = False
     not_applicable: str | None = None
     """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
@@ -93,6 +100,11 @@ class Row:
     @property
     def applicable(self) -> bool:
         return self.not_applicable is None
+
+    @property
+    def costed(self) -> bool:
+        """Whether the row has a step time (it applies, and its program fits the chip)."""
+        return self.applicable and self.does_not_fit is None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -288,6 +300,7 @@ def cost(
     op_cost: Callable | None = None,
     reduced: str | None = None,
     factor: int = 1,
+    scheduled: bool = False,
 ):
     """(phase seconds, collective rows, exposed, hidden) of one compiled step on ``system``.
 
@@ -295,7 +308,11 @@ def cost(
     ``factor`` times smaller (past this machine's CPU devices), the update scope's collective
     buffers are scaled to the target: each shrinks ``factor`` times except a sum over the reduced
     axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient). The update's
-    ops are scaled by :func:`project` (from two compiled sizes)."""
+    ops are scaled by :func:`project` (from two compiled sizes).
+
+    ``scheduled``: overlap is read from the module's schedule (:func:`timeline`; XLA:TPU's
+    module), not by the rule for XLA:CPU's module (gradient sums but the last behind the backward
+    pass)."""
     op_cost = op_cost or (lambda op: op_time(system, op))
     phases = {p: 0.0 for p in hlo.PHASES}
     for op in module.ops:
@@ -303,6 +320,7 @@ def cost(
     rows: dict[tuple, dict[str, Any]] = {}
     sums: list[float] = []  # the gradient sums, in program order
     exposed = 0.0
+    seconds: list[float] = []  # each collective's time per run, in the module's order
     for c in module.collectives:
         update = "podscale_update" in c.op_name
         size, nbytes = c.group_size, c.buffer_bytes
@@ -331,14 +349,61 @@ def cost(
         row["runs"] += c.count
         row["buffer_bytes"] += nbytes * c.count
         row["seconds"] += t * c.count
+        seconds.append(t)
         if "podscale_update/grad_sum" in c.op_name and size > 1:
             sums += [t] * c.count
         else:
             exposed += t * c.count
+    if scheduled:
+        exposed = timeline(module, [op_cost(op) for op in module.ops], seconds)
+        hidden = sum(t * c.count for t, c in zip(seconds, module.collectives, strict=True)) - exposed
+        return phases, list(rows.values()), exposed, max(0.0, hidden)
     hideable = sum(sums[:-1]) if system.overlaps else 0.0
     hidden = min(hideable, phases["backward"])
     exposed += sum(sums) - hidden
     return phases, list(rows.values()), exposed, hidden
+
+
+def timeline(module: hlo.Module, op_seconds: Sequence[float], collective_seconds: Sequence[float]) -> float:
+    """Seconds of communication one step waits for, read from the compiled schedule
+    (:attr:`podscale.perf.hlo.Module.schedule`): ops run one after another; collectives run one at
+    a time on the links, each starting when it is issued and the one before it is done; a
+    synchronous collective stops the ops until it is done; an asynchronous one (``start`` ...
+    ``done``) runs while the ops between its start and its done run, and only the rest of it is
+    waited for at its done. A loop body is simulated once and counted times its trip count."""
+    memo: dict[str, tuple[float, float]] = {}
+
+    def run(comp: str, depth: int = 0) -> tuple[float, float]:
+        if comp in memo:
+            return memo[comp]
+        if depth > 64:
+            raise ValueError(f"computation nesting deeper than 64 at {comp}")
+        t = link = waited = 0.0
+        ends: dict[int, float] = {}
+        for event in module.schedule.get(comp, ()):
+            what = event[0]
+            if what == "op":
+                t += op_seconds[event[1]]
+            elif what == "sync":
+                end = max(t, link) + collective_seconds[event[1]]
+                waited += end - t
+                t = link = end
+            elif what == "start":
+                link = ends[event[1]] = max(t, link) + collective_seconds[event[1]]
+            elif what == "done":
+                end = ends.pop(event[1], t)
+                if end > t:
+                    waited, t = waited + end - t, end
+            else:  # a loop body or a called computation, ``trips`` times
+                d, w = run(event[1], depth + 1)
+                t, waited = t + d * event[2], waited + w * event[2]
+        for end in ends.values():  # still in flight at the end
+            if end > t:
+                waited, t = waited + end - t, end
+        memo[comp] = (t, waited)
+        return memo[comp]
+
+    return run(module.entry)[1]
 
 
 def project(
@@ -354,6 +419,7 @@ def project(
     multi_axis: str = "torus",
     progress: Callable[[str], None] | None = None,
     heartbeat_s: float = 10.0,
+    compiler: str = "auto",
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
     to each of ``chips`` chips of ``system``, for each strategy.
@@ -369,6 +435,10 @@ def project(
     compiled. ``multi_axis``: how a collective over several torus dimensions is costed
     (:data:`podscale.perf.network.MULTI_AXIS`). ``progress`` gets a line as each compile starts
     and ends (with the time taken) and every ``heartbeat_s`` seconds while one runs.
+    ``compiler``: ``tpu`` (XLA:TPU for the target slice, with libtpu's compile-only devices: a TPU
+    system only), ``cpu`` (XLA:CPU on this machine's CPU devices, one compile per row), or
+    ``auto``: ``tpu`` for a TPU system where libtpu is installed, else ``cpu`` (``progress`` is told
+    why when a TPU system falls back).
     """
     from podscale.parallel.engine import data_parallel
     from podscale.perf import systems
@@ -405,6 +475,12 @@ def project(
 
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    if use_tpu_compiler(system, compiler, say):
+        job = _Job(data_parallel, step, shapes, make_batch, per_chips, system, say, progress, heartbeat_s, started)
+        rows = _project_tpu(job, topologies, resolved, reasons)
+        return mark_fastest(rows)
     cpus = len(jax.devices("cpu"))
     for topology in topologies:  # every mesh is checked before anything is compiled
         for name, strategy in resolved.items():
@@ -417,8 +493,6 @@ def project(
                     f"{cpus}: start Python with jax.config.update('jax_num_cpu_devices', {need}) before using JAX "
                     "(podscale project does)"
                 )
-    say = progress or (lambda message: None)
-    started = time.perf_counter()
     rows: list[Row] = []
     for topology in topologies:
         n_chips = topology.chips
@@ -435,9 +509,40 @@ def project(
                 row = _project_one(
                     data_parallel, step, shapes, make_batch, per_chips[n_chips], system, topology, name, strategy
                 )
+            row = dataclasses.replace(row, compile_s=time.perf_counter() - one)
             say(f"{what}: done in {elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({elapsed(started)} since the start)")
             rows.append(row)
     return mark_fastest(rows)
+
+
+COMPILERS = ("auto", "tpu", "cpu")
+MAX_TPU_COMPILE_DEVICES = 256
+"""XLA:TPU compiles a projection's program for at most this many devices (the first data axis
+shorter, see :func:`shrink`): the per-replica program is the same on a larger slice, and the
+compile stays within minutes."""
+
+
+def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str], None] | None = None) -> bool:
+    """Whether ``system`` is projected from XLA:TPU's module (see :func:`project`'s ``compiler``).
+    Raises for ``tpu`` on a system that is not a TPU, or without libtpu."""
+    from podscale.perf import tpu
+
+    checks.one_of("compiler", compiler, COMPILERS)
+    if compiler == "cpu":
+        return False
+    if system.kind != "tpu":
+        if compiler == "tpu":
+            raise ValueError(
+                f"--compiler tpu: {system.name!r} is not a TPU system; its module is XLA:CPU's (--compiler cpu or auto)"
+            )
+        return False
+    if not tpu.available():
+        if compiler == "tpu":
+            raise ValueError(f"--compiler tpu: {tpu.MISSING}")
+        if say is not None:
+            say(tpu.MISSING)
+        return False
+    return True
 
 
 def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
@@ -455,67 +560,272 @@ def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int,
     )
 
 
-def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape):
-    mesh = make_mesh(shape)
+def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape, devices=None):
+    """The step compiled for ``shape``: on this machine's CPU devices (with the accelerators'
+    lowerings), or on ``devices`` (compile-only TPU devices: XLA:TPU)."""
+    mesh = make_mesh(shape, devices)
     dp = data_parallel(step, mesh, strategy, donate_state=False)
     batch = make_batch(replica_batch * (mesh.size // k))
-    with accelerator_lowerings():
+    with accelerator_lowerings() if devices is None else _no_persistent_cache():
         dp.prepare(shapes, batch)
         compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
     return dp, hlo.read(compiled, mesh)
+
+
+def _no_persistent_cache():
+    """JAX's persistent compilation cache cannot hold a compile-only client's executables (reading
+    one back warns): XLA:TPU's compiles here skip it."""
+    from jax._src import config
+
+    return config.enable_compilation_cache(False)
 
 
 def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:
     target = target_shape(topology, strategy)
     compiled_shape, reduced, factor = compile_shape(target, min(len(jax.devices("cpu")), MAX_CPU_DEVICES))
     k = strategy.spatial or strategy.model_parallel or 1
-    replicas = topology.devices // k
-    global_batch = replica_batch * replicas
     compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
     dp, module = compile_(compiled_shape)
-    sharded = strategy.weight_update == "sharded"
     phases, collectives, exposed, hidden = cost(system, topology, module, target, reduced=reduced, factor=factor)
-    if factor > 1 and sharded and compiled_shape[reduced] >= 4 and compiled_shape[reduced] % 2 == 0:
+    if (
+        factor > 1
+        and strategy.weight_update == "sharded"
+        and compiled_shape[reduced] >= 4
+        and compiled_shape[reduced] % 2 == 0
+    ):
         # The sharded update costs a + b / n on n devices (whole small leaves, shards): a and b
         # from this compile and one on a mesh half as large, then evaluated at the target.
         smaller = dict(compiled_shape)
         smaller[reduced] //= 2
-        n1, n2, n = math.prod(compiled_shape.values()), math.prod(smaller.values()), topology.devices
-        u1 = phases["update"]
-        u2 = cost(system, topology, compile_(smaller)[1], target, reduced=reduced, factor=factor * 2)[0]["update"]
-        b = max(0.0, (u2 - u1) / (1 / n2 - 1 / n1))
-        phases["update"] = max(0.0, u1 - b / n1) + b / n
-    compute = phases["forward"] + phases["backward"]
-    step_s = compute + phases["update"] + exposed
-    model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
-    per_device = module.memory.get("peak", 0)
-    if factor > 1 and sharded:  # the sharded state's shards are ``factor`` times smaller at the target
-        shards = sum(leaf.bytes_per_device() for leaf in dp.layout.leaves if leaf.sharded)
-        per_device -= shards * (1 - 1 / factor)
-    memory = per_device * system.devices_per_chip
-    return Row(
-        chips=topology.chips,
-        strategy=name,
-        devices=topology.devices,
-        mesh=target,
-        topology=topology.describe(),
-        global_batch=global_batch,
-        replica_batch=replica_batch,
-        compute_s=compute,
-        update_s=phases["update"],
-        communication_s=sum(c["seconds"] for c in collectives),
-        exposed_s=exposed,
-        hidden_s=hidden,
-        step_s=step_s,
-        examples_per_s=global_batch / step_s if step_s else 0.0,
-        mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
-        memory_per_chip=float(memory),
-        hbm_per_chip=float(system.hbm_bytes),
-        fits=memory <= system.hbm_bytes,
-        collectives=collectives,
-        flops_per_device=module.flops(),
-        compiled_mesh=compiled_shape,
+        points = [(math.prod(compiled_shape.values()), phases["update"])]
+        points.append((math.prod(smaller.values()), update_seconds(system, compile_(smaller)[1])))
+        phases["update"] = scale_update(points, points[0], topology.devices)
+    return (
+        _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module)
+        ._replace(phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, compiler="XLA:CPU")
+        .build()
     )
+
+
+def update_seconds(system: System, module: hlo.Module) -> float:
+    """The update phase's op seconds of one compiled step."""
+    return sum(op_time(system, op) * op.count for op in module.ops if op.phase == "update")
+
+
+def scale_update(points: Sequence[tuple[int, float]], own: tuple[int, float], devices: int) -> float:
+    """The sharded update's op seconds on ``devices`` devices, from ``own`` (devices, seconds) of
+    the module costed and ``points`` compiled at other device counts: the update costs ``a + b / n``
+    on ``n`` devices (whole small leaves; shards), ``b`` by least squares over the points (two or
+    more device counts), ``a`` from ``own``."""
+    xs = np.array([1.0 / n for n, _ in points])
+    ys = np.array([u for _, u in points])
+    if len(set(xs.tolist())) < 2:
+        return own[1]
+    b = max(0.0, float(np.polyfit(xs, ys, 1)[0]))
+    return max(0.0, own[1] - b / own[0]) + b / devices
+
+
+class _Draft(dict):
+    """A row's figures while they are gathered (see :func:`_row`)."""
+
+    def _replace(self, **fields):
+        self.update(fields)
+        return self
+
+    def build(self) -> Row:
+        system, topology, module, dp = self["system"], self["topology"], self["module"], self["dp"]
+        phases, factor = self["phases"], self["factor"]
+        compute = phases["forward"] + phases["backward"]
+        step_s = compute + phases["update"] + self["exposed"]
+        model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
+        per_device = module.memory.get("peak", 0)
+        if factor > 1 and self["strategy"].weight_update == "sharded":
+            # the sharded state's shards are ``factor`` times smaller at the target
+            shards = sum(leaf.bytes_per_device() for leaf in dp.layout.leaves if leaf.sharded)
+            per_device -= shards * (1 - 1 / factor)
+        memory = per_device * system.devices_per_chip
+        global_batch = self["replica_batch"] * self["replicas"]
+        return Row(
+            chips=topology.chips,
+            strategy=self["name"],
+            devices=topology.devices,
+            mesh=self["target"],
+            topology=topology.describe(),
+            global_batch=global_batch,
+            replica_batch=self["replica_batch"],
+            compute_s=compute,
+            update_s=phases["update"],
+            communication_s=sum(c["seconds"] for c in self["collectives"]),
+            exposed_s=self["exposed"],
+            hidden_s=self["hidden"],
+            step_s=step_s,
+            examples_per_s=global_batch / step_s if step_s else 0.0,
+            mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
+            memory_per_chip=float(memory),
+            hbm_per_chip=float(system.hbm_bytes),
+            fits=memory <= system.hbm_bytes,
+            collectives=self["collectives"],
+            flops_per_device=module.flops(),
+            compiled_mesh=self["compiled_shape"],
+            compiler=self["compiler"],
+            compile_s=self.get("compile_s"),
+        )
+
+
+def _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module) -> _Draft:
+    k = strategy.spatial or strategy.model_parallel or 1
+    return _Draft(
+        system=system,
+        topology=topology,
+        name=name,
+        strategy=strategy,
+        replica_batch=replica_batch,
+        replicas=topology.devices // k,
+        target=target,
+        compiled_shape=compiled_shape,
+        factor=factor,
+        dp=dp,
+        module=module,
+    )
+
+
+def shrink(target: dict[str, int], devices: int) -> tuple[dict[str, int], str | None, int]:
+    """The mesh XLA:TPU compiles for ``target``: its first (outermost data) axis halved while the
+    mesh has more than ``devices`` devices and the axis stays at least 2 (the per-replica program
+    is the same; only the groups of the data axis's collectives, and the sharded update's shards,
+    differ, and :func:`cost` and :func:`scale_update` scale those). Returns (mesh, reduced axis or
+    None, factor)."""
+    shape = dict(target)
+    first = next(iter(shape))
+    factor = 1
+    while math.prod(shape.values()) > devices and shape[first] % 2 == 0 and shape[first] >= 4:
+        shape[first] //= 2
+        factor *= 2
+    return shape, (first if factor > 1 else None), factor
+
+
+@dataclasses.dataclass
+class _Compiled:
+    dp: Any
+    module: hlo.Module | None
+    seconds: float
+    slice_name: str
+    error: str | None = None
+    used: bool = False
+
+
+_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every compile of one projection shares."""
+
+    data_parallel: Callable
+    step: Callable
+    shapes: Any
+    make_batch: Callable
+    per_chips: dict[int, int]
+    system: System
+    say: Callable[[str], None]
+    progress: Callable[[str], None] | None
+    heartbeat_s: float
+    started: float
+
+
+def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
+    """The rows on XLA:TPU's modules: one compile per distinct program (see :func:`shrink`), a
+    second for a sharded update whose rows need its ``a + b / n`` scaling."""
+    from podscale.perf import tpu
+
+    system, say = job.system, job.say
+    cache: dict[tuple, _Compiled] = {}
+
+    def compiled(name: str, strategy: Strategy, shape: dict[str, int], replica_batch: int) -> _Compiled:
+        key = (name, tuple(shape.items()), replica_batch)
+        if key in cache:
+            return cache[key]
+        k = strategy.spatial or strategy.model_parallel or 1
+        slice_name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip)
+        what = f"{system.name} {name}, mesh {'x'.join(map(str, shape.values()))} ({slice_name})"
+        say(f"{what}: compiling with XLA:TPU ({elapsed(job.started)} since the start)")
+        one = time.perf_counter()
+        try:
+            with heartbeat(job.progress, f"{what}: still compiling", job.heartbeat_s):
+                dp, module = _compile(
+                    job.data_parallel,
+                    job.step,
+                    job.shapes,
+                    job.make_batch,
+                    replica_batch,
+                    k,
+                    strategy,
+                    shape,
+                    devices=tpu.devices(system.name, slice_name),
+                )
+            entry = _Compiled(dp, module, time.perf_counter() - one, slice_name)
+        except Exception as e:
+            if not any(word in str(e) for word in _OUT_OF_MEMORY):
+                raise
+            message = str(e).strip().splitlines()[0]
+            entry = _Compiled(None, None, time.perf_counter() - one, slice_name, error=message)
+        say(f"{what}: done in {elapsed(one)}" + (f": does not fit: {entry.error}" if entry.error else ""))
+        cache[key] = entry
+        return entry
+
+    rows: list[Row] = []
+    for topology in topologies:
+        n_chips = topology.chips
+        for name, strategy in resolved.items():
+            replica_batch = job.per_chips[n_chips]
+            reason = reasons[n_chips, name]
+            if reason is not None:
+                say(f"{system.name} {n_chips} chips, {name}: not applicable: {reason}")
+                rows.append(_not_applicable(topology, name, strategy, replica_batch, reason))
+                continue
+            live = [t for t in topologies if reasons[t.chips, name] is None]
+            smallest = min(math.prod(target_shape(t, strategy).values()) for t in live)
+            target = target_shape(topology, strategy)
+            shape, reduced, factor = shrink(target, min(smallest, MAX_TPU_COMPILE_DEVICES))
+            entry = compiled(name, strategy, shape, replica_batch)
+            common = dict(compiler=f"XLA:TPU {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
+            entry.used = True
+            if entry.error:
+                rows.append(
+                    dataclasses.replace(
+                        _not_applicable(topology, name, strategy, replica_batch, None),
+                        mesh=target,
+                        compiled_mesh=shape,
+                        fits=False,
+                        does_not_fit=entry.error,
+                        **common,
+                    )
+                )
+                continue
+            phases, collectives, exposed, hidden = cost(
+                system, topology, entry.module, target, reduced=reduced, factor=factor, scheduled=True
+            )
+            n = math.prod(shape.values())
+            if factor > 1 and strategy.weight_update == "sharded":
+                points = {
+                    math.prod(dict(key[1]).values()): update_seconds(system, e.module)
+                    for key, e in cache.items()
+                    if key[0] == name and key[2] == replica_batch and e.module is not None
+                }
+                if len(points) < 2:  # one more compile: the first axis twice as long
+                    more = dict(shape)
+                    more[next(iter(more))] *= 2
+                    extra = compiled(name, strategy, more, replica_batch)
+                    if extra.module is not None:
+                        points[math.prod(more.values())] = update_seconds(system, extra.module)
+                phases["update"] = scale_update(list(points.items()), (n, phases["update"]), topology.devices)
+            draft = _row(system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module)
+            row = draft._replace(
+                phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, **common
+            ).build()
+            say(f"{system.name} {n_chips} chips, {name}: step {row.step_s * 1e3:.3f} ms")
+            rows.append(row)
+    return rows
 
 
 def mark_fastest(rows: list[Row]) -> list[Row]:
@@ -523,7 +833,7 @@ def mark_fastest(rows: list[Row]) -> list[Row]:
     that do not apply are never the fastest)."""
     best: dict[int, Row] = {}
     for r in rows:
-        if r.applicable and r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
+        if r.costed and r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
             best[r.chips] = r
     return [dataclasses.replace(r, fastest=best.get(r.chips) is r) for r in rows]
 
@@ -540,12 +850,15 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
         "strategy",
         *numbers,
         "fits",
+        "compiled (mesh, seconds)",
         title=f"{what} projected to {system.name} (per step; * fastest that fits; n/a: does not apply, see below)",
         numbers=("chips", *numbers),
     )
     for r in rows:
-        if not r.applicable:
-            table.add_row(str(r.chips), r.strategy, *(["-"] * len(numbers)), "n/a")
+        if not r.costed:
+            memory = f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}" if r.memory_per_chip else "-"
+            fits = "n/a" if not r.applicable else "NO"
+            table.add_row(str(r.chips), r.strategy, *(["-"] * (len(numbers) - 1)), memory, fits, compiled_text(r))
             continue
         table.add_row(
             str(r.chips),
@@ -558,6 +871,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             f"{r.mfu:.1%}",
             f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}",
             "yes" if r.fits else "NO",
+            compiled_text(r),
         )
     report.show(table, console)
     seen = set()
@@ -572,12 +886,26 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     for r in rows:
         if not r.applicable:
             console.print(f"  {r.chips} chips, {r.strategy}: not applicable: {r.not_applicable}", markup=False)
+        elif r.does_not_fit:
+            console.print(f"  {r.chips} chips, {r.strategy}: does not fit: {r.does_not_fit}", markup=False)
         elif r.compiled_mesh != r.mesh:
             console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
     console.print(
-        "comm = exposed communication; (hidden) = gradient sums overlapped with the backward pass. "
+        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
+        "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
+        "backward pass). "
         "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
     )
+
+
+def compiled_text(row: Row) -> str:
+    """Which compiler made a row's module, for which mesh, and how long it took:
+    ``XLA:TPU v3:4x4 32 (74 s)``; ``(reused)`` when another row's compile is costed again."""
+    if not row.compiler:
+        return "-"
+    mesh = "x".join(map(str, row.compiled_mesh.values()))
+    took = "reused" if row.compile_s is None else f"{row.compile_s:.0f} s"
+    return f"{row.compiler} {mesh} ({took})"
 
 
 def plot_formats() -> dict[str, str]:
@@ -628,7 +956,7 @@ def plot(rows: list[Row], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    applicable = [r for r in rows if r.applicable]
+    applicable = [r for r in rows if r.costed]
     for name in dict.fromkeys(r.strategy for r in applicable):
         mine = sorted((r for r in applicable if r.strategy == name), key=lambda r: r.chips)
         chips = [r.chips for r in mine]

@@ -137,7 +137,13 @@ def _v5e(chips: int):
     return shape, tuple(d == 16 for d in shape)  # "wraparounds along any axis of size 16" [SB-TPU]
 
 
-_SLICES = {"tpu-v3": _v3, "tpu-v4": _cube((16, 16, 16)), "tpu-v5p": _cube((16, 20, 28)), "tpu-v5e": _v5e}
+_SLICES = {
+    "tpu-v3": _v3,
+    "tpu-v4": _cube((16, 16, 16)),
+    "tpu-v5p": _cube((16, 20, 28)),
+    "tpu-v5e": _v5e,
+    "tpu-v6e": _v5e,  # 16x16 pods, wrap-around along any axis of 16, as v5e [SB-TPU]
+}
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -199,6 +205,19 @@ SYSTEMS: dict[str, System] = {
             link_bandwidth=4.5e10,
             torus_dims=2,
             sources=("[SB-TPU] 1.97e14 FLOP/s, 16 GB at 8.1e11 B/s, ICI 4.5e10 B/s one way", "[SB-SHARD] 1 us per hop"),
+        ),
+        System(
+            "tpu-v6e",
+            "TPU v6e (Trillium): one core per chip, 2-D torus, 256-chip pod (16x16)",
+            "tpu",
+            peak_flops=918e12,
+            peak_flops_f32=918e12,
+            hbm_bytes=32e9,
+            hbm_bandwidth=1.6e12,
+            max_chips=256,
+            link_bandwidth=9e10,
+            torus_dims=2,
+            sources=("[SB-TPU] 9.2e14 FLOP/s, 32 GB at 1.6e12 B/s, ICI 9e10 B/s one way", "[SB-SHARD] 1 us per hop"),
         ),
         System(
             "a100",

@@ -1,0 +1,112 @@
+"""XLA:TPU without a TPU: libtpu's compile-only topologies, for ``podscale project`` and ``plan``.
+
+``pip install 'podscale[tpu]'`` installs libtpu (``jax[tpu]``). Its compile-only client gives the
+devices of any TPU slice (``jax.experimental.topologies.get_topology_desc``), and
+``jax.jit(f).lower(...).compile()`` over a ``Mesh`` of them runs XLA:TPU here, on a machine with no
+TPU: the module, its fusions, its collectives and ``memory_analysis()`` are the ones the slice
+would run. Nothing is executed.
+
+Without a TPU on the host, libtpu prints initialisation errors when it loads (it looks for the TPU
+VM's metadata) and JAX would try it as a backend before falling back to the CPU.
+:func:`quiet_platforms` (called when podscale is imported) keeps JAX on the platforms that are
+present, and :func:`devices` sets the few variables libtpu reads so that it loads silently, and
+alongside other processes that use it (``ALLOW_MULTIPLE_LIBTPU_LOAD``). A host with a TPU is left
+alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+from podscale.perf.systems import System
+
+MISSING = (
+    "libtpu is not installed: costing XLA:CPU's module instead of XLA:TPU's "
+    "(pip install 'podscale[tpu]' for the TPU compiler's)"
+)
+
+# The compile-only topology of each TPU system: libtpu's name and its options. TPU v4 chips join
+# their two TensorCores into one megacore device (as JAX shows a v4 slice); libtpu's compile-only
+# v4 topology lists the cores unless asked for megacore.
+_TOPOLOGY = {
+    "tpu-v3": ("v3", {}),
+    "tpu-v4": ("v4", {"chip_config_name": "megacore"}),
+    "tpu-v5p": ("v5p", {}),
+    "tpu-v5e": ("v5e", {}),
+    "tpu-v6e": ("v6e", {}),
+}
+
+
+def available() -> bool:
+    """Whether libtpu is installed (XLA:TPU can compile here)."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def has_tpu() -> bool:
+    """Whether this host has TPU chips."""
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:  # private API moved: assume a TPU may be there, change nothing
+        return True
+
+
+def quiet_platforms() -> None:
+    """With libtpu installed on a host without a TPU and no platform chosen (``JAX_PLATFORMS``),
+    keeps JAX to the CPU unless another accelerator plugin is installed, so that libtpu's
+    initialisation errors are not printed at every start. Does nothing once JAX's backends are up."""
+    if os.environ.get("JAX_PLATFORMS") or not available() or has_tpu():
+        return
+    import importlib.metadata
+
+    if any(e.name != "tpu" for e in importlib.metadata.entry_points(group="jax_plugins")):
+        return  # a GPU plugin: JAX chooses among the platforms itself
+    import jax
+    from jax._src import xla_bridge
+
+    if jax.config.jax_platforms or xla_bridge._backends:
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _quiet_libtpu() -> None:
+    """The variables libtpu reads at load, set (where unset) so that it loads without a TPU
+    silently: no metadata query, one local worker, and several processes may load it."""
+    if has_tpu():
+        return
+    for name, value in (
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_ACCELERATOR_TYPE", "v4-8"),  # any valid type: the compile-only topology is named per call
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+    ):
+        os.environ.setdefault(name, value)
+
+
+def topology_name(system: System, chips: int) -> str:
+    """libtpu's name of the slice of ``chips`` chips of ``system``: ``v3:4x4``, ``v4:2x2x2``."""
+    if system.name not in _TOPOLOGY:
+        raise ValueError(f"system {system.name!r}: no TPU topology (TPU systems: {', '.join(_TOPOLOGY)})")
+    shape, _ = system.torus(chips)
+    return f"{_TOPOLOGY[system.name][0]}:{'x'.join(map(str, shape))}"
+
+
+@functools.cache
+def devices(system_name: str, name: str) -> tuple:
+    """The compile-only devices of the slice ``name`` (``topology_name``), in id order: a chip's
+    cores fastest, then the first torus dimension (the order :mod:`podscale.perf.network`
+    places a mesh in)."""
+    if not available():
+        raise ValueError(MISSING)
+    _quiet_libtpu()
+    from jax.experimental import topologies
+
+    options = dict(_TOPOLOGY[system_name][1])
+    shape = [int(d) for d in name.split(":")[1].split("x")] + [1, 1]
+    if shape[0] < 2 or shape[1] < 2:  # smaller than a host (2x2x1 chips): the slice is the host
+        options["chips_per_host_bounds"] = tuple(min(d, h) for d, h in zip(shape[:3], (2, 2, 1), strict=True))
+    found = topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices
+    return tuple(sorted(found, key=lambda d: d.id))

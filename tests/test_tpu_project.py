@@ -1,0 +1,236 @@
+"""``podscale project`` on XLA:TPU's module (libtpu's compile-only topologies), on tiny steps."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from podscale import Strategy, data_parallel
+from podscale.perf import hlo, project, systems, tpu
+
+needs_libtpu = pytest.mark.skipif(not tpu.available(), reason="libtpu not installed (pip install 'podscale[tpu]')")
+
+TX = optax.adam(1e-3)
+
+
+def _state(width: int = 128):
+    def init():
+        params = {"w1": jnp.zeros((64, width)), "w2": jnp.zeros((width, 8))}
+        return {"params": params, "opt": TX.init(params)}
+
+    return jax.eval_shape(init)
+
+
+def _step(state, batch):
+    def loss(params):
+        hidden = jnp.tanh(batch["x"] @ params["w1"])
+        return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+    grads = jax.grad(loss)(state["params"])
+    updates, opt = TX.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+
+def _batch(n: int):
+    return {"x": jax.ShapeDtypeStruct((n, 64), jnp.float32), "y": jax.ShapeDtypeStruct((n, 8), jnp.float32)}
+
+
+def _compiled(system: str, chips: int, strategy: Strategy, replica_batch: int = 2):
+    """The step as the projection compiles it for ``chips`` chips: (compiled, mesh)."""
+    s = systems.get(system)
+    devices = tpu.devices(system, tpu.topology_name(s, chips))
+    mesh = project.make_mesh({"data": len(devices)}, devices)
+    dp = data_parallel(_step, mesh, strategy, donate_state=False)
+    batch = _batch(replica_batch * mesh.size)
+    dp.prepare(_state(), batch)
+    return dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh
+
+
+@needs_libtpu
+@pytest.mark.parametrize(("system", "chips", "slice_name"), [("tpu-v3", 16, "v3:4x4"), ("tpu-v4", 8, "v4:2x2x2")])
+@pytest.mark.parametrize("update", ["replicated", "sharded"])
+def test_the_tpu_compiler_costs_its_own_module(system, chips, slice_name, update):
+    s = systems.get(system)
+    lines = []
+    (row,) = project.project(
+        _step, _state(), _batch(2), system=system, chips=[chips], strategies=[update], progress=lines.append
+    )
+    assert row.compiler == f"XLA:TPU {slice_name}" and row.compiled_mesh == row.mesh == {
+        "data": chips * s.devices_per_chip
+    }
+    assert row.compile_s is not None and row.step_s > 0 and row.flops_per_device > 0
+    assert any("compiling with XLA:TPU" in line for line in lines)
+    compiled, mesh = _compiled(system, chips, Strategy(weight_update=update))
+    module = hlo.read(compiled, mesh)
+    # The collectives costed are the TPU module's, one for one: kinds, runs and bytes.
+    assert module.collectives, "a data-parallel step sums its gradients"
+    for kind in hlo.KINDS:
+        mine = [c for c in row.collectives if c["kind"] == kind]
+        theirs = [c for c in module.collectives if c.kind == kind]
+        assert sum(c["runs"] for c in mine) == sum(c.count for c in theirs)
+        assert sum(c["buffer_bytes"] for c in mine) == sum(c.buffer_bytes * c.count for c in theirs)
+    # The memory is the TPU compiler's allocation, per device times the chip's devices.
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert row.memory_per_chip == peak * s.devices_per_chip
+    assert row.fits
+
+
+@needs_libtpu
+def test_larger_slices_reuse_the_per_replica_module_and_scale_its_groups():
+    lines = []
+    rows = project.project(
+        _step,
+        _state(),
+        _batch(2),
+        system="tpu-v3",
+        chips=[16, 64, 256],
+        strategies=["replicated"],
+        progress=lines.append,
+    )
+    assert sum("compiling with XLA:TPU" in line for line in lines) == 1
+    assert [r.compiled_mesh for r in rows] == [{"data": 32}] * 3
+    assert [r.mesh for r in rows] == [{"data": 32}, {"data": 128}, {"data": 512}]
+    assert rows[0].compile_s is not None and rows[1].compile_s is None and rows[2].compile_s is None
+    # The same module, its gradient sum over ever more devices: the same bytes, longer rings.
+    assert rows[0].compute_s == rows[2].compute_s
+    groups = [max(c["group_size"] for c in r.collectives) for r in rows]
+    assert groups == [32, 128, 512]
+    assert rows[0].communication_s < rows[2].communication_s
+
+
+@needs_libtpu
+def test_the_sharded_update_is_scaled_from_two_compiled_sizes():
+    lines = []
+    rows = project.project(
+        _step, _state(4096), _batch(2), system="tpu-v3", chips=[16, 256], strategies=["sharded"], progress=lines.append
+    )
+    assert sum("compiling with XLA:TPU" in line for line in lines) == 2  # 32 devices, and 64 for a + b / n
+    small, large = rows
+    assert large.update_s < small.update_s  # shards 16x smaller
+    assert large.memory_per_chip < small.memory_per_chip
+
+
+@needs_libtpu
+def test_a_state_too_large_for_the_chip_is_a_row_that_does_not_fit():
+    def init():
+        params = {"w1": jnp.zeros((64, 2**25)), "w2": jnp.zeros((2**25, 8))}  # 9 GiB, and Adam's two moments
+        return {"params": params, "opt": TX.init(params)}
+
+    huge = jax.eval_shape(init)
+    with jax.default_device(jax.devices("cpu")[0]):
+        rows = project.project(_step, huge, _batch(2), system="tpu-v5e", chips=[4], strategies=["replicated"])
+    (row,) = rows
+    assert row.fits is False or row.does_not_fit
+    assert not row.fastest
+    if row.does_not_fit:  # refused by the compiler: its own figures, no step time
+        assert "memory" in row.does_not_fit.lower() and row.step_s is None
+    else:
+        assert row.memory_per_chip > systems.get("tpu-v5e").hbm_bytes
+
+
+@needs_libtpu
+def test_the_cli_says_which_compiler_made_each_row(capsys):
+    from podscale import cli
+
+    assert (
+        cli.main(["project", "--model", "mlp", "--system", "tpu-v3", "--chips", "16,64", "--strategies", "replicated"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "XLA:TPU v3:4x4 32" in out and "(reused)" in out
+
+
+def test_without_libtpu_a_tpu_system_falls_back_to_the_cpu_module_and_says_so(monkeypatch):
+    monkeypatch.setattr(tpu, "available", lambda: False)
+    lines = []
+    (row,) = project.project(
+        _step, _state(), _batch(2), system="tpu-v3", chips=[4], strategies=["replicated"], progress=lines.append
+    )
+    assert row.compiler == "XLA:CPU" and row.step_s > 0
+    assert sum("libtpu is not installed" in line for line in lines) == 1
+    with pytest.raises(ValueError, match="libtpu is not installed"):
+        project.use_tpu_compiler(systems.get("tpu-v3"), "tpu")
+    with pytest.raises(ValueError, match="not a TPU system"):
+        project.use_tpu_compiler(systems.get("h100"), "tpu")
+    assert not project.use_tpu_compiler(systems.get("h100"), "auto")
+
+
+def test_xla_tpu_replica_groups_in_mesh_form():
+    groups = hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true")
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    groups = hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}")
+    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo._groups("replica_groups=mesh['axis_0'=8] {'axis_0'}") == [list(range(8))]
+
+
+def _module(schedule, ops, collectives):
+    return hlo.Module(collectives, [], {}, ops, schedule, "main")
+
+
+def test_the_schedule_decides_what_communication_hides():
+    op = hlo.Op("f", "fusion", 0.0, 0.0, 0.0, "", 1, "backward")
+    c = hlo.Collective("all-reduce", "ar", ("data",), 4, "f32", 1024, 1)
+    ops, seconds = [op, op, op], [1.0, 1.0, 1.0]
+    # Synchronous: the ops wait for all of it.
+    assert project.timeline(_module({"main": [("op", 0), ("sync", 0), ("op", 1)]}, ops, [c]), seconds, [2.5]) == 2.5
+    # Asynchronous: the two ops between its start and done hide two of its 2.5 seconds.
+    async_ = [("start", 0), ("op", 0), ("op", 1), ("done", 0), ("op", 2)]
+    assert project.timeline(_module({"main": async_}, ops, [c]), seconds, [2.5]) == pytest.approx(0.5)
+    # One link: a second collective started at once waits for the first.
+    two = [("start", 0), ("start", 1), ("op", 0), ("done", 0), ("done", 1)]
+    assert project.timeline(_module({"main": two}, ops, [c, c]), seconds, [1.0, 1.0]) == pytest.approx(1.0)
+    # A loop body counts its trip count times.
+    loop = {"main": [("call", "body", 3)], "body": [("op", 0), ("sync", 0)]}
+    assert project.timeline(_module(loop, ops, [c]), seconds, [0.5]) == pytest.approx(1.5)
+
+
+@needs_libtpu
+def test_scanned_loops_on_tpu_count_their_trip_counts():
+    devices = tpu.devices("tpu-v5e", "v5e:2x2")
+
+    def body(x, w):
+        def layer(h, _):
+            return jnp.tanh(h @ w), None
+
+        return jax.lax.scan(layer, x, None, length=5)[0]
+
+    mesh = project.make_mesh({"data": 1}, devices[:1])
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16, sharding=whole)
+    w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=whole)
+    compiled = jax.jit(body).lower(x, w).compile()
+    module = hlo.read(compiled)
+    assert not module.unknown_trip_counts
+    assert sum(o.matmul_flops * o.count for o in module.ops) == 5 * 2 * 128 * 256 * 256
+    assert math.isclose(module.flops(), compiled.cost_analysis()["flops"] * 5, rel_tol=0.2)
+
+
+@needs_libtpu
+def test_plan_shows_the_tpu_compiled_module_for_a_named_slice(capsys):
+    import json
+
+    from podscale import cli
+
+    assert cli.main(["plan", "--model", "mlp", "--system", "tpu-v4", "--chips", "8", "--mesh", "4x2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["compiler"] == "XLA:TPU for tpu-v4 8 chips (8 devices)"
+    assert plan["compiled"]["collectives"] and plan["compiled"]["memory"]["peak"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--system", "tpu-v3"], "--system needs --chips"),
+        (["--chips", "16"], "--chips needs --system"),
+        (["--system", "h100", "--chips", "8"], "TPU systems only"),
+        (["--system", "tpu-v3", "--chips", "16", "--replicas", "8"], "--replicas with --system"),
+    ],
+)
+def test_plan_refuses_an_incomplete_slice_before_any_work(capsys, args, message):
+    from podscale import cli
+
+    assert cli.main(["plan", "--model", "mlp", *args]) == 2
+    assert message in capsys.readouterr().err
