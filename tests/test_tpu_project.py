@@ -175,15 +175,15 @@ def test_the_schedule_decides_what_communication_hides():
     c = hlo.Collective("all-reduce", "ar", ("data",), 4, "f32", 1024, 1)
     ops, seconds = [op, op, op], [1.0, 1.0, 1.0]
     # Synchronous: the ops wait for all of it.
-    assert project.timeline(_module({"main": [("op", 0), ("sync", 0), ("op", 1)]}, ops, [c]), seconds, [2.5]) == 2.5
+    assert project.timeline(_module({"main": [("op", 0), ("sync", (0,)), ("op", 1)]}, ops, [c]), seconds, [2.5]) == 2.5
     # Asynchronous: the two ops between its start and done hide two of its 2.5 seconds.
-    async_ = [("start", 0), ("op", 0), ("op", 1), ("done", 0), ("op", 2)]
+    async_ = [("start", (0,)), ("op", 0), ("op", 1), ("done", (0,)), ("op", 2)]
     assert project.timeline(_module({"main": async_}, ops, [c]), seconds, [2.5]) == pytest.approx(0.5)
     # One link: a second collective started at once waits for the first.
-    two = [("start", 0), ("start", 1), ("op", 0), ("done", 0), ("done", 1)]
+    two = [("start", (0,)), ("start", (1,)), ("op", 0), ("done", (0,)), ("done", (1,))]
     assert project.timeline(_module({"main": two}, ops, [c, c]), seconds, [1.0, 1.0]) == pytest.approx(1.0)
     # A loop body counts its trip count times.
-    loop = {"main": [("call", "body", 3)], "body": [("op", 0), ("sync", 0)]}
+    loop = {"main": [("call", "body", 3)], "body": [("op", 0), ("sync", (0,))]}
     assert project.timeline(_module(loop, ops, [c]), seconds, [0.5]) == pytest.approx(1.5)
 
 
@@ -234,3 +234,22 @@ def test_plan_refuses_an_incomplete_slice_before_any_work(capsys, args, message)
 
     assert cli.main(["plan", "--model", "mlp", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_an_all_reduce_each_device_keeps_a_share_of_is_a_reduce_scatter():
+    """XLA:TPU writes ``psum_scatter`` as an all-reduce and a dynamic slice; it is costed as the
+    reduce-scatter it runs as. A ``psum`` used whole stays an all-reduce."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = tpu.devices("tpu-v5e", "v5e:2x4")
+    mesh = project.make_mesh({"data": 8}, devices)
+    x = jax.ShapeDtypeStruct((8 * 4096,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def both(v):
+        return jax.lax.psum_scatter(v, "data", scatter_dimension=0, tiled=True), jax.lax.psum(v * 2, "data")
+
+    f = jax.shard_map(both, mesh=mesh, in_specs=PartitionSpec(), out_specs=(PartitionSpec("data"), PartitionSpec()))
+    module = hlo.read(jax.jit(f).lower(x).compile(), mesh)
+    kinds = {(c.kind, c.buffer_bytes) for c in module.collectives}
+    assert kinds == {("reduce-scatter", 8 * 4096 * 4), ("all-reduce", 8 * 4096 * 4)}

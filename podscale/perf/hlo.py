@@ -112,9 +112,10 @@ class Module:
     schedule: dict[str, list[tuple]] = dataclasses.field(default_factory=dict)
     """Each computation that runs (not a fusion's body), its instructions in the compiled order
     (a scheduled module's text is its schedule): ``("op", i)`` (``ops[i]``), ``("sync", i)``
-    (``collectives[i]``, the next instruction waits for it), ``("start", i)`` and ``("done", i)``
-    (an asynchronous collective: what runs between them can hide it), ``("call", computation,
-    trips)`` (a loop body, a called computation)."""
+    (``collectives[i]`` for each ``i`` of a tuple of indices: one all-reduce of XLA:TPU may be an
+    all-reduce and a reduce-scatter; the next instruction waits for it), ``("start", i)`` and
+    ``("done", i)`` (an asynchronous collective: what runs between them can hide it), ``("call",
+    computation, trips)`` (a loop body, a called computation)."""
     entry: str = ""
     """The entry computation's name (where :attr:`schedule` starts)."""
 
@@ -535,7 +536,14 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
             continue
         raw = {}
         events: list[tuple] = []
-        started: dict[str, int] = {}  # an async collective's start -> its index in ``out``
+        started: dict[str, tuple[int, ...]] = {}  # an async collective's start -> its indices in ``out``
+        readers: dict[str, list[tuple[tuple, int]]] = defaultdict(list)
+        done_of: dict[str, str] = {}  # an async start -> its done
+        for ins in instrs:
+            for pos, o in enumerate(ins[3]):
+                readers[o].append((ins, pos))
+            if ins[2].endswith("-done") and ins[3]:
+                done_of[ins[3][0]] = ins[0]
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
@@ -547,18 +555,25 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                     op = _OP_NAME.search(w_rest)
                     w_name = op.group(1) if op else op_name
                     out.append(_collective(name, kind, kind, w_type, w_rest, mesh_shape, devices, runs[comp], w_name))
-                    started[name] = len(out) - 1
-                    events.append(("start", len(out) - 1))
+                    started[name] = (len(out) - 1,)
+                    events.append(("start", started[name]))
                     continue
             if base in KINDS:
                 if opcode.endswith("-done"):
                     continue
-                out.append(_collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name))
-                if opcode.endswith("-start"):
-                    started[name] = len(out) - 1
-                    events.append(("start", len(out) - 1))
+                c = _collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name)
+                first = len(out)
+                if base == "all-reduce":
+                    result = done_of.get(name, name) if opcode.endswith("-start") else name
+                    out += _split_scatter(c, _scattered(comps, types, comp, readers, result, c.group_size))
                 else:
-                    events.append(("sync", len(out) - 1))
+                    out.append(c)
+                indices = tuple(range(first, len(out)))
+                if opcode.endswith("-start"):
+                    started[name] = indices
+                    events.append(("start", indices))
+                else:
+                    events.append(("sync", indices))
                 continue
             if opcode.endswith("-done"):
                 if operands and operands[0] in started:
@@ -592,6 +607,71 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
         ops += [r.op for r in raw.values()]
         schedule[comp] = [("op", index[e[1]]) if e[0] == "op" else e for e in events]
     return Module(out, unknown, memory or {}, ops, schedule, entry)
+
+
+_PASS_THROUGH = frozenset({"bitcast", "reshape", "copy"})
+
+
+def _scattered(comps, types, comp: str, readers, result: str, n: int) -> list[int]:
+    """The bytes of each buffer of an all-reduce (its ``result``; a combined all-reduce has
+    several) of which each device keeps only its ``1/n`` share: every use reads only a slice of at
+    most ``1/n`` of it (a dynamic slice by partition, directly or in a fusion). That is a
+    reduce-scatter: XLA:TPU writes ``jax.lax.psum_scatter`` as an all-reduce and a dynamic slice
+    of it, and runs the pair as a reduce-scatter. A buffer used in full counts 0."""
+    if n <= 1:
+        return []
+    type_text = types.get(comp, {}).get(result, "")
+    sizes = _bytes(type_text)[2]
+    if not sizes:
+        return []
+    if type_text.lstrip().startswith("("):
+        elements: dict[int, list[str]] = defaultdict(list)
+        for ins, _ in readers.get(result, []):
+            index = re.search(r"index=(\d+)", ins[4])
+            if ins[2] != "get-tuple-element" or not index:
+                return [0] * len(sizes)  # the tuple used whole
+            elements[int(index.group(1))].append(ins[0])
+        values = [elements.get(i, []) for i in range(len(sizes))]
+    else:
+        values = [[result]]
+    out = []
+    for size, names in zip(sizes, values, strict=False):
+        read = max((_read_of(comps, types, readers, name, size) for name in names), default=size)
+        out.append(size if read <= size / n * 1.01 else 0)
+    return out
+
+
+def _read_of(comps, types, readers, name: str, full: float, depth: int = 0) -> float:
+    """The most bytes of ``name`` one of its uses reads (a slice; ``full`` for any other use):
+    several uses of a device's share read the same share."""
+    most = 0.0
+    for ins, pos in readers.get(name, []):
+        if ins[2] in ("dynamic-slice", "slice") and pos == 0:
+            read = _bytes(ins[1])[0]
+        elif ins[2] in _PASS_THROUGH and depth < 8:
+            read = _read_of(comps, types, readers, ins[0], full, depth + 1)
+        elif ins[2] == "fusion":
+            m = re.search(r"calls=%?([\w.\-]+)", ins[4])
+            inner = comps.get(m.group(1), []) if m else []
+            params = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
+            read = _fusion_reader(comps, types, m.group(1))(params[0][0], 0) if params else full
+        else:
+            return full
+        most = max(most, read)
+    return most
+
+
+def _split_scatter(c: Collective, scattered: list[int]) -> list[Collective]:
+    """``c``, an all-reduce, as XLA:TPU runs it: the buffers kept whole an all-reduce, the buffers
+    of which each device keeps its share a reduce-scatter (see :func:`_scattered`)."""
+    part = sum(scattered)
+    if not part:
+        return [c]
+    out = []
+    if c.buffer_bytes - part > 0:
+        out.append(dataclasses.replace(c, buffer_bytes=c.buffer_bytes - part))
+    out.append(dataclasses.replace(c, kind="reduce-scatter", name=c.name + ".scatter", buffer_bytes=part))
+    return out
 
 
 def _wrapped_collective(comps, attrs: str) -> tuple[str, str, str] | None:

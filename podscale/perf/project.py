@@ -385,11 +385,11 @@ def timeline(module: hlo.Module, op_seconds: Sequence[float], collective_seconds
             if what == "op":
                 t += op_seconds[event[1]]
             elif what == "sync":
-                end = max(t, link) + collective_seconds[event[1]]
+                end = max(t, link) + sum(collective_seconds[i] for i in event[1])
                 waited += end - t
                 t = link = end
             elif what == "start":
-                link = ends[event[1]] = max(t, link) + collective_seconds[event[1]]
+                link = ends[event[1]] = max(t, link) + sum(collective_seconds[i] for i in event[1])
             elif what == "done":
                 end = ends.pop(event[1], t)
                 if end > t:
