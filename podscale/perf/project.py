@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -715,6 +716,14 @@ class _Compiled:
 
 
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _required(message: str, system: System) -> float | None:
+    """The memory per chip XLA:TPU's refusal says the program needs (its first figure, per
+    device, ``(70.00G)``), or ``None`` when it gives none."""
+    m = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\)", message)
+    return float(m.group(1)) * _UNITS[m.group(2)] * system.devices_per_chip if m else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,6 +807,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                         compiled_mesh=shape,
                         fits=False,
                         does_not_fit=entry.error,
+                        memory_per_chip=_required(entry.error, system),
                         **common,
                     )
                 )
