@@ -26,10 +26,12 @@ per chip is the compiled module's peak per device times the chip's devices, agai
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -517,6 +519,9 @@ def project(
 
 
 COMPILERS = ("auto", "tpu", "cpu")
+MAX_PARALLEL_COMPILES = 4
+"""XLA:TPU compiles of one projection run side by side on at most this many threads (and no more
+than the machine's cores): each compile is one program on one core."""
 MAX_TPU_COMPILE_DEVICES = 256
 """XLA:TPU compiles a projection's program for at most this many devices (the first data axis
 shorter, see :func:`shrink`): the per-replica program is the same on a larger slice, and the
@@ -782,6 +787,30 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
         cache[key] = entry
         return entry
 
+    def compile_shape_of(topology, name, strategy) -> tuple[dict[str, int], str | None, int]:
+        live = [t for t in topologies if reasons[t.chips, name] is None]
+        smallest = min(math.prod(target_shape(t, strategy).values()) for t in live)
+        return shrink(target_shape(topology, strategy), min(smallest, MAX_TPU_COMPILE_DEVICES))
+
+    # Every distinct program first, compiled side by side (XLA compiles one program on one core):
+    # a strategy's meshes, and for a sharded update whose rows are scaled, a second size.
+    wanted: dict[tuple, tuple] = {}
+    for topology in topologies:
+        for name, strategy in resolved.items():
+            if reasons[topology.chips, name] is None:
+                shape, _, factor = compile_shape_of(topology, name, strategy)
+                replica_batch = job.per_chips[topology.chips]
+                wanted[name, tuple(shape.items()), replica_batch] = (name, strategy, shape, replica_batch, factor)
+    for (name, _, replica_batch), (_, strategy, shape, _, factor) in list(wanted.items()):
+        sizes = {math.prod(dict(k[1]).values()) for k in wanted if k[0] == name and k[2] == replica_batch}
+        if factor > 1 and strategy.weight_update == "sharded" and len(sizes) < 2:
+            more = dict(shape)
+            more[next(iter(more))] *= 2
+            wanted[name, tuple(more.items()), replica_batch] = (name, strategy, more, replica_batch, 1)
+    workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda w: compiled(*w[:4]), wanted.values()))
+
     rows: list[Row] = []
     for topology in topologies:
         n_chips = topology.chips
@@ -792,10 +821,8 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 say(f"{system.name} {n_chips} chips, {name}: not applicable: {reason}")
                 rows.append(_not_applicable(topology, name, strategy, replica_batch, reason))
                 continue
-            live = [t for t in topologies if reasons[t.chips, name] is None]
-            smallest = min(math.prod(target_shape(t, strategy).values()) for t in live)
             target = target_shape(topology, strategy)
-            shape, reduced, factor = shrink(target, min(smallest, MAX_TPU_COMPILE_DEVICES))
+            shape, reduced, factor = compile_shape_of(topology, name, strategy)
             entry = compiled(name, strategy, shape, replica_batch)
             common = dict(compiler=f"XLA:TPU {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
             entry.used = True
@@ -822,12 +849,6 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                     for key, e in cache.items()
                     if key[0] == name and key[2] == replica_batch and e.module is not None
                 }
-                if len(points) < 2:  # one more compile: the first axis twice as long
-                    more = dict(shape)
-                    more[next(iter(more))] *= 2
-                    extra = compiled(name, strategy, more, replica_batch)
-                    if extra.module is not None:
-                        points[math.prod(more.values())] = update_seconds(system, extra.module)
                 phases["update"] = scale_update(list(points.items()), (n, phases["update"]), topology.devices)
             draft = _row(system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module)
             row = draft._replace(
