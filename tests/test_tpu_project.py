@@ -251,3 +251,76 @@ def test_an_all_reduce_each_device_keeps_a_share_of_is_a_reduce_scatter():
     module = hlo.read(jax.jit(f).lower(x).compile(), mesh)
     kinds = {(c.kind, c.buffer_bytes) for c in module.collectives}
     assert kinds == {("reduce-scatter", 8 * 4096 * 4), ("all-reduce", 8 * 4096 * 4)}
+
+
+_SLICED = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[1024], i: s32[]) -> (f32[256], f32[256], f32[1024], f32[256]) {
+  %p = f32[1024] parameter(0)
+  %i = s32[] parameter(1)
+  %halves = f32[1024] all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  %s0 = f32[256] slice(%halves), slice={[0:256]}
+  %s1 = f32[256] slice(%halves), slice={[256:512]}
+  %whole = f32[1024] all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  %share = f32[1024] all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  %mine = f32[256] dynamic-slice(%share, %i), dynamic_slice_sizes={256}
+  ROOT %t = (f32[256], f32[256], f32[1024], f32[256]) tuple(%s0, %s1, %whole, %mine)
+}
+"""
+
+
+def test_only_an_all_reduce_each_device_keeps_one_share_of_is_a_reduce_scatter():
+    module = hlo.read_text(_SLICED)
+    kinds = {c.name: c.kind for c in module.collectives}
+    # Two static slices (half the buffer) and a result used whole: all-reduces. One dynamic slice
+    # of a quarter: the device keeps its share, a reduce-scatter.
+    assert kinds == {"halves": "all-reduce", "whole": "all-reduce", "share.scatter": "reduce-scatter"}
+
+
+_STRIDED = """HloModule m
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]) parameter(0)
+  %j = s32[] get-tuple-element(%b), index=0
+  %x = f32[8] get-tuple-element(%b), index=1
+  %two = s32[] constant(2)
+  %k = s32[] add(%j, %two)
+  ROOT %r = (s32[], f32[8]) tuple(%k, %y)
+  %y = f32[8] exponential(%x)
+}
+
+ENTRY %main (p: f32[8]) -> (s32[], f32[8]) {
+  %p = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]) tuple(%zero, %p)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_recorded_trip_count_is_read_with_its_step():
+    module = hlo.read_text(_STRIDED)  # i = 0, 2, ..., 8: five trips (the ROOT is not the last line)
+    (exp,) = [o for o in module.ops if o.opcode == "exponential"]
+    assert exp.count == 5 and not module.unknown_trip_counts
+    unknown = hlo.read_text(_STRIDED.replace("add(%j, %two)", "multiply(%j, %two)"))
+    assert unknown.unknown_trip_counts == ["w"]
+
+
+def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
+    assert hlo._groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
+    assert hlo._groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ValueError, match="mesh form"):
+        hlo._groups("replica_groups=mesh['x'=2] <unknown>")

@@ -191,17 +191,19 @@ def _bytes(type_text: str) -> tuple[int, str, list[int]]:
     return sum(sizes), first, sizes
 
 
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,?\s*device_ids=\(([\d,\s]*)\))?\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _MESH_PICK = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 
 
 def _mesh_groups(m: re.Match) -> list[list[int]]:
     """Groups in the mesh form XLA:TPU prints: ``mesh['axis_0'=4,'axis_1'=8] {'axis_1'}`` (devices
-    numbered over the mesh, row-major; a group spans the listed axes; ``'axis_0':(2)2`` is the
-    sub-axis of size 2 after a first factor of 2)."""
+    numbered over the mesh, row-major, or as ``device_ids=(...)`` lists them; a group spans the
+    listed axes; ``'axis_0':(2)2`` is the sub-axis of size 2 after a first factor of 2)."""
     dims: list[tuple[str, int]] = [(name, int(size)) for name, size in _MESH_AXIS.findall(m.group(1))]
-    picked = _MESH_PICK.findall(m.group(2))
+    picked = _MESH_PICK.findall(m.group(3))
+    if any(sum(p == name and bool(n) for p, _, n in picked) > 1 for name, _ in dims):
+        raise ValueError(f"replica groups {m.group(0)!r}: two sub-axes of one mesh axis are not read yet")
     split: list[tuple[str, int]] = []  # the mesh with each picked sub-axis split out
     chosen: list[str] = []
     for name, size in dims:
@@ -216,7 +218,11 @@ def _mesh_groups(m: re.Match) -> list[list[int]]:
         split += [p for p in parts if p[1] > 1 or p[0].endswith(".sub")]
         chosen.append(f"{name}.sub")
     names = [n for n, _ in split]
-    ids = np.arange(math.prod(size for _, size in split)).reshape([size for _, size in split] or [1])
+    count = math.prod(size for _, size in split)
+    ids = np.arange(count) if not m.group(2) else np.array([int(d) for d in m.group(2).split(",") if d.strip()])
+    if ids.size != count:
+        raise ValueError(f"replica groups {m.group(0)!r}: {ids.size} device ids for a mesh of {count}")
+    ids = ids.reshape([size for _, size in split] or [1])
     order = [names.index(n) for n in names if n not in chosen] + [names.index(n) for n in chosen]
     size = math.prod(dict(split)[n] for n in chosen) if chosen else 1
     return ids.transpose(order).reshape(-1, size).tolist()
@@ -228,6 +234,8 @@ def _groups(attrs: str) -> list[list[int]] | None:
     m = _MESH_GROUPS.search(attrs)
     if m:
         return _mesh_groups(m)
+    if "replica_groups=mesh[" in attrs:
+        raise ValueError(f"replica groups in {attrs[:200]!r}: a mesh form this reader does not know")
     m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)?\}", attrs)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1) or "")]
@@ -304,6 +312,7 @@ _NO_COST = frozenset(
         "replica-id",
         "opt-barrier",
         "add-dependency",
+        "async-update",
         "iota",
     }
 )
@@ -473,6 +482,7 @@ def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> f
 def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None) -> Module:
     """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes."""
     comps: dict[str, list[tuple]] = {}
+    roots: dict[str, str] = {}
     entry, current = None, None
     devices = 0
     m = re.search(r"num_partitions=(\d+)", text)
@@ -494,8 +504,13 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
         name, type_text, opcode, rest = i.groups()
         operands, attrs = _split_operands(rest)
         comps[current].append((name, type_text, opcode, operands, attrs, rest))
+        if line.lstrip().startswith("ROOT "):
+            roots[current] = name
     if entry is None:
         raise ValueError("no ENTRY computation in the module text")
+    for comp, root in roots.items():  # each computation's root last, where the readers below look
+        instrs = comps[comp]
+        instrs.append(instrs.pop(next(i for i, ins in enumerate(instrs) if ins[0] == root)))
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     fusion_bodies: set[str] = set()  # a fusion's body, an async op's wrapped computation: not run on their own
     unknown: list[str] = []
@@ -513,7 +528,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 for callee in re.findall(r"%?([\w.\-]+)", target):
                     if role == "to_apply" and opcode != "call":
                         continue  # a reducer, costed by its reduce
-                    if opcode in ("fusion", "async-start"):
+                    if opcode == "fusion" or (opcode == "async-start" and _wrapped_collective(comps, attrs)):
                         fusion_bodies.add(callee)
                         continue
                     calls[comp].append((callee, trips if role in ("body", "condition") else 1))
@@ -579,7 +594,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                 if operands and operands[0] in started:
                     events.append(("done", started[operands[0]]))
                 continue
-            if opcode in ("while", "call", "conditional"):
+            if opcode in ("while", "call", "conditional", "async-start"):  # async-start here: not a collective
                 trips = loop_trips.get((comp, name), 1)
                 for role, target in _CALLED.findall(attrs):
                     if role == "to_apply" and opcode != "call":
@@ -642,11 +657,18 @@ def _scattered(comps, types, comp: str, readers, result: str, n: int) -> list[in
 
 
 def _read_of(comps, types, readers, name: str, full: float, depth: int = 0) -> float:
-    """The most bytes of ``name`` one of its uses reads (a slice; ``full`` for any other use):
-    several uses of a device's share read the same share."""
-    most = 0.0
-    for ins, pos in readers.get(name, []):
-        if ins[2] in ("dynamic-slice", "slice") and pos == 0:
+    """The bytes of ``name`` a device reads: its static slices added up, and the most one dynamic
+    slice (or fusion, reading through slices) reads, since several uses of a device's share read
+    the same share; ``full`` for any other use, or none (a result of the computation)."""
+    uses = readers.get(name, [])
+    if not uses:
+        return full  # a result of the computation: every device keeps all of it
+    most = static = 0.0
+    for ins, pos in uses:
+        if ins[2] == "slice" and pos == 0:
+            static += _bytes(ins[1])[0]  # different static slices of one buffer add up
+            continue
+        if ins[2] == "dynamic-slice" and pos == 0:
             read = _bytes(ins[1])[0]
         elif ins[2] in _PASS_THROUGH and depth < 8:
             read = _read_of(comps, types, readers, ins[0], full, depth + 1)
@@ -658,7 +680,7 @@ def _read_of(comps, types, readers, name: str, full: float, depth: int = 0) -> f
         else:
             return full
         most = max(most, read)
-    return most
+    return most + static
 
 
 def _split_scatter(c: Collective, scattered: list[int]) -> list[Collective]:
@@ -714,9 +736,32 @@ def _trip_count(comps, comp: str, operands: list[str], attrs: str, rest: str) ->
     if not index or init is None or init[2] != "tuple" or int(index.group(1)) >= len(init[3]):
         return None
     start = _constant_of(caller, init[3][int(index.group(1))])
-    if start is None or limit < start:
+    step = _loop_step(comps, attrs, int(index.group(1)))
+    if start is None or step is None or limit < start:
         return None
-    return limit - start
+    return -(-(limit - start) // step)
+
+
+def _loop_step(comps, attrs: str, index: int) -> int | None:
+    """What a loop's body adds to its counter (tuple element ``index``) each trip: the body's
+    result element must be ``counter + constant``; ``None`` otherwise."""
+    m = re.search(r"body=%?([\w.\-]+)", attrs)
+    body = comps.get(m.group(1), []) if m else []
+    if not body or body[-1][2] != "tuple" or index >= len(body[-1][3]):
+        return None
+    by_name = {ins[0]: ins for ins in body}
+    add = by_name.get(body[-1][3][index])
+    while add is not None and add[2] in ("copy", "bitcast") and add[3]:
+        add = by_name.get(add[3][0])
+    if add is None or add[2] != "add" or len(add[3]) != 2:
+        return None
+    for counter, constant in (add[3], add[3][::-1]):
+        element = by_name.get(counter)
+        step = _constant_of(by_name, constant)
+        if element is not None and element[2] == "get-tuple-element" and step is not None and step > 0:
+            if re.search(rf"index={index}\b", element[4]):
+                return step
+    return None
 
 
 def _constant_of(by_name: dict, name: str, depth: int = 0) -> int | None:
@@ -939,7 +984,7 @@ def _fusion_reader(comps, types, body_name: str):
                 m = re.search(r"calls=%?([\w.\-]+)", ins[4])
                 inner = comps.get(m.group(1) if m else "", [])
                 names = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
-                total += _fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else 0.0
+                total += _fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else full
             else:
                 return full
         return min(full, total)

@@ -523,9 +523,10 @@ MAX_PARALLEL_COMPILES = 4
 """XLA:TPU compiles of one projection run side by side on at most this many threads (and no more
 than the machine's cores): each compile is one program on one core."""
 MAX_TPU_COMPILE_DEVICES = 256
-"""XLA:TPU compiles a projection's program for at most this many devices (the first data axis
-shorter, see :func:`shrink`): the per-replica program is the same on a larger slice, and the
-compile stays within minutes."""
+"""XLA:TPU compiles a projection's program for about this many devices or fewer (the first data
+axis halved while it stays even and at least 2, see :func:`shrink`; the sharded update's second
+size doubles it): the per-replica program is the same on a larger slice, and the compile stays
+within minutes."""
 
 
 def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str], None] | None = None) -> bool:
@@ -720,14 +721,18 @@ class _Compiled:
     used: bool = False
 
 
-_OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+def _out_of_memory(message: str) -> bool:
+    """Whether XLA:TPU refused the program for the chip's memory (HBM), not another resource."""
+    return "Ran out of memory" in message or ("RESOURCE_EXHAUSTED" in message and "hbm" in message.lower())
+
+
 def _required(message: str, system: System) -> float | None:
-    """The memory per chip XLA:TPU's refusal says the program needs (its first figure, per
-    device, ``(70.00G)``), or ``None`` when it gives none."""
-    m = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\)", message)
+    """The memory per chip XLA:TPU's refusal says the program needs (per device: ``required ...
+    (70.00G)`` or ``Used 20.95G of 15.48G hbm``), or ``None`` when it gives none."""
+    m = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\)", message) or re.search(r"Used (\d+(?:\.\d+)?)([KMGT])\b", message)
     return float(m.group(1)) * _UNITS[m.group(2)] * system.devices_per_chip if m else None
 
 
@@ -779,9 +784,10 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 )
             entry = _Compiled(dp, module, time.perf_counter() - one, slice_name)
         except Exception as e:
-            if not any(word in str(e) for word in _OUT_OF_MEMORY):
+            if not _out_of_memory(str(e)):
                 raise
-            message = str(e).strip().splitlines()[0]
+            lines = str(e).strip().splitlines()
+            message = next((line for line in lines if _out_of_memory(line)), lines[0])
             entry = _Compiled(None, None, time.perf_counter() - one, slice_name, error=message)
         say(f"{what}: done in {elapsed(one)}" + (f": does not fit: {entry.error}" if entry.error else ""))
         cache[key] = entry
@@ -807,9 +813,17 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             more = dict(shape)
             more[next(iter(more))] *= 2
             wanted[name, tuple(more.items()), replica_batch] = (name, strategy, more, replica_batch, 1)
+    for _, _, shape, _, _ in wanted.values():  # libtpu loads here, in this thread, once
+        tpu.devices(system.name, tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip))
     workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda w: compiled(*w[:4]), wanted.values()))
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        for future in [pool.submit(compiled, *w[:4]) for w in wanted.values()]:
+            future.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)  # an error or Ctrl-C: no queued compile starts
+        raise
+    pool.shutdown()
 
     rows: list[Row] = []
     for topology in topologies:
@@ -844,12 +858,12 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             )
             n = math.prod(shape.values())
             if factor > 1 and strategy.weight_update == "sharded":
-                points = {
-                    math.prod(dict(key[1]).values()): update_seconds(system, e.module)
-                    for key, e in cache.items()
-                    if key[0] == name and key[2] == replica_batch and e.module is not None
-                }
-                phases["update"] = scale_update(list(points.items()), (n, phases["update"]), topology.devices)
+                points = [  # every compiled size of the strategy, in a fixed order
+                    (math.prod(dict(key[1]).values()), update_seconds(system, cache[key].module))
+                    for key in sorted(cache, key=repr)
+                    if key[0] == name and key[2] == replica_batch and cache[key].module is not None
+                ]
+                phases["update"] = scale_update(points, (n, phases["update"]), topology.devices)
             draft = _row(system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module)
             row = draft._replace(
                 phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, **common
