@@ -479,8 +479,12 @@ def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> f
     return 2.0 * per_out * taps
 
 
-def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None) -> Module:
-    """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes."""
+def read_text(
+    text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None, platform: str = "cpu"
+) -> Module:
+    """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes.
+    ``platform``: the compiler's (``tpu``: an all-reduce of which each device keeps one share is
+    the reduce-scatter XLA:TPU runs it as, see :func:`_scattered`; XLA:CPU emits reduce-scatters)."""
     comps: dict[str, list[tuple]] = {}
     roots: dict[str, str] = {}
     entry, current = None, None
@@ -578,7 +582,7 @@ def read_text(text: str, mesh_shape: dict[str, int] | None = None, memory: dict 
                     continue
                 c = _collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name)
                 first = len(out)
-                if base == "all-reduce":
+                if base == "all-reduce" and platform == "tpu":
                     result = done_of.get(name, name) if opcode.endswith("-start") else name
                     out += _split_scatter(c, _scattered(comps, types, comp, readers, result, c.group_size))
                 else:
@@ -1026,4 +1030,5 @@ def memory_of(compiled) -> dict[str, int]:
 def read(compiled, mesh=None) -> Module:
     """The collectives and memory of ``jax.jit(...).lower(...).compile()`` (one device's program)."""
     shape = dict(mesh.shape) if mesh is not None else None
-    return read_text(compiled.as_text(), shape, memory_of(compiled))
+    platform = mesh.devices.flat[0].platform if mesh is not None else "cpu"
+    return read_text(compiled.as_text(), shape, memory_of(compiled), platform)
