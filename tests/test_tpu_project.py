@@ -323,5 +323,8 @@ def test_a_loop_without_a_recorded_trip_count_is_read_with_its_step():
 def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
     assert hlo._groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
     assert hlo._groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # XLA:CPU writes the device ids in iota form: 0..7 as 4x2, transposed: 0,2,4,6,1,3,5,7.
+    groups = hlo._groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}")
+    assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="mesh form"):
         hlo._groups("replica_groups=mesh['x'=2] <unknown>")

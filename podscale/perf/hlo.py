@@ -191,7 +191,9 @@ def _bytes(type_text: str) -> tuple[int, str, list[int]]:
     return sum(sizes), first, sizes
 
 
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,?\s*device_ids=\(([\d,\s]*)\))?\s*\{([^}]*)\}")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,?\s*device_ids=\(((?:\[[\d,]*\](?:T\([\d,]*\))?)|[\d,\s]*)\))?\s*\{([^}]*)\}"
+)
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _MESH_PICK = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 
@@ -219,13 +221,26 @@ def _mesh_groups(m: re.Match) -> list[list[int]]:
         chosen.append(f"{name}.sub")
     names = [n for n, _ in split]
     count = math.prod(size for _, size in split)
-    ids = np.arange(count) if not m.group(2) else np.array([int(d) for d in m.group(2).split(",") if d.strip()])
+    ids = np.arange(count) if not m.group(2) else _device_ids(m.group(2))
     if ids.size != count:
         raise ValueError(f"replica groups {m.group(0)!r}: {ids.size} device ids for a mesh of {count}")
     ids = ids.reshape([size for _, size in split] or [1])
     order = [names.index(n) for n in names if n not in chosen] + [names.index(n) for n in chosen]
     size = math.prod(dict(split)[n] for n in chosen) if chosen else 1
     return ids.transpose(order).reshape(-1, size).tolist()
+
+
+def _device_ids(text: str) -> np.ndarray:
+    """A mesh form's ``device_ids``: listed (``0,2,1,3``) or in iota form (``[4,2]T(1,0)``: the
+    ids 0..7 as a 4x2 array, transposed, flattened)."""
+    m = re.fullmatch(r"\[([\d,]*)\](?:T\(([\d,]*)\))?", text.strip())
+    if not m:
+        return np.array([int(d) for d in text.split(",") if d.strip()])
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+        ids = ids.transpose([int(p) for p in m.group(2).split(",")])
+    return ids.reshape(-1)
 
 
 def _groups(attrs: str) -> list[list[int]] | None:
