@@ -137,24 +137,40 @@ def _largest_file(folder):
     return max(sizes)[1]
 
 
+_ZSTD_FRAME = bytes.fromhex("28b52ffd")
+
+
+def _one_array_chunk(path):
+    """(start, end) of the largest compressed frame in ``path`` that another frame follows: one
+    array chunk's stored bytes, which every restore reads. Elsewhere the file may hold bytes no
+    restore reads (for instance b-tree nodes that a later commit of the same save superseded): a
+    run under load once restored a step whose file had two flipped bits, unchanged."""
+    data = open(path, "rb").read()
+    starts = [m.start() for m in re.finditer(re.escape(_ZSTD_FRAME), data)]
+    assert len(starts) >= 2, f"{path}: expected zstd-compressed array chunks, found {len(starts)} frames"
+    return max(zip(starts, starts[1:]), key=lambda span: span[1] - span[0])
+
+
 def _flip_bits(path, bits, seed=0):
+    start, end = _one_array_chunk(path)
     data, rng = bytearray(open(path, "rb").read()), random.Random(seed)
-    for _ in range(bits):
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    for _ in range(bits):  # inside the frame's blocks: past its header, before a trailing checksum
+        data[rng.randrange(start + 16, end - 8)] ^= 1 << rng.randrange(8)
     open(path, "wb").write(data)
 
 
 def _scribble(path, count, at):
-    """Overwrites ``count`` bytes from ``at`` (a fraction of the file's length) with noise."""
+    """Overwrites ``count`` bytes from ``at`` (a fraction of one array chunk's length) with noise."""
+    start, end = _one_array_chunk(path)
     data, rng = bytearray(open(path, "rb").read()), random.Random(1)
-    start = int(len(data) * at)
+    start += int((end - start) * at)
     data[start : start + count] = bytes(rng.randrange(256) for _ in range(len(data[start : start + count])))
     open(path, "wb").write(data)
 
 
-# The ways a step's largest data file changes after the save: a couple of flipped bits (orbax
-# then restores other values without a word), many bytes of noise in its middle, and its start
-# (the compressed frame's header, which orbax cannot decode at all).
+# The ways a stored array chunk changes after the save: a couple of flipped bits (orbax then
+# restores other values without a word), many bytes of noise in its middle, and its start (the
+# compressed frame's header, which orbax cannot decode at all).
 DAMAGE = {
     "2 flipped bits": lambda path: _flip_bits(path, 2),
     "2 flipped bits, another place": lambda path: _flip_bits(path, 2, seed=7),
