@@ -408,3 +408,132 @@ def test_a_depthwise_convolution_runs_on_the_local_rows():
     assert _rel(par, ref) <= TOL
     # Only the depthwise kernel's gradient (a convolution grouped over the batch) is made whole.
     assert all(op.startswith("conv_general_dilated") for op in dp.trace.whole_ops) and len(dp.trace.whole_ops) == 1
+
+
+# -- reductions over the split batch in a 16-bit type --------------------------------------------
+# One device rounds such a sum once, after adding every row. Each replica's partial is summed in
+# float32 and rounded once after the sum over the replicas: one device's rounding, up to order.
+
+
+def _loss_scaled_f16_step(lr=2.0**-10):
+    """A float16 step with a dynamic loss scale: a step whose gradient is not finite is skipped
+    and the scale halved (as optax's or flax's dynamic scale does)."""
+
+    def step(state, batch):
+        params, scale = state
+
+        def loss_fn(p):
+            out = (batch["x"] @ p["w"]).astype(jnp.float32)[:, 0]
+            return jnp.sum(out * batch["g"]) * scale
+
+        g = jax.grad(loss_fn)(params)
+        g = jax.tree.map(lambda x: x / scale.astype(x.dtype), g)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
+        new = jax.tree.map(lambda p, x: jnp.where(finite, p - jnp.asarray(lr, p.dtype) * x, p), params, g)
+        return (new, jnp.where(finite, scale, scale / 2)), {"finite": finite, "w_grad": g["w"]}
+
+    return step
+
+
+def _f16_batch(row_values):
+    n = len(row_values)
+    return {"x": jnp.asarray(row_values, jnp.float16)[:, None] * jnp.ones((n, 2), jnp.float16), "g": jnp.ones((n,))}
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        # every replica's 4 rows sum to ±80,000 (over float16's 65,504); the whole batch sums to 0
+        ([20000.0] * 4 + [-20000.0] * 4) * 4,
+        # every replica's partial is finite (20,000); the whole batch's 160,000 is not
+        [5000.0] * 32,
+    ],
+    ids=["partials overflow, the sum does not", "the sum overflows, the partials do not"],
+)
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_a_float16_gradient_sum_overflows_where_one_device_s_does(rows, weight_update):
+    step, batch = _loss_scaled_f16_step(), _f16_batch(rows)
+    state = ({"w": jnp.ones((2, 1), jnp.float16)}, jnp.asarray(1.0))
+    ref, ref_m = run_single(step, state, [batch])
+    par, par_m = run_parallel(
+        data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1), state, [batch]
+    )
+    assert bool(par_m["finite"]) == bool(ref_m["finite"])
+    np.testing.assert_array_equal(np.asarray(par_m["w_grad"]), np.asarray(ref_m["w_grad"]))
+    assert max_abs_diff(par, ref) == 0.0
+
+
+def _ulps_apart(a, b):
+    """Per element, how many steps of a 16-bit type ``a`` and ``b`` are apart."""
+    a, b = (np.asarray(x).view(np.int16).astype(np.int64) for x in (a, b))
+    a, b = (np.where(x < 0, -(x & 0x7FFF), x) for x in (a, b))  # sign-magnitude to a number line
+    return np.abs(a - b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_16_bit_weight_gradients_are_rounded_once(dtype, weight_update):
+    """A 16-bit layer's weight gradient, a sum over 256 rows on 8 replicas: one device rounds
+    the sum once. Rounding each replica's share first put most elements several steps of the
+    type away from one device's; rounded once, they differ only where float32 summation order
+    moves a sum across a rounding boundary (one step, rarely)."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            return jnp.sum((batch["x"].astype(dtype) @ p["w"]).astype(jnp.float32) * batch["t"]) / 256
+
+        return params, {"g": jax.grad(loss_fn)(params)["w"]}
+
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(k1, (16, 32)).astype(dtype)}
+    batch = {"x": jax.random.normal(k2, (256, 16)), "t": jax.random.normal(k3, (256, 32))}
+    _, ref = run_single(step, params, [batch])
+    dp = data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1)
+    _, par = run_parallel(dp, params, [batch])
+    apart = _ulps_apart(par["g"], ref["g"])
+    assert apart.max() <= 1 and np.count_nonzero(apart) <= apart.size // 100, (apart.max(), np.count_nonzero(apart))
+
+
+# -- host callbacks ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2)])
+def test_debug_callbacks_fire_once_per_step_with_one_device_s_values(mesh_shape, capfd):
+    seen = []
+
+    def step(params, batch):
+        loss, g = jax.value_and_grad(_count_normalised_loss)(params, batch)
+        jax.debug.callback(lambda loss, x: seen.append((float(loss), np.asarray(x))), loss, batch["x"])
+        jax.debug.print("podscale-test loss {loss}", loss=loss)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), {"loss": loss}
+
+    batches = [_data(i) for i in range(2)]
+    _, ref = run_single(step, _params(), batches)
+    jax.effects_barrier()
+    one_device, seen[:] = list(seen), []
+    capfd.readouterr()
+    grad_sum = "2d" if len(mesh_shape) == 2 else "1d"
+    run_parallel(data_parallel(step, make_mesh(mesh_shape), grad_sum=grad_sum), _params(), batches)
+    jax.effects_barrier()
+    assert len(seen) == len(one_device) == 2
+    for (loss, x), (want_loss, want_x) in zip(seen, one_device, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-6) and x.shape == want_x.shape == (32, 6)
+        np.testing.assert_array_equal(x, want_x)  # the whole batch, not one replica's rows
+    assert capfd.readouterr().out.count("podscale-test loss") == 2
+
+
+def test_io_callback_and_ordered_callbacks_are_refused_before_running():
+    from jax.experimental import io_callback
+
+    def with_io(params, batch):
+        io_callback(lambda x: None, None, batch["x"])
+        return params, {}
+
+    def ordered(params, batch):
+        jax.debug.print("{x}", x=batch["x"], ordered=True)
+        return params, {}
+
+    for step, match in [(with_io, r"io_callback at .*fire once per replica"), (ordered, r"ordered=True")]:
+        dp = data_parallel(step, make_mesh())
+        with pytest.raises(NotImplementedError, match=match):  # placing the state traces the step
+            dp(dp.place_state(_params(), _data(0)), _data(0))

@@ -20,6 +20,13 @@ operands made whole (all-gathered or summed), which is always correct, and is li
 ``Partitioner.whole_ops`` for the plan. Nothing is rescaled: a mean over the batch divides by the
 global count because the program says so, and a sum, a weighted mean or a per-example gradient
 comes out as on one device.
+
+A partial sum in a 16-bit float type is held in float32 (its *wide* form): the local reduction
+that makes it (a ``dot_general``, a convolution, a ``reduce_sum``, a ``scatter-add``) accumulates
+in float32, the sum over the replicas is taken in float32, and the result is rounded to the
+program's type once, after that sum. One device rounds the whole batch's sum once too, so the
+result is its rounding up to summation order: a float16 gradient overflows (and a loss-scaled
+step is skipped) exactly where one device's does, not where one replica's share happens to.
 """
 
 from __future__ import annotations
@@ -118,6 +125,16 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
+def _narrow_float(dtype) -> bool:
+    """A float type narrower than float32 (float16, bfloat16, the float8s): a partial sum in it is
+    held in float32."""
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
+
+
+WIDE = np.dtype(np.float32)
+"""The type a partial sum in a narrow float type is held in until it is summed and rounded."""
+
+
 # -- the partitioner ---------------------------------------------------------------------------
 
 
@@ -155,6 +172,9 @@ class Partitioner:
         self._memo: dict[tuple, tuple[Any, Any]] = {}
         """Conversions already made, by (id of the local value, source, destination): a partial
         sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
+        self._wide: dict[int, tuple[Any, np.dtype]] = {}
+        """Partial sums held in float32 for a narrow float type, by id: (the value, the program's
+        type), which the value is rounded to once it is summed."""
 
     # -- conversions ---------------------------------------------------------------------------
     def index(self):
@@ -179,6 +199,25 @@ class Partitioner:
         """The whole value, the same on every replica."""
         return self.convert(x, layout, REPLICATED)
 
+    def narrow_type(self, x):
+        """The program's type of ``x`` where ``x`` is a partial sum held in float32 for a narrow
+        float type, else ``None``."""
+        hit = self._wide.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else None
+
+    def hold(self, x, layout: Layout, dtype=None):
+        """``x`` as the partitioner holds a value of the program's type ``dtype`` (``x``'s own
+        where not given) in ``layout``: a partial sum of a narrow float type in float32."""
+        dtype = getattr(x, "dtype", None) if dtype is None else dtype
+        if layout is not PARTIAL or not _narrow_float(dtype) or not hasattr(x, "dtype"):
+            return x
+        if self.narrow_type(x) is not None:
+            return x
+        if np.dtype(x.dtype) != WIDE:
+            x = x.astype(WIDE)  # a partial that no reduction made (a value on replica 0): exact
+        self._wide[id(x)] = (x, np.dtype(dtype))
+        return x
+
     def _whole(self, x, layout: Layout):
         if layout is REPLICATED:
             return x
@@ -186,7 +225,9 @@ class Partitioner:
             self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
             return lax.pmean(x, self.axes)
         if layout is PARTIAL:
-            return lax.psum(x, self.axes)
+            narrow = self.narrow_type(x)
+            total = lax.psum(x, self.axes)
+            return total if narrow is None else total.astype(narrow)  # rounded once, after the sum
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
         self.record("all-gather", self.axes, x, "rows made whole")
         return out
@@ -244,8 +285,8 @@ class Partitioner:
         env: dict[Any, tuple[Any, Layout]] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)
-        for v, a in zip(jaxpr.invars, args, strict=True):
-            env[v] = a
+        for v, (a, lay) in zip(jaxpr.invars, args, strict=True):
+            env[v] = (self.hold(a, lay, _dtype(v)), lay)
 
         def read(var):
             if isinstance(var, core.Literal):
@@ -260,12 +301,18 @@ class Partitioner:
             ins = [read(v) for v in eqn.invars]
             with _interpret.source(eqn):
                 outs = self.equation(eqn, ins)
-            for var, out in zip(eqn.outvars, outs, strict=True):
-                env[var] = out
+            for var, (out, lay) in zip(eqn.outvars, outs, strict=True):
+                env[var] = (self.hold(out, lay, _dtype(var)), lay)
         return [read(v) for v in jaxpr.outvars]
 
     def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
         name = eqn.primitive.name
+        if name not in _CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
+            out = self.wide_rule(eqn, ins)
+            if out is not None:
+                return out
+            # Anything else reads the sum, rounded to the program's type.
+            ins = [(self.whole(v, lay), REPLICATED) if self.narrow_type(v) is not None else (v, lay) for v, lay in ins]
         layouts = [lay for _, lay in ins]
         if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
             return [self.group_sum(v, lay) for v, lay in ins]
@@ -326,10 +373,11 @@ class Partitioner:
         the whole batch's count) summed over the group, times the number of groups, is the
         statistic over the group's rows."""
         if lay is PARTIAL:
-            groups = self.n // self.group_size
+            groups, narrow = self.n // self.group_size, self.narrow_type(v)
             total = lax.psum(v, self.group_axis)
             self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
-            return (total * jnp.asarray(groups, total.dtype), GROUP)
+            total = total * jnp.asarray(groups, total.dtype)
+            return (total if narrow is None else total.astype(narrow), GROUP)
         return (v, lay)  # already whole: a sum over one member
 
     def fallback(self, eqn, ins):
@@ -357,6 +405,32 @@ class Partitioner:
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
     # -- partial sums ----------------------------------------------------------------------------
+    def wide_rule(self, eqn, ins):
+        """Equations through which a partial sum held in float32 stays partial (and in float32:
+        the ops a partial sum stays partial through are sums and shape ops, so no rounding is
+        skipped that one device would make before the sum), or ``None``."""
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
+            return [self.group_sum(v, lay) for v, lay in ins]
+        keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
+            name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
+        )
+        keeps |= name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1])
+        keeps |= name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:])
+        keeps |= GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts)
+        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
+            keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
+            keeps |= name == "mul" and layouts[0] is REPLICATED
+        vals = [v for v, _ in ins]
+        if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
+            vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
+            keeps = True
+        if not keeps:
+            return None
+        vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+        return [(o, PARTIAL) for o in self.bind(eqn, vals, preferred_element_type=WIDE)]
+
     def partial_rule(self, eqn, ins):
         """Equations through which a partial sum stays partial, or ``None``."""
         name = eqn.primitive.name
@@ -433,6 +507,12 @@ def _source(eqn) -> str:
         return f" at {frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
     except Exception:  # source info is a courtesy; never fail the plan over it
         return ""
+
+
+def _dtype(var):
+    """The program's type of ``var`` (``None`` for a token or a key)."""
+    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
 
 
 def _global_shape(var) -> tuple[int, ...]:
@@ -593,6 +673,8 @@ def _reduce(p: Partitioner, eqn, ins):
     if lay.dim not in axes:
         return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
     if name == "reduce_sum":
+        if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
+            local = p.bind(eqn, [v.astype(WIDE)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
         return [(local, PARTIAL)]
     collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
     if collective is None:
@@ -647,6 +729,8 @@ def _dot_general(p: Partitioner, eqn, ins):
     changes = {"out_sharding": None} if "out_sharding" in eqn.params else {}
 
     def done(l_val, r_val, layout):
+        if layout is PARTIAL and _narrow_float(eqn.outvars[0].aval.dtype):  # accumulated in float32
+            return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes, preferred_element_type=WIDE)]
         return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes)]
 
     if isinstance(ll, Split) and isinstance(rl, Split):
@@ -687,7 +771,9 @@ def _conv(p: Partitioner, eqn, ins):
     if prm["feature_group_count"] != 1:
         return None
     if isinstance(ll, Split) and isinstance(rl, Split) and ll.dim == lhs_spec[1] and rl.dim == rhs_spec[1]:
-        return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs])]  # contracts the split batch (a kernel's gradient)
+        # contracts the split batch (a kernel's gradient), accumulated in float32 for a narrow type
+        wide = {"preferred_element_type": WIDE} if _narrow_float(eqn.outvars[0].aval.dtype) else {}
+        return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs], **wide)]
     return None
 
 
@@ -769,6 +855,8 @@ def _scatter(p: Partitioner, eqn, ins):
     zero = not isinstance(eqn.invars[0], core.Literal) and eqn.invars[0] in p._zeros
     operand = op if zero else p.convert(op, REPLICATED, PARTIAL)
     vals = [operand, p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
+    if _narrow_float(vals[0].dtype):  # added up in float32, rounded after the sum over the replicas
+        vals = [vals[0].astype(WIDE), vals[1], vals[2].astype(WIDE)]
     return [(o, PARTIAL) for o in p.bind(eqn, vals)]
 
 
@@ -1004,7 +1092,7 @@ def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset, guessed: froz
             new_targets[i], retry = REPLICATED, True
     if retry:
         raise _Retry(new_targets)
-    return [p.convert(v, lay, t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
+    return [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
 
 
 def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16, guessed=()):
@@ -1049,7 +1137,7 @@ def _scan(p: Partitioner, eqn, ins):
 
     def attempt(carry_layouts, pinned, guessed):
         carry0 = _vary_all(
-            p, [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
+            p, [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
         )
 
         @_scoped(p)
@@ -1085,7 +1173,7 @@ def _while(p: Partitioner, eqn, ins):
     cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
 
     def attempt(carry_layouts, pinned, guessed):
-        carry0 = [p.convert(v, lay, t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
+        carry0 = [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
 
         @_scoped(p)
         def cond(c):
@@ -1128,7 +1216,37 @@ def _cond(p: Partitioner, eqn, ins):
     return _fixed_point(p, attempt, [REPLICATED] * len(eqn.outvars))
 
 
+def _debug_callback(p: Partitioner, eqn, ins):
+    """``jax.debug.print`` and ``jax.debug.callback``: fired once per step, on the whole values,
+    as one device fires them (replica 0 fires; the others skip it)."""
+    if any(type(e).__name__.startswith("Ordered") for e in eqn.effects):
+        raise NotImplementedError(
+            f"{eqn.primitive.name}{_source(eqn)} with ordered=True: JAX runs ordered effects on one device only, "
+            "and podscale runs the step on every replica. Drop ordered=True: podscale fires the callback once per "
+            "step, on the whole values."
+        )
+    vals = [p.whole(v, lay) for v, lay in ins]
+
+    def fire(*vals):
+        p.bind(eqn, list(vals))
+        return ()
+
+    lax.cond(p.index() == 0, fire, lambda *_: (), *vals)
+    return []
+
+
+def _io_callback(p: Partitioner, eqn, ins):
+    raise NotImplementedError(
+        f"io_callback{_source(eqn)} in the step: podscale runs the step on every replica, so it would fire once per "
+        "replica, where one device fires it once per step. Call it outside the step (on the metrics the step "
+        "returns), or use jax.debug.callback, which podscale fires once per step on the whole values."
+    )
+
+
 _CONTROL = {
+    "debug_callback": _debug_callback,
+    "debug_print": _debug_callback,
+    "io_callback": _io_callback,
     "jit": _inline("jaxpr"),
     "pjit": _inline("jaxpr"),
     "closed_call": _inline("call_jaxpr"),
