@@ -23,7 +23,7 @@ $(BIN)/.installed-tpu: $(BIN)/.installed
 test: $(BIN)/.installed-tpu
 	$(BIN)/ruff check podscale tests
 	$(BIN)/ruff format --check podscale tests
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,6 +2,7 @@
 matches across replicas, and (slow) the full config compiling for one replica."""
 
 import json
+import os
 import re
 
 import jax
@@ -13,7 +14,7 @@ from helpers import max_abs_diff, run_parallel, run_single
 from podscale import data_parallel, make_mesh, workloads
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train.precision import BF16, FLOAT32, check_state
-from podscale.train.tasks import Task, make_task, make_train_step
+from podscale.train.tasks import Task, bn_group_workloads, make_task, make_train_step
 
 HEAVY = ("dot_general", "conv_general_dilated")
 
@@ -102,11 +103,10 @@ def test_tiny_step_on_8_replicas_matches_one_device(name):
             wants.append(jax.device_get(single(wants[-1][0], batch)))
     else:
         ref, ref_metrics = run_single(single, state, batches)
-    grouped = make_task(name, config="tiny", policy=FLOAT32, bn_axis=BN_GROUP)
-    runs = [
-        data_parallel(make_train_step(task, tx), make_mesh()),
-        data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8)),
-    ]
+    runs = [data_parallel(make_train_step(task, tx), make_mesh())]
+    if name in bn_group_workloads():  # the others' models ignore the group axis: the same program
+        grouped = make_task(name, config="tiny", policy=FLOAT32, bn_axis=BN_GROUP)
+        runs.append(data_parallel(make_train_step(grouped, tx), make_mesh(bn_group_size=8)))
     for dp in runs:
         if name in CHAOTIC:  # each step from one device's state at that step
             for (before, _), (want, want_metrics), batch in zip(wants[:-1], wants[1:], batches, strict=True):
@@ -320,8 +320,18 @@ def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_co
     _check_update_at_its_limit(*_plans(name, "tiny"))
 
 
+# The suite compiles transformer-big's full config (its update is the seeds' headline); every
+# workload's tiny config is held to the same limit above. The other full configs' figures are
+# benchmarks (docs/benchmarks.md): PODSCALE_TEST_FULL_CONFIGS=1 holds them too (about 4 minutes).
+FULL_LIMIT = (
+    [n for n in workloads.NAMES if n != "maskrcnn"]
+    if os.environ.get("PODSCALE_TEST_FULL_CONFIGS") == "1"
+    else ["transformer-big"]
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in workloads.NAMES if n != "maskrcnn"])
+@pytest.mark.parametrize("name", FULL_LIMIT)
 def test_full_config_sharded_update_at_its_limit(name):
     # maskrcnn's full config (832x1344 images) compiles in the full-config test above; its
     # update at the limit is the tiny config's (the rule does not depend on the images' size).
