@@ -537,3 +537,38 @@ def test_io_callback_and_ordered_callbacks_are_refused_before_running():
         dp = data_parallel(step, make_mesh())
         with pytest.raises(NotImplementedError, match=match):  # placing the state traces the step
             dp(dp.place_state(_params(), _data(0)), _data(0))
+
+
+# -- meshes from jax.make_mesh ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "kw"),
+    [
+        ((8,), ("batch",), dict(weight_update="replicated")),
+        ((8,), ("batch",), dict(weight_update="sharded", min_shard_size=1)),
+        ((4, 2), ("a", "b"), dict(grad_sum="2d")),
+    ],
+)
+def test_a_mesh_from_jax_make_mesh_with_explicit_axes_is_accepted(shape, names, kw):
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh(shape, names)
+    assert set(mesh.axis_types) == {AxisType.Explicit}  # JAX's default
+    step, batches = _sgd_step(_count_normalised_loss), [_data(i) for i in range(3)]
+    ref, _ = run_single(step, _params(), batches)
+    # A batch already placed on the user's mesh is taken too.
+    placed = [jax.device_put(b, NamedSharding(mesh, P(names))) for b in batches]
+    par, _ = run_parallel(data_parallel(step, mesh, **kw), _params(), placed)
+    assert _rel(par, ref) <= TOL
+
+
+def test_distributed_eval_on_a_mesh_from_jax_make_mesh():
+    from podscale import distributed_eval
+
+    mesh = jax.make_mesh((8,), ("batch",))
+    batch = {**_data(0), "mask": jnp.ones(32)}
+    run = distributed_eval(lambda p, b: {"sq": jnp.sum(_logits(p, b["x"]) ** 2, axis=-1)}, mesh)
+    want = float(jnp.mean(jnp.sum(_logits(_params(), batch["x"]) ** 2, axis=-1)))
+    assert run(_params(), [batch])["sq"] == pytest.approx(want, rel=1e-6)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import _interpret, spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
-from podscale.parallel.mesh import BN_GROUP, mesh_advice, replica_count
+from podscale.parallel.mesh import BN_GROUP, auto_axes, mesh_advice, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
@@ -131,7 +131,7 @@ class DataParallelStep:
     """
 
     def __init__(self, step: Step, mesh: Mesh, strategy: Strategy | None = None, *, donate_state: bool = True):
-        self.step, self.mesh = step, mesh
+        self.step, self.mesh = step, auto_axes(mesh)  # a jax.make_mesh mesh's Explicit axes are taken as Auto
         self.strategy = strategy or Strategy()
         self.donate_state = donate_state
         self.axes = self.strategy.axes(mesh)

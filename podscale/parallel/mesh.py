@@ -27,6 +27,17 @@ def default_axis_names(rank: int) -> tuple[str, ...]:
     return ("x", "y", "z", "w")[:rank] + tuple(f"a{i}" for i in range(4, rank))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis ``Auto`` (the same devices and names). podscale partitions the step
+    itself: manual over the data axes, XLA's partitioner over a space or model axis. A mesh from
+    ``jax.make_mesh``, whose axes are ``Explicit`` by default, is taken so; its sharding-in-types
+    would type the step's values as split where podscale splits them by hand."""
+    types = getattr(mesh, "axis_types", None)
+    if types is None or all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """Parses a mesh shape written as ``8`` or ``4x2``."""
     try:

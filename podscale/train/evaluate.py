@@ -15,9 +15,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.mesh import auto_axes
+
 
 def distributed_eval(eval_fn: Callable, mesh: Mesh) -> Callable[[object, Iterable], dict[str, float]]:
     """Returns ``run(state, batches) -> {metric: mean over real examples}``."""
+    mesh = auto_axes(mesh)  # a jax.make_mesh mesh's Explicit axes are taken as Auto
     axes = tuple(mesh.axis_names)
 
     def body(state, batch):
