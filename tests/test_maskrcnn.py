@@ -248,17 +248,22 @@ def test_reordering_rows_on_one_device_moves_the_parameters_as_far():
     np.testing.assert_allclose(got, losses, rtol=1e-6)
 
 
-@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-@pytest.mark.parametrize("k", [2, 4])
-def test_tiny_maskrcnn_spatial_steps_equal_one_device(k, weight_update):
-    """k partitions per canvas on a (8/k) x k mesh: the whole model (backbone, RPN, anchor
-    matching, proposals, RoIAlign, heads) on the partitions, 5 chained steps against one
-    device's 5 steps on whole canvases: every step's loss within 1e-6 relative, the parameters
-    and optimizer state within PARAMS_TOLERANCE."""
+@pytest.mark.parametrize(
+    ("replicas", "k", "weight_update"),
+    [(4, 2, "sharded"), (2, 4, "replicated"), (2, 4, "sharded"), (1, 4, "sharded")],
+    ids=["4x2-sharded", "2x4-replicated", "2x4-sharded", "one-replica-1x4-sharded"],
+)
+def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update):
+    """k partitions per canvas on a replicas x k mesh (one replica: spatial partitioning alone,
+    on 4 of the devices): the whole model (backbone, RPN, anchor matching, proposals, RoIAlign,
+    heads) on the partitions, 5 chained steps against one device's 5 steps on whole canvases:
+    every step's loss within 1e-6 relative, the parameters and optimizer state within
+    PARAMS_TOLERANCE."""
     model, step, state, batches = _setup()
     want, want_losses = _reference(step, state, batches)
     assert max_relative_diff(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"
-    dp = data_parallel(step, make_mesh((8 // k, k)), spatial=k, weight_update=weight_update, min_shard_size=64)
+    mesh = make_mesh((replicas, k), devices=jax.devices()[: replicas * k])
+    dp = data_parallel(step, mesh, spatial=k, weight_update=weight_update, min_shard_size=64)
     placed, losses = dp.place_state(jax.device_get(state), batches[0]), []
     for batch in batches:
         placed, metrics = dp(placed, batch)
@@ -272,7 +277,7 @@ def test_tiny_maskrcnn_spatial_steps_equal_one_device(k, weight_update):
         "labels": False,
         "masks": False,
     }
-    if k == 4 and weight_update == "sharded":
+    if (replicas, k, weight_update) == (2, 4, "sharded"):
         _check_no_feature_map_is_gathered(dp, batches[0])
 
 

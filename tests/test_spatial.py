@@ -67,6 +67,23 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
 
 
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_one_replica_split_8_ways_equals_one_device(weight_update):
+    """Spatial partitioning alone (a 1x8 mesh): no collective runs over the data axis of one
+    device, which XLA's partitioner would refuse."""
+    step, state, batches = _setup()
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = run_single(step, state, batches)
+    ref, ref_metrics = _REFERENCE["ref"]
+    dp = data_parallel(step, make_mesh((1, 8)), spatial=8, weight_update=weight_update, min_shard_size=64)
+    out, metrics = run_parallel(dp, state, batches)
+    assert max_relative_diff(out, ref) <= 1e-6
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
+    assert any(c.kind == "collective-permute" for c in module.collectives)  # the halos
+    assert all(c.group_size > 1 and c.axes != ("x",) for c in module.collectives)
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
 def test_spatial_with_batch_norm_groups_equals_one_device(weight_update):
     """make_mesh((4, 2), bn_group_size=4, spatial=2): one group of the 4 replicas, each image over
     2 devices; batch norm over the group's partitions is batch norm over the whole batch."""

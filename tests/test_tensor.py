@@ -218,10 +218,22 @@ def test_global_norm_clipping_over_split_weights_equals_one_device():
     assert float(optax.global_norm(grads)) > 0.5  # so the clipping at 0.05 acts
 
 
-def test_one_replica_is_refused_before_running():
-    task, tx, _ = _small()
-    with pytest.raises(ValueError, match=r"leaves one replica.*model_parallel=4 with make_mesh\(\(2, 4\)\)"):
-        data_parallel(make_train_step(task, tx), make_mesh((1, 8)), model_parallel=8, rules="transformer")
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_one_replica_on_a_1x8_mesh_equals_one_device(weight_update):
+    """Tensor partitioning alone: the model axis holds every device, the data axis one. No
+    collective runs over the data axis (XLA's partitioner refuses one over a manual axis of one
+    device); the model axis carries the model's all-reduces."""
+    task, tx, batches, state, ref = _reference("transformer")
+    dp = data_parallel(
+        make_train_step(task, tx), make_mesh((1, 8)), model_parallel=8, rules="transformer", weight_update=weight_update
+    )
+    out, _ = run_parallel(dp, state, batches)
+    assert leaf_relative_error(out.params, ref.params) <= 1e-6
+    assert leaf_relative_error(out.opt_state, ref.opt_state) <= 1e-6
+    module = hlo.read(dp.lower(dp.place_state(state, batches[0]), batches[0]).compile(), dp.mesh)
+    # Every collective is the model axis's (some over groups inside it, where 4 heads meet 8
+    # devices); none runs over the data axis, whose groups would hold one device.
+    assert module.collectives and all(c.group_size > 1 and c.axes != ("x",) for c in module.collectives)
 
 
 def test_the_trainer_refuses_model_parallelism_for_a_model_without_rules(tmp_path):

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import _interpret, spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
-from podscale.parallel.mesh import BN_GROUP, auto_axes, mesh_advice, replica_count
+from podscale.parallel.mesh import BN_GROUP, auto_axes, replica_count
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
@@ -143,14 +143,6 @@ class DataParallelStep:
             raise ValueError(
                 f"model_parallel={self.strategy.model_parallel} needs sharding rules: pass rules=Rules(...) or a "
                 f"built-in's name ({', '.join(tensor.RULES)})"
-            )
-        if self.model and self.replicas == 1:
-            # XLA 0.10's SPMD partitioner rejects a sum over a manual axis of one device whose
-            # operand is split over an automatic one (RET_CHECK IsManualSubgroup): refuse it here.
-            k = self.strategy.model_parallel
-            raise ValueError(
-                f"model_parallel={k} on mesh {dict(mesh.shape)} leaves one replica, which podscale cannot run yet "
-                f"(XLA's partitioner refuses the data-axis sums): {mesh_advice(mesh.size, k, 'model_parallel', 2)}"
             )
         st = self.strategy
         self.grad_sum = make_grad_sum(
@@ -332,12 +324,18 @@ class DataParallelStep:
 
         def probe(batch):
             closed, _ = self._local(gt, state_leaves, jax.tree.leaves(batch))
-            used = forward_used(closed.jaxpr)
+            seeds = closed.jaxpr.invars[gt.n_state :] if self.replicas == 1 else None  # one replica: see forward_used
+            used = forward_used(closed.jaxpr, seeds)
             found.append({i for i, v in enumerate(closed.jaxpr.invars[: gt.n_state]) if v in used})
             return jnp.zeros(())
 
         mapped = jax.shard_map(
-            probe, mesh=self.mesh, in_specs=(P(self.axes),), out_specs=P(), axis_names=set(self.axes)
+            probe,
+            mesh=self.mesh,
+            in_specs=(P(self.axes),),
+            out_specs=P(),
+            axis_names=set(self.axes),
+            check_vma=self.replicas > 1,
         )
         jax.eval_shape(mapped, _shapes(batch))
         return found[0]
@@ -394,8 +392,15 @@ class DataParallelStep:
 
         specs = layout.specs()
         # Manual over the data axes (podscale's partitioner); a space or model axis is left to XLA.
+        # With one replica (a 1xk mesh) no collective runs over the data axes (see
+        # ``Partitioner.one``), so values are not typed per replica there.
         mapped = jax.shard_map(
-            body, mesh=self.mesh, in_specs=(specs, P(axes)), out_specs=(specs, P()), axis_names=set(axes)
+            body,
+            mesh=self.mesh,
+            in_specs=(specs, P(axes)),
+            out_specs=(specs, P()),
+            axis_names=set(axes),
+            check_vma=self.replicas > 1,
         )
         return jax.jit(
             mapped,

@@ -87,6 +87,8 @@ class GradSum:
     # -- the three collectives, on values typed as differing per replica -------------------
     def all_reduce(self, x, phases: list[PhaseRecord]) -> jax.Array:
         """The sum over every replica of ``x`` (any shape); the result is the same everywhere."""
+        if self.n == 1:  # one replica (a 1xk mesh): its value is the sum; no collective
+            return x
         shape, dtype = x.shape, x.dtype
         x = self._to_sum_dtype(x)
         if self.mode == "1d":
@@ -115,6 +117,8 @@ class GradSum:
 
     def reduce_scatter(self, rows, phases: list[PhaseRecord]) -> jax.Array:
         """``rows``: ``[n, m]``; returns this replica's row of the sum, ``[m]``."""
+        if self.n == 1:
+            return rows[0]
         dtype = rows.dtype
         rows = self._to_sum_dtype(rows)
         if self.mode == "1d":
@@ -141,6 +145,8 @@ class GradSum:
     def all_gather(self, shard, phases: list[PhaseRecord]) -> jax.Array:
         """``shard``: ``[m]``, this replica's row; returns all rows, ``[n, m]`` (never in the
         summation dtype: these are weights)."""
+        if self.n == 1:
+            return shard[None]
         if self.mode == "1d":
             phases.append(PhaseRecord("all-gather", self.order, _nbytes(shard), 1))
             return all_gather_invariant(shard, self.order, axis=0, tiled=False)

@@ -177,12 +177,22 @@ class Partitioner:
         type), which the value is rounded to once it is summed."""
 
     # -- conversions ---------------------------------------------------------------------------
+    @property
+    def one(self) -> bool:
+        """One replica (a 1xk mesh whose last axis is a space or model axis): every collective over
+        the data axes is the value itself, and none is emitted (XLA's SPMD partitioner refuses a
+        collective over a manual axis of one device whose operand an automatic axis splits). The
+        step's ``shard_map`` then does not type values per replica (``check_vma=False``)."""
+        return self.n == 1
+
     def index(self):
-        return lax.axis_index(self.axes)
+        return jnp.zeros((), jnp.int32) if self.one else lax.axis_index(self.axes)
 
     def vary(self, x):
         """``x`` typed as differing per replica (binding a primitive directly needs equal types)."""
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if self.one:
+            return x
         have = _vma(x)
         missing = tuple(a for a in self.axes if a not in have)
         return lax.pcast(x, missing, to="varying") if missing else x
@@ -221,6 +231,9 @@ class Partitioner:
     def _whole(self, x, layout: Layout):
         if layout is REPLICATED:
             return x
+        if self.one:  # one replica: its value is the whole value
+            narrow = self.narrow_type(x) if layout is PARTIAL else None
+            return x if narrow is None else x.astype(narrow)
         if layout is GROUP:  # the groups' values averaged (their running statistics, say)
             self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
             return lax.pmean(x, self.axes)
@@ -374,7 +387,7 @@ class Partitioner:
         statistic over the group's rows."""
         if lay is PARTIAL:
             groups, narrow = self.n // self.group_size, self.narrow_type(v)
-            total = lax.psum(v, self.group_axis)
+            total = v if self.one else lax.psum(v, self.group_axis)
             self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
             total = total * jnp.asarray(groups, total.dtype)
             return (total if narrow is None else total.astype(narrow), GROUP)
@@ -679,6 +692,8 @@ def _reduce(p: Partitioner, eqn, ins):
     collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
     if collective is None:
         return None
+    if p.one:
+        return [(local, REPLICATED)]
     p.record("all-reduce", p.axes, local, f"{name} over the rows")
     return [(collective(local, p.axes), REPLICATED)]
 
@@ -689,6 +704,8 @@ def _reduce_or_and(p: Partitioner, eqn, ins):
     local = p.bind(eqn, [v])[0]
     if lay.dim not in axes:
         return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if p.one:
+        return [(local, REPLICATED)]
     as_int = local.astype(jnp.int32)
     combined = lax.pmax(as_int, p.axes) if eqn.primitive.name == "reduce_or" else lax.pmin(as_int, p.axes)
     p.record("all-reduce", p.axes, combined, f"{eqn.primitive.name} over the rows")

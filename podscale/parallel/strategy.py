@@ -235,8 +235,7 @@ class Strategy:
         if len(names) < 2 or shape[names[-1]] != k:
             raise ValueError(
                 f"{field}={k} needs a mesh whose last axis has {k} devices (the {role} axis) after at least one "
-                f"data axis, got mesh {shape}; "
-                + mesh_advice(mesh.size, k, field, min_replicas=2 if field == "model_parallel" else 1)
+                f"data axis, got mesh {shape}; " + mesh_advice(mesh.size, k, field)
             )
         if self.data_axes is not None and names[-1] in self.data_axes:
             raise ValueError(f"data_axes {self.data_axes} include {names[-1]!r}, the {role} axis of {field}={k}")

@@ -167,6 +167,10 @@ class Layout:
     def padding(self, size: int) -> int:
         return chunk_layout(size, self.n, self.split)[1]
 
+    def index(self):
+        """This replica's chunk (0 with one replica, where no collective over the data axes runs)."""
+        return jnp.zeros((), jnp.int32) if self.n == 1 else lax.axis_index(self.axes)
+
     def shards(self, shape, dtype) -> bool:
         return math.prod(shape) >= self.min_shard_size and jnp.issubdtype(dtype, jnp.inexact)
 
@@ -178,13 +182,13 @@ class Layout:
     def slice(self, x) -> Sharded:
         """A full value's chunk on this replica (no communication)."""
         rows = self._padded_rows(x)
-        index = lax.axis_index(self.axes)
+        index = self.index()
         return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), tuple(np.shape(x)))
 
     def valid(self, s: Sharded) -> jax.Array:
         """Mask of the shard's real (not padding) elements."""
         length = s.shard.shape[0]
-        start = lax.axis_index(self.axes) * length
+        start = self.index() * length
         return start + lax.iota(jnp.int32, length) < s.size
 
 
@@ -355,6 +359,8 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
     collective = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[kind]
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+    if layout.n == 1:  # one replica: the partials are the whole reduction
+        return [v for v in values]
     total = collective(buffer, layout.axes)
     trace.collectives.append(
         Collective(
@@ -496,6 +502,8 @@ class Rewriter:
         of a kind that runs on chunks; only with the sharded update."""
         if not self.layout.scatter or self.forward is None or any(v in self.forward for v in eqn.outvars):
             return False
+        if self.layout.n == 1:  # no replica repeats it (and no value is typed per replica to tell the forward pass)
+            return False
         if any(_varying(v.aval) for v in eqn.outvars) or not any(self._sliceable(v) for v in vals):
             return False
         name = eqn.primitive.name
@@ -537,7 +545,7 @@ class Rewriter:
     def varying(self, x):
         """``x`` typed as differing per replica (primitives bound directly get no implicit cast)."""
         missing = tuple(a for a in self.layout.axes if not _varying(jax.typeof(x), a))
-        return lax.pcast(x, missing, to="varying") if missing else x
+        return lax.pcast(x, missing, to="varying") if missing and self.layout.n > 1 else x
 
     def on_shards(self, eqn, vals) -> list | None:
         """The equation computed on shards, or ``None`` when it cannot be."""
@@ -587,11 +595,21 @@ def _ordered(eqn) -> bool:
     return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
 
 
-def forward_used(jaxpr) -> set:
-    """Variables that a value differing per replica (the forward pass) is computed from."""
+def forward_used(jaxpr, seeds=None) -> set:
+    """Variables that a value differing per replica (the forward pass) is computed from. Each
+    value's type says whether it differs per replica; with one replica, whose values are not typed
+    so, ``seeds`` (the batch's variables) say, and what is computed from them differs."""
+    if seeds is None:
+        differs = lambda v: _varying(v.aval)  # noqa: E731
+    else:
+        varying = set(seeds)
+        for eqn in jaxpr.eqns:
+            if any(v in varying for v in eqn.invars if not isinstance(v, core.Literal)):
+                varying.update(eqn.outvars)
+        differs = varying.__contains__
     needed = set()
     for eqn in reversed(jaxpr.eqns):
-        if any(_varying(v.aval) or v in needed for v in eqn.outvars):
+        if any(differs(v) or v in needed for v in eqn.outvars):
             needed.update(v for v in eqn.invars if not isinstance(v, core.Literal))
     return needed
 
