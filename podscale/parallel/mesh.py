@@ -49,17 +49,14 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def mesh_advice(n: int, k: int, field: str, min_replicas: int = 1) -> str:
+def mesh_advice(n: int, k: int, field: str) -> str:
     """How to get a mesh of ``n`` devices whose last axis has ``k`` (``field=k``, a space or model
-    axis) after a data axis of at least ``min_replicas``: checked to work, not guessed. Either
-    ``make_mesh((n // k, k))``, or the values of ``field`` that ``n`` devices allow, each with its mesh."""
-    if n % k == 0 and n // k >= min_replicas:
+    axis) after a data axis: checked to work, not guessed. Either ``make_mesh((n // k, k))``, or
+    the values of ``field`` that ``n`` devices allow, each with its mesh."""
+    if n % k == 0:
         return f"make one with make_mesh(({n // k}, {k}))"
-    valid = [d for d in range(2, n + 1) if n % d == 0 and n // d >= min_replicas]
-    if n % k:
-        why = f"{k} does not divide the {n} devices"
-    else:
-        why = f"{field}={k} on {n} devices leaves {n // k} replica, and it needs at least {min_replicas}"
+    valid = [d for d in range(2, n + 1) if n % d == 0]
+    why = f"{k} does not divide the {n} devices"
     if not valid:
         return f"{why}, and no {field} above 1 fits {n} devices; run on more devices"
     return f"{why}; choose one that fits: " + "; ".join(f"{field}={d} with make_mesh(({n // d}, {d}))" for d in valid)
