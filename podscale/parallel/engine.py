@@ -308,6 +308,7 @@ class DataParallelStep:
             self.mesh.shape[group] if group else 1,
             rows,
             independent_rng=self.strategy.rng == "independent",
+            platform=self.mesh.devices.flat[0].platform,
         )
 
         def local(state_leaves, batch_leaves):

@@ -149,8 +149,13 @@ class Partitioner:
         group_size: int = 1,
         batch_rows: int | None = None,
         independent_rng: bool = False,
+        platform: str = "cpu",
     ):
         self.axes, self.n = tuple(axes), n
+        self.upcast_dots = platform == "cpu"
+        """How a 16-bit ``dot_general`` or convolution accumulates in float32: on GPUs and TPUs, as
+        the op itself (``preferred_element_type=float32``); XLA:CPU has no such kernel for every
+        shape, so there its operands are widened first (exact: every 16-bit float is a float32)."""
         self.independent_rng = independent_rng
         """Opt-in: batch-shaped draws come from per-replica streams instead of one device's."""
         self.batch_rows = batch_rows
@@ -208,6 +213,29 @@ class Partitioner:
     def whole(self, x, layout: Layout):
         """The whole value, the same on every replica."""
         return self.convert(x, layout, REPLICATED)
+
+    def wide_bind(self, eqn, vals, **changes) -> list[Any]:
+        """``eqn`` (a reduction: ``dot_general``, a convolution, ``scatter-add``) on ``vals``,
+        accumulated and returned in float32 where its result is a narrow float type."""
+        name = eqn.primitive.name
+        if name in ("scatter-add", "scatter_add"):
+            operand, idx, upd = vals
+            if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+                operand, idx, upd = (self.vary(v) for v in (operand, idx, upd))
+            prm = eqn.params
+            out = lax.scatter_add(
+                operand.astype(WIDE),
+                idx,
+                upd.astype(WIDE),
+                prm["dimension_numbers"],
+                indices_are_sorted=prm["indices_are_sorted"],
+                unique_indices=prm["unique_indices"],
+                mode=prm["mode"],
+            )
+            return [out]
+        if self.upcast_dots:
+            vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+        return self.bind(eqn, vals, **changes, preferred_element_type=WIDE)
 
     def narrow_type(self, x):
         """The program's type of ``x`` where ``x`` is a partial sum held in float32 for a narrow
@@ -436,13 +464,25 @@ class Partitioner:
             keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
             keeps |= name == "mul" and layouts[0] is REPLICATED
         vals = [v for v, _ in ins]
+        if name == "convert_element_type" and len(ins) == 1:
+            new = np.dtype(eqn.params["new_dtype"])
+            if jnp.issubdtype(new, jnp.floating) and new.itemsize >= WIDE.itemsize:
+                # Widened by the program (a 16-bit gradient cast to a float32 master weight's type):
+                # it stays a partial sum, now of the wide type, with no rounding to 16 bits before
+                # the sum. One device's XLA drops that round trip too where it may keep excess
+                # precision (xla_allow_excess_precision, on by default). A copy, so that the
+                # 16-bit value (if read elsewhere) keeps its own rounding.
+                out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
+                return [(out, PARTIAL)]
         if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
             vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
             keeps = True
         if not keeps:
             return None
+        if name in ("scatter-add", "scatter_add", "dot_general", "conv_general_dilated"):
+            return [(o, PARTIAL) for o in self.wide_bind(eqn, vals)]
         vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
-        return [(o, PARTIAL) for o in self.bind(eqn, vals, preferred_element_type=WIDE)]
+        return [(o, PARTIAL) for o in self.bind(eqn, vals)]
 
     def partial_rule(self, eqn, ins):
         """Equations through which a partial sum stays partial, or ``None``."""
@@ -747,7 +787,7 @@ def _dot_general(p: Partitioner, eqn, ins):
 
     def done(l_val, r_val, layout):
         if layout is PARTIAL and _narrow_float(eqn.outvars[0].aval.dtype):  # accumulated in float32
-            return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes, preferred_element_type=WIDE)]
+            return [(o, layout) for o in p.wide_bind(eqn, [l_val, r_val], **changes)]
         return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes)]
 
     if isinstance(ll, Split) and isinstance(rl, Split):
@@ -789,8 +829,9 @@ def _conv(p: Partitioner, eqn, ins):
         return None
     if isinstance(ll, Split) and isinstance(rl, Split) and ll.dim == lhs_spec[1] and rl.dim == rhs_spec[1]:
         # contracts the split batch (a kernel's gradient), accumulated in float32 for a narrow type
-        wide = {"preferred_element_type": WIDE} if _narrow_float(eqn.outvars[0].aval.dtype) else {}
-        return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs], **wide)]
+        if _narrow_float(eqn.outvars[0].aval.dtype):
+            return [(o, PARTIAL) for o in p.wide_bind(eqn, [lhs, rhs])]
+        return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs])]
     return None
 
 
@@ -873,7 +914,7 @@ def _scatter(p: Partitioner, eqn, ins):
     operand = op if zero else p.convert(op, REPLICATED, PARTIAL)
     vals = [operand, p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
     if _narrow_float(vals[0].dtype):  # added up in float32, rounded after the sum over the replicas
-        vals = [vals[0].astype(WIDE), vals[1], vals[2].astype(WIDE)]
+        return [(o, PARTIAL) for o in p.wide_bind(eqn, vals)]
     return [(o, PARTIAL) for o in p.bind(eqn, vals)]
 
 
