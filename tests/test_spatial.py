@@ -81,6 +81,12 @@ def test_one_replica_split_8_ways_equals_one_device(weight_update):
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     assert any(c.kind == "collective-permute" for c in module.collectives)  # the halos
     assert all(c.group_size > 1 and c.axes != ("x",) for c in module.collectives)
+    # The leaves the forward pass reads are found as with several replicas (not typed per
+    # replica here): the sharded update still chunks the optimizer state, not the weights.
+    two = data_parallel(step, make_mesh((2, 4)), spatial=4, weight_update=weight_update, min_shard_size=64)
+    two.prepare(state, batches[0])
+    assert [leaf.weight for leaf in dp.layout.leaves] == [leaf.weight for leaf in two.layout.leaves]
+    assert [leaf.sharded for leaf in dp.layout.leaves] == [leaf.sharded for leaf in two.layout.leaves]
 
 
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])

@@ -131,6 +131,14 @@ def _narrow_float(dtype) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
 
 
+@jax.jit
+def one_replica_sum(x):
+    """The sum over one replica: ``x`` itself. A named call in the program, so that
+    ``weight_update.forward_used`` sees where a sum over the replicas would be (what is computed
+    after it is the same on every replica, as after a real sum)."""
+    return x
+
+
 WIDE = np.dtype(np.float32)
 """The type a partial sum in a narrow float type is held in until it is summed and rounded."""
 
@@ -233,7 +241,8 @@ class Partitioner:
                 mode=prm["mode"],
             )
             return [out]
-        if self.upcast_dots:
+        dtypes = {np.dtype(v.dtype) for v in vals if hasattr(v, "dtype")}
+        if self.upcast_dots or WIDE in dtypes:  # a wide operand beside a 16-bit one: one type for both
             vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
         return self.bind(eqn, vals, **changes, preferred_element_type=WIDE)
 
@@ -261,6 +270,7 @@ class Partitioner:
             return x
         if self.one:  # one replica: its value is the whole value
             narrow = self.narrow_type(x) if layout is PARTIAL else None
+            x = one_replica_sum(x)  # marks where the sum would be, for forward_used
             return x if narrow is None else x.astype(narrow)
         if layout is GROUP:  # the groups' values averaged (their running statistics, say)
             self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
@@ -415,8 +425,9 @@ class Partitioner:
         statistic over the group's rows."""
         if lay is PARTIAL:
             groups, narrow = self.n // self.group_size, self.narrow_type(v)
-            total = v if self.one else lax.psum(v, self.group_axis)
-            self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
+            total = one_replica_sum(v) if self.one else lax.psum(v, self.group_axis)
+            if not self.one:
+                self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
             total = total * jnp.asarray(groups, total.dtype)
             return (total if narrow is None else total.astype(narrow), GROUP)
         return (v, lay)  # already whole: a sum over one member
@@ -454,6 +465,8 @@ class Partitioner:
         layouts = [lay for _, lay in ins]
         if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
             return [self.group_sum(v, lay) for v, lay in ins]
+        if name in _IDENTITY and len(ins) == 1:
+            return [ins[0]]
         keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
             name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
         )

@@ -357,10 +357,10 @@ class _Fuser:
 
 def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> list:
     collective = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[kind]
+    if layout.n == 1:  # one replica: the partials are the whole reduction
+        return list(values)
     flat = [jnp.ravel(v) for v in values]
     buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-    if layout.n == 1:  # one replica: the partials are the whole reduction
-        return [v for v in values]
     total = collective(buffer, layout.axes)
     trace.collectives.append(
         Collective(
@@ -604,6 +604,8 @@ def forward_used(jaxpr, seeds=None) -> set:
     else:
         varying = set(seeds)
         for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "one_replica_sum":
+                continue  # where the sum over the replicas would be: the same on every replica after it
             if any(v in varying for v in eqn.invars if not isinstance(v, core.Literal)):
                 varying.update(eqn.outvars)
         differs = varying.__contains__
