@@ -6,6 +6,14 @@ replicated and the sharded update, say). That changes the last bit of some resul
 therefore compiles for a CPU without FMA instructions (``--xla_cpu_max_isa=AVX``), so equality
 tests can ask for bit-identity; ``PODSCALE_TEST_FMA=1`` keeps the default ISA instead, and the
 tests that need bit-identity then fall back to a bound of a few ulps (see ``FMA_OFF``).
+
+The tests' own programs are small, so compiling them takes longer than running them: this
+process compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``, about
+40% off a compile, steps run 3x slower). Every program a test compares is compiled at that one
+level; the last bits of a result can differ from the default level's, which moves a step that is
+discontinuous at roundoff (the tiny Mask R-CNN's: its equality tests run in float64). The CLI runs the tests start as subprocesses train for hundreds of steps,
+and get the default level (XLA reads its flags once, at the first compile, so the variable is set
+back after one).
 """
 
 import atexit
@@ -13,22 +21,27 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 FMA_OFF = os.environ.get("PODSCALE_TEST_FMA") != "1"
 if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
+_SUBPROCESS_FLAGS = os.environ["XLA_FLAGS"] if FMA_OFF else os.environ.get("XLA_FLAGS")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is installed without a TPU)
 
 # Many tests compile the same program (a workload's single-device step, say) from a new function
 # object, which jit's in-memory cache does not recognise. JAX's persistent compilation cache keys
 # on the program itself, so one session compiles each program once. One directory serves the whole
-# session: both xdist workers (the controller makes it before it starts them, and they inherit the
-# variable) and the CLI runs the tests start as subprocesses (through JAX's own variables; a
-# killed-and-resumed run compiles its step once). Reads and writes hold the cache's file lock
-# (eviction on, with a limit no session reaches), so one process never reads an entry another is
-# still writing. (Compiling without LLVM's optimizations would take a third off the in-process
-# tests, but it changes float results: the tiny Mask R-CNN's steps left their 1e-5 bounds.)
+# session's test processes: both xdist workers (the controller makes it before it starts them, and
+# they inherit the variable). The CLI runs the tests start as subprocesses share another (through
+# JAX's own variables): they compile at the default optimization level, and the cache's key reads
+# XLA_FLAGS as it is when the key is made, which would not tell the two levels apart. Reads and
+# writes hold the cache's file lock (eviction on, with a limit no session reaches), so one process
+# never reads an entry another is still writing.
 _CACHE = os.environ.get("PODSCALE_TEST_XLA_CACHE")
 if not _CACHE or not os.path.isdir(_CACHE):
     _CACHE = os.environ["PODSCALE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="podscale-test-xla-cache-")
@@ -42,3 +55,26 @@ _SETTINGS = {
 for _name, _value in _SETTINGS.items():
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_CACHE, "subprocesses")
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.jit(lambda x: x + 1)(0.0).block_until_ready()  # XLA reads XLA_FLAGS here, once
+if _SUBPROCESS_FLAGS is None:
+    os.environ.pop("XLA_FLAGS", None)
+else:
+    os.environ["XLA_FLAGS"] = _SUBPROCESS_FLAGS
+
+
+FULL_CONFIGS = os.environ.get("PODSCALE_TEST_FULL_CONFIGS") == "1"
+"""Compiling a workload's full config takes a minute or more on two cores: those tests are the
+benchmarks' (docs/benchmarks.md lists them with this command), and the suite holds the same rules
+on the tiny configs. ``PODSCALE_TEST_FULL_CONFIGS=1 pytest -m full_config`` runs them."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL_CONFIGS:
+        return
+    skip = pytest.mark.skip(reason="full-config compile (a benchmark): PODSCALE_TEST_FULL_CONFIGS=1 runs it")
+    for item in items:
+        if item.get_closest_marker("full_config"):
+            item.add_marker(skip)

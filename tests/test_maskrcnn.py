@@ -324,12 +324,26 @@ def _check_no_feature_map_is_gathered(dp, batch):
 def test_the_performance_model_reads_its_flops_halos_and_gathers():
     """``podscale project`` on the tiny Mask R-CNN, each image over the 2 cores of a TPU-v3 chip
     (2 chips, 2 replicas) against an image per core: the partitioned step's FLOPs per device fall, and its
-    halo exchanges and what the space axis gathers or sums are costed, with their bytes."""
+    halo exchanges and what the space axis gathers or sums are costed, with their bytes. XLA:CPU's
+    module (a second's compile where XLA:TPU's takes a minute; the TPU path's costing is
+    tests/test_tpu_project.py's)."""
     import json
 
     from test_project import _cli
 
-    args = ("--model", "maskrcnn", "--config", "tiny", "--system", "tpu-v3", "--strategies", "replicated", "--json")
+    args = (
+        "--model",
+        "maskrcnn",
+        "--config",
+        "tiny",
+        "--system",
+        "tpu-v3",
+        "--compiler",
+        "cpu",
+        "--strategies",
+        "replicated",
+    )
+    args += ("--json",)
     whole = json.loads(_cli(*args, "--chips", "2", "--global-batch", "4").stdout.strip().splitlines()[-1])["rows"]
     split = json.loads(
         _cli(*args, "--chips", "2", "--global-batch", "2", "--spatial", "2").stdout.strip().splitlines()[-1]

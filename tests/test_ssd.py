@@ -129,7 +129,7 @@ def test_tiny_ssd_spatial_step_equals_one_device(k, weight_update, bn_groups):
     assert any(c.kind == "collective-permute" and c.axes == (mesh.axis_names[-1],) for c in module.collectives)
 
 
-@pytest.mark.slow
+@pytest.mark.full_config
 def test_full_ssd300_compiles_for_one_replica_and_for_4_spatial_partitions():
     """bf16 compute at one image per replica: whole, and split over 4 devices. SSD300's heights
     (150, 75, 38, 19, 10, 5, 3, 1) are not all multiples of 4: XLA pads those layers, the plan

@@ -2,7 +2,6 @@
 matches across replicas, and (slow) the full config compiling for one replica."""
 
 import json
-import os
 import re
 
 import jax
@@ -135,7 +134,7 @@ def test_compiled_step_keeps_scans_as_loops_and_gathers_no_activations(name):
         assert text.count(" while(") >= 1, f"{name}: {scans} scans in the step, no while loop compiled"
 
 
-@pytest.mark.slow
+@pytest.mark.full_config
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name):
     workload = workloads.get(name)
@@ -222,7 +221,7 @@ def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
         np.testing.assert_allclose(got[metric], np.sum(per) / 100, rtol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.full_config
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
 def test_bert_large_full_at_one_sequence_per_replica_needs_no_more_temporaries_than_one_device(weight_update):
     """Compiled only (shapes): temporaries per device with 8 replicas x 1 sequence, against one
@@ -323,15 +322,15 @@ def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_co
 # The suite compiles transformer-big's full config (its update is the seeds' headline); every
 # workload's tiny config is held to the same limit above. The other full configs' figures are
 # benchmarks (docs/benchmarks.md): PODSCALE_TEST_FULL_CONFIGS=1 holds them too (about 4 minutes).
-FULL_LIMIT = (
-    [n for n in workloads.NAMES if n != "maskrcnn"]
-    if os.environ.get("PODSCALE_TEST_FULL_CONFIGS") == "1"
-    else ["transformer-big"]
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FULL_LIMIT)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n == "transformer-big" else pytest.mark.full_config)
+        for n in workloads.NAMES
+        if n != "maskrcnn"
+    ],
+)
 def test_full_config_sharded_update_at_its_limit(name):
     # maskrcnn's full config (832x1344 images) compiles in the full-config test above; its
     # update at the limit is the tiny config's (the rule does not depend on the images' size).
