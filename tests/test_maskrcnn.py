@@ -325,7 +325,7 @@ def test_the_performance_model_reads_its_flops_halos_and_gathers():
     """``podscale project`` on the tiny Mask R-CNN, each image over the 2 cores of a TPU-v3 chip
     (2 chips, 2 replicas) against an image per core: the partitioned step's FLOPs per device fall, and its
     halo exchanges and what the space axis gathers or sums are costed, with their bytes. XLA:CPU's
-    module (a second's compile where XLA:TPU's takes a minute; the TPU path's costing is
+    module (seconds to compile where XLA:TPU's takes a minute; the TPU path's costing is
     tests/test_tpu_project.py's)."""
     import json
 
