@@ -140,31 +140,56 @@ def _largest_file(folder):
 _ZSTD_FRAME = bytes.fromhex("28b52ffd")
 
 
-def _one_array_chunk(path):
-    """(start, end) of the largest compressed frame in ``path`` that another frame follows: one
-    array chunk's stored bytes, which every restore reads. Elsewhere the file may hold bytes no
-    restore reads (for instance b-tree nodes that a later commit of the same save superseded): a
-    run under load once restored a step whose file had two flipped bits, unchanged."""
+def _zstd_blocks(data, at):
+    """The (start, end) of each raw or compressed block's content in the zstd frame at ``at``
+    (RFC 8878: frame header, then 3-byte block headers), or None where these bytes are no frame."""
+    descriptor = data[at + 4]
+    single, dictionary, size = (descriptor >> 5) & 1, descriptor & 3, descriptor >> 6
+    pos = at + 5 + (1 - single) + (0, 1, 2, 4)[dictionary] + (single, 2, 4, 8)[size]
+    blocks = []
+    while pos + 3 <= len(data):
+        header = int.from_bytes(data[pos : pos + 3], "little")
+        kind, length = (header >> 1) & 3, header >> 3
+        end = pos + 3 + (1 if kind == 1 else length)
+        if kind == 3 or end > len(data):
+            return None
+        if kind != 1 and length:
+            blocks.append((pos + 3, end))
+        pos = end
+        if header & 1:  # the frame's last block
+            return blocks
+    return None
+
+
+def _array_chunks(path):
+    """(start, end) of the largest block of every zstd frame in ``path``: the stored arrays'
+    chunks. Damage goes into each of them, since the file may also hold frames no restore reads
+    (a b-tree node or chunk that a later commit of the same save superseded): a run under load
+    once restored a step whose file had two flipped bits in such a frame, unchanged."""
     data = open(path, "rb").read()
-    starts = [m.start() for m in re.finditer(re.escape(_ZSTD_FRAME), data)]
-    assert len(starts) >= 2, f"{path}: expected zstd-compressed array chunks, found {len(starts)} frames"
-    return max(zip(starts, starts[1:]), key=lambda span: span[1] - span[0])
+    frames = [_zstd_blocks(data, m.start()) for m in re.finditer(re.escape(_ZSTD_FRAME), data)]
+    chunks = [max(blocks, key=lambda b: b[1] - b[0]) for blocks in frames if blocks]
+    assert chunks, f"{path}: expected zstd-compressed array chunks, found none"
+    return chunks
 
 
 def _flip_bits(path, bits, seed=0):
-    start, end = _one_array_chunk(path)
+    """``bits`` flipped bits inside each array chunk's stored bytes."""
     data, rng = bytearray(open(path, "rb").read()), random.Random(seed)
-    for _ in range(bits):  # inside the frame's blocks: past its header, before a trailing checksum
-        data[rng.randrange(start + 16, end - 8)] ^= 1 << rng.randrange(8)
+    for start, end in _array_chunks(path):
+        for _ in range(bits):
+            data[rng.randrange(start, end)] ^= 1 << rng.randrange(8)
     open(path, "wb").write(data)
 
 
 def _scribble(path, count, at):
-    """Overwrites ``count`` bytes from ``at`` (a fraction of one array chunk's length) with noise."""
-    start, end = _one_array_chunk(path)
+    """Overwrites ``count`` bytes of each array chunk from ``at`` (a fraction of its length) with
+    noise; ``at=0`` from the frame's first byte (its header)."""
     data, rng = bytearray(open(path, "rb").read()), random.Random(1)
-    start += int((end - start) * at)
-    data[start : start + count] = bytes(rng.randrange(256) for _ in range(len(data[start : start + count])))
+    for start, end in _array_chunks(path):
+        first = data.rfind(_ZSTD_FRAME, 0, start) if at == 0 else start + int((end - start) * at)
+        last = min(first + count, end)
+        data[first:last] = bytes(rng.randrange(256) for _ in range(last - first))
     open(path, "wb").write(data)
 
 

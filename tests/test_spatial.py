@@ -66,17 +66,25 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
     assert all(c.buffer_bytes * c.group_size <= weights for c in gathers), [(c.name, c.buffer_bytes) for c in gathers]
 
 
+EIGHT_WAY_TOLERANCE = 1e-5
+"""8 partitions of a 32-row image reorder more of each step's sums than 2 or 4 do: a weight's
+gradient sums 16 x 32 x 32 products, which float32 rounds at about sqrt(16384) x 2**-24 = 8e-6 of
+their magnitude in a random walk. Measured after 10 steps: 3.2e-6 (1 x 8, sharded update; it
+is 1.4e-6 after the first step and grows smoothly: no discrete choice flips), where one device on
+the same batches with their rows reordered ends 3.7e-7 away."""
+
+
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
 def test_one_replica_split_8_ways_equals_one_device(weight_update):
     """Spatial partitioning alone (a 1x8 mesh): no collective runs over the data axis of one
-    device, which XLA's partitioner would refuse."""
+    device, which XLA's partitioner would refuse. The parameters within EIGHT_WAY_TOLERANCE."""
     step, state, batches = _setup()
     if "ref" not in _REFERENCE:
         _REFERENCE["ref"] = run_single(step, state, batches)
     ref, ref_metrics = _REFERENCE["ref"]
     dp = data_parallel(step, make_mesh((1, 8)), spatial=8, weight_update=weight_update, min_shard_size=64)
     out, metrics = run_parallel(dp, state, batches)
-    assert max_relative_diff(out, ref) <= 1e-6
+    assert max_relative_diff(out, ref) <= EIGHT_WAY_TOLERANCE
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     assert any(c.kind == "collective-permute" for c in module.collectives)  # the halos

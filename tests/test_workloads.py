@@ -85,9 +85,11 @@ width, the gradient by that box's share). Chained steps amplify it even on one d
 by step; tests/test_ssd.py holds the tiny SSD's spatial steps to 1e-6 where no pick flips."""
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", [n for n in workloads.NAMES if n != "maskrcnn"])
 def test_tiny_step_on_8_replicas_matches_one_device(name):
-    """In float32: with bf16 compute each replica's gradient is rounded before the sum, and Adam
+    """Mask R-CNN's step is discontinuous at float32's roundoff (a ReLU input within an ulp of 0
+    flips with the summation order): tests/test_maskrcnn.py holds it on 8 replicas in float64.
+    In float32: with bf16 compute each replica's gradient is rounded before the sum, and Adam
     turns a nearly cancelling element's flipped sign into a step of about the learning rate.
     The default (batch norm over the whole batch, as on one device) and one bn group of all 8
     replicas both equal one device; the token tasks' batches carry padding."""
