@@ -180,9 +180,12 @@ def test_the_trainer_with_spatial_trains_like_data_parallelism(tmp_path):
 _RESNET50 = {}
 
 
-@pytest.mark.parametrize("bn_groups", [False, True], ids=["whole-batch-bn", "bn-groups"])
-@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize(
+    ("k", "weight_update", "bn_groups"),
+    # Every pair of k, update and batch-norm grouping, in four cases.
+    [(2, "replicated", False), (2, "sharded", True), (4, "sharded", False), (4, "replicated", True)],
+    ids=["2-replicated-whole-batch-bn", "2-sharded-bn-groups", "4-sharded-whole-batch-bn", "4-replicated-bn-groups"],
+)
 def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, weight_update, bn_groups):
     """The tiny ResNet-50 (LARS, float32) on 8x8 digits, the first 10 steps of its recipe's
     schedule: heights 8, 4, 2, so at k = 4 XLA pads the last stage (listed as uneven). With bn
