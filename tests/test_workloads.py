@@ -121,21 +121,6 @@ def test_tiny_step_on_8_replicas_matches_one_device(name):
         np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
-def test_compiled_step_keeps_scans_as_loops_and_gathers_no_activations(name):
-    task, tx, batches = _tiny(name)
-    step = make_train_step(task, tx)
-    state = task.init_state(jax.random.key(0), tx)
-    eqns = _all_eqns(jax.make_jaxpr(step)(state, batches[0]).jaxpr)
-    # Scans the config itself asks to unroll (gnmt's tiny config) compile to straight-line code.
-    scans = sum(e.primitive.name == "scan" and e.params["unroll"] not in (True, e.params["length"]) for e in eqns)
-    dp = data_parallel(step, make_mesh())
-    text = dp.lower(dp.place_state(state, batches[0]), batches[0]).compile().as_text()
-    assert dp.trace.whole_ops == []  # every op of the model ran on its local rows
-    if scans:
-        assert text.count(" while(") >= 1, f"{name}: {scans} scans in the step, no while loop compiled"
-
-
 @pytest.mark.full_config
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_full_config_compiles_for_one_replica_at_the_mlperf_per_core_batch(name):
@@ -274,15 +259,23 @@ def _plans(name: str, config: str):
     batch = task.batch_shapes(cfg.per_core_batch * 8)
     state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
     step = make_train_step(task, tx)
+    # Scans the config itself asks to unroll (gnmt's tiny config) compile to straight-line code.
+    eqns = _all_eqns(jax.make_jaxpr(step)(state, batch).jaxpr)
+    scans = sum(e.primitive.name == "scan" and e.params["unroll"] not in (True, e.params["length"]) for e in eqns)
     plans = []
     for wu in ("replicated", "sharded"):
         dp = data_parallel(step, make_mesh(), weight_update=wu)
         plans.append(dp.plan(state, batch, compile=True))
         # XLA:CPU widens a bfloat16 sum to float32 when it compiles: read the program podscale
         # hands to XLA, as a GPU or TPU compiles it.
-        lowered = dp.lower(dp.layout.stored_shapes(), batch).as_text()
-        sums = re.findall(r'"stablehlo\.(?:all_reduce|reduce_scatter)".*?\^bb0\(%\w+: tensor<(\w+)>', lowered, re.S)
+        lowered = dp.lower(dp.layout.stored_shapes(), batch)
+        sums = re.findall(
+            r'"stablehlo\.(?:all_reduce|reduce_scatter)".*?\^bb0\(%\w+: tensor<(\w+)>', lowered.as_text(), re.S
+        )
         assert sums and set(sums) <= {"f32", "i32"}, (name, set(sums))
+        if scans:  # the model's scans stay loops in the compiled step (the plan's program)
+            loops = lowered.compile().as_text().count(" while(")
+            assert loops >= 1, f"{name}: {scans} scans in the step, no while loop compiled"
     return plans
 
 
@@ -318,6 +311,8 @@ def _check_update_at_its_limit(replicated, sharded):
 
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_compiled_module(name):
+    """Both updates at the per-core batch on 8 replicas: every op of the model on its local rows
+    (no whole or gathered ops), the model's scans compiled as loops, the gradients summed once."""
     _check_update_at_its_limit(*_plans(name, "tiny"))
 
 
