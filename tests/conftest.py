@@ -11,10 +11,9 @@ The tests' own programs are small, so compiling them takes longer than running t
 process compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``, about
 40% off a compile, steps run 3x slower). Every program a test compares is compiled at that one
 level; the last bits of a result can differ from the default level's, which moves a step that is
-discontinuous at roundoff (the tiny Mask R-CNN's: its equality tests run in float64). The CLI runs the tests start as subprocesses train for hundreds of steps,
-and get the default level (XLA reads its flags once, at the first compile, so the variable is set
-back after one).
-"""
+discontinuous at roundoff (the tiny Mask R-CNN's: its equality tests run in float64). The CLI
+runs the tests start as subprocesses train for hundreds of steps, and get the default level (XLA
+reads its flags once, at the first compile, so the variable is set back after one)."""
 
 import atexit
 import os

@@ -270,8 +270,8 @@ def test_reordering_rows_on_one_device_moves_the_parameters_as_far(x64):
 )
 def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update, x64):
     """k partitions per canvas on a replicas x k mesh (one replica: spatial partitioning alone,
-    on 4 of the devices; k = 1: plain data parallelism over 8 replicas): the whole model (backbone, RPN, anchor matching, proposals, RoIAlign,
-    heads) on the partitions, STEPS chained steps against one device's on whole canvases:
+    on 4 of the devices; k = 1: plain data parallelism over 8 replicas): the whole model
+    (backbone, RPN, anchor matching, proposals, RoIAlign, heads) on the partitions, STEPS chained steps against one device's on whole canvases:
     every step's loss within LOSS_RTOL relative, the parameters and optimizer state within
     PARAMS_TOLERANCE."""
     model, step, state, batches = _setup(dtype=jnp.float64)
@@ -333,19 +333,8 @@ def test_the_performance_model_reads_its_flops_halos_and_gathers():
 
     from test_project import _cli
 
-    args = (
-        "--model",
-        "maskrcnn",
-        "--config",
-        "tiny",
-        "--system",
-        "tpu-v3",
-        "--compiler",
-        "cpu",
-        "--strategies",
-        "replicated",
-    )
-    args += ("--json",)
+    args = ("--model", "maskrcnn", "--config", "tiny", "--system", "tpu-v3", "--compiler", "cpu")
+    args += ("--strategies", "replicated", "--json")
     whole = json.loads(_cli(*args, "--chips", "2", "--global-batch", "4").stdout.strip().splitlines()[-1])["rows"]
     split = json.loads(
         _cli(*args, "--chips", "2", "--global-batch", "2", "--spatial", "2").stdout.strip().splitlines()[-1]

@@ -128,23 +128,14 @@ def test_every_workloads_log_passes_mlperfs_compliance_checker(tmp_path, name):
     """The tiny run to its target. The open division's quality rule (eval_accuracy at least
     MLPerf's target, below 1) holds for these tiny tasks' metrics too; what a tiny run cannot
     mean is the MLPerf result itself (its data sets and sizes are not MLPerf's)."""
-    import json
-    import subprocess
-    import sys
+    from test_cli import _run, _summary
 
     path, run = str(tmp_path / "mllog.txt"), WORKLOAD_RUNS[name]
     args = ["train", "--model", name, "--config", "tiny", "--steps", str(run["steps"])]
     args += ["--eval-every", str(run["eval_every"]), "--target", str(run["target"])]
-    # A subprocess: it compiles at XLA's default optimization level, so its hundreds of steps run
-    # 3x faster than in this process (tests/conftest.py).
-    proc = subprocess.run(
-        [sys.executable, "-m", "podscale.cli", *args, "--mllog", path, "--json", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The command line, in a subprocess: it compiles at XLA's default optimization level, so its
+    # hundreds of steps run 3x faster than in this process would (tests/conftest.py).
+    summary = _summary(_run(*args, "--mllog", path, "--json", "--no-progress", timeout=600))
     assert summary["time_to_target_s"] is not None
     events = mlperf_log.read(path)
     assert next(e for e in events if e["key"] == C.SUBMISSION_BENCHMARK)["value"] in (
