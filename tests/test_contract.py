@@ -28,9 +28,18 @@ SENSITIVE = {
     # The update is a discontinuous function of the gradient's last bits, so any other summation
     # order changes it, on one device too: test_sensitive_optimizers_... below permutes the batch's
     # rows on one device (the same sum in another order) and sees the same kind of difference.
-    "optax.lbfgs": "the zoom line search's accept/reject decisions diverge (1e-7 per step, then 3.0)",
-    "optax.contrib.galore": "the SVD basis of the gradient moves with its last bits (4.5e-3 after one step on 2 "
-    "replicas; 7.3e-3 on one device with the rows permuted)",
+    # lbfgs: the zoom line search's accept/reject decisions diverge (1e-7 per step, then 3.0 by
+    # step 20). It is compared over its first SENSITIVE[name] steps, against a bound measured in
+    # the case from one device's own sensitivity: 4 times the row-permuted run's distance, or TOL
+    # if that is more (measured: 1.2e-6 both, against steps of 0.03 to 0.13).
+    "optax.lbfgs": 3,
+}
+EXCLUDED = {
+    # No bound tells a right update from a wrong one: galore's first step is Adam's, about
+    # lr x sign(g) in the gradient's SVD basis, and that basis moves with the gradient's last bits.
+    # On one device, permuting the batch's rows moves the parameters by 3.7e-3 to 7.8e-3 after one
+    # step of 1e-2 (three permutations): as far as a step. Tested below, on one device.
+    "optax.contrib.galore": "its one-device update moves as far as a whole step when the rows are permuted",
 }
 LOOSER = {
     # Updates that divide by a running difference of gradients (acprop) or by a random Hessian
@@ -66,6 +75,7 @@ def _aliases() -> list[str]:
 
 
 ALIASES = _aliases()
+GRID = [name for name in ALIASES if name not in EXCLUDED]
 
 
 def _build(name: str):
@@ -111,13 +121,18 @@ def _step(tx, name=""):
 _REFERENCE: dict = {}
 
 
-def _reference(name):
-    if name not in _REFERENCE:
+def _reference(name, steps=STEPS, rows=None):
+    """One device's state after ``steps`` steps; ``rows``: each batch's rows in this order."""
+    key = (name, steps, None if rows is None else tuple(rows))
+    if key not in _REFERENCE:
         tx = _build(name)
         params = _params()
         state = (params, tx.init(params))
-        _REFERENCE[name] = (state, run_single(_step(tx, name), state, [_data(i) for i in range(STEPS)])[0])
-    return _REFERENCE[name]
+        batches = [_data(i) for i in range(steps)]
+        if rows is not None:
+            batches = [jax.tree.map(lambda x: x[np.asarray(rows)], b) for b in batches]
+        _REFERENCE[key] = (state, run_single(_step(tx, name), state, batches)[0])
+    return _REFERENCE[key]
 
 
 def _relative(a, b) -> float:
@@ -132,28 +147,30 @@ def _relative(a, b) -> float:
 
 
 def _case(name, weight_update, mesh_shape):
-    if name in SENSITIVE:
-        pytest.xfail(SENSITIVE[name])
-    state, ref = _reference(name)
+    steps = SENSITIVE.get(name, STEPS)
+    state, ref = _reference(name, steps)
     tx = _build(name)
     dp = data_parallel(_step(tx, name), make_mesh(mesh_shape), weight_update=weight_update, min_shard_size=64)
-    par, _ = run_parallel(dp, state, [_data(i) for i in range(STEPS)])
+    par, _ = run_parallel(dp, state, [_data(i) for i in range(steps)])
     params_moved = _relative(ref[0], state[0])
     assert params_moved > 1e-3, f"{name} did not train: the check would be empty"
     tol = LOOSER.get(name, TOL)
-    assert _relative(par, ref) <= tol, f"{name}: {_relative(par, ref):.2e} relative off one device"
+    if name in SENSITIVE:  # one device's own distance when only the rows' order changes
+        permuted = _reference(name, steps, np.random.default_rng(0).permutation(32))[1]
+        tol = max(tol, 4 * _relative(permuted, ref))
+    assert _relative(par, ref) <= tol, f"{name}: {_relative(par, ref):.2e} relative off one device (bound {tol:.1e})"
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-@pytest.mark.parametrize("name", ALIASES)
+@pytest.mark.parametrize("name", GRID)
 def test_every_optax_alias_equals_one_device_on_8_replicas(name, weight_update):
     _case(name, weight_update, None)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ALIASES)
+@pytest.mark.parametrize("name", GRID)
 def test_every_optax_alias_equals_one_device_on_a_4x2_mesh(name):
     """The sharded update, whose shards lie over both axes (the replicated update's gradient sum
     over two axes is the 8-replica one's, checked on 2-D meshes in test_gradsum.py)."""
@@ -174,7 +191,7 @@ def test_the_grid_covers_the_optimizers_users_reach_for():
         "optax.contrib.muon",
     ):
         assert name in ALIASES
-    assert len(ALIASES) >= 40
+    assert len(ALIASES) >= 40 and set(EXCLUDED) <= set(ALIASES) and len(GRID) == len(ALIASES) - len(EXCLUDED)
 
 
 @pytest.mark.timeout(300)
@@ -193,14 +210,14 @@ def test_reduce_on_plateau_reads_the_loss_like_one_device(weight_update):
 @pytest.mark.parametrize(
     ("name", "steps", "bound", "seed"),
     [
-        ("optax.contrib.galore", 1, 1e-4, 0),
+        ("optax.contrib.galore", 1, 3e-3, 0),
         ("optax.lbfgs", STEPS, 1e-4, 0),
         ("optax.contrib.acprop", STEPS, TOL, 0),
         ("optax.contrib.sophia", STEPS, TOL, 1),
     ],
 )
 def test_sensitive_optimizers_differ_on_one_device_when_only_the_row_order_changes(name, steps, bound, seed):
-    """Why SENSITIVE is not a podscale fault: the same single-device step on the same rows in another
+    """Why SENSITIVE and EXCLUDED are not podscale's faults: the same single-device step on the same rows in another
     order (a mean over the batch, so mathematically equal) moves these optimizers apart."""
     tx = _build(name)
     params = _params()
