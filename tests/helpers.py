@@ -65,3 +65,14 @@ def leaf_relative_error(a, b, floor: float = 1e-3) -> float:
         scale = max(float(np.linalg.norm(y)), floor * float(np.sqrt(max(y.size, 1))))
         worst = max(worst, float(np.linalg.norm(x - y)) / scale)
     return worst
+
+
+def podscale_main(argv: list[str]) -> int:
+    """``podscale ARGV`` in this process: the exit code the command would end with (argparse's
+    refusals end in SystemExit, the others are main's return value)."""
+    from podscale import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as exit_:
+        return exit_.code

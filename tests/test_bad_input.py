@@ -7,6 +7,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
+from helpers import podscale_main
 
 import podscale
 from podscale.train.trainer import TrainConfig
@@ -42,18 +43,20 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize(("args", "message"), CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
-def test_train_refuses_bad_flags_with_a_message_and_exit_code_2(args, message):
-    proc = _cli("train", "--steps", "2", "--no-progress", *args)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr and "steps 2" not in proc.stdout  # refused before training
+def test_train_refuses_bad_flags_with_a_message_and_exit_code_2(args, message, capsys):
+    """``podscale train`` in this process (its exit code is main's return value; the subprocess
+    test below holds the process's own exit code and its one JSON object)."""
+    assert podscale_main(["train", "--steps", "2", "--no-progress", *args]) == 2
+    out = capsys.readouterr()
+    assert message in out.err
+    assert "Traceback" not in out.err and "steps 2" not in out.out  # refused before training
 
 
-def test_a_workdir_that_is_a_file_is_refused(tmp_path):
+def test_a_workdir_that_is_a_file_is_refused(tmp_path, capsys):
     path = tmp_path / "afile"
     path.write_text("")
-    proc = _cli("train", "--steps", "2", "--no-progress", "--workdir", str(path))
-    assert proc.returncode == 2 and f"--workdir {path}: is a file, not a directory" in proc.stderr
+    assert podscale_main(["train", "--steps", "2", "--no-progress", "--workdir", str(path)]) == 2
+    assert f"--workdir {path}: is a file, not a directory" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere")
