@@ -12,6 +12,7 @@ from helpers import max_relative_diff
 from podscale import data_parallel, make_mesh
 from podscale.parallel.plan import make_plan
 from podscale.perf import hlo
+from podscale.train.tasks import make_task, make_train_step
 from podscale.workloads import maskrcnn, rcnn
 
 STEPS = 3
@@ -324,25 +325,25 @@ def _check_no_feature_map_is_gathered(dp, batch):
 
 
 def test_the_performance_model_reads_its_flops_halos_and_gathers():
-    """``podscale project`` on the tiny Mask R-CNN, each image over the 2 cores of a TPU-v3 chip
-    (2 chips, 2 replicas) against an image per core: the partitioned step's FLOPs per device fall, and its
-    halo exchanges and what the space axis gathers or sums are costed, with their bytes. XLA:CPU's
-    module (seconds to compile where XLA:TPU's takes a minute; the TPU path's costing is
-    tests/test_tpu_project.py's)."""
-    import json
+    """``podscale.perf.project.project`` (what ``podscale project`` runs) on the tiny Mask R-CNN,
+    each image over the 2 cores of a TPU-v3 chip (2 chips, 2 replicas) against an image per core:
+    the partitioned step's FLOPs per device fall, and its halo exchanges and what the space axis
+    gathers or sums are costed, with their bytes. XLA:CPU's module, in this process (seconds to
+    compile where XLA:TPU's takes a minute; the TPU path's costing and the command line are
+    tests/test_tpu_project.py's and tests/test_project.py's)."""
+    from podscale import Strategy
+    from podscale.perf.project import project
 
-    from test_project import _cli
-
-    args = ("--model", "maskrcnn", "--config", "tiny", "--system", "tpu-v3", "--compiler", "cpu")
-    args += ("--strategies", "replicated", "--json")
-    whole = json.loads(_cli(*args, "--chips", "2", "--global-batch", "4").stdout.strip().splitlines()[-1])["rows"]
-    split = json.loads(
-        _cli(*args, "--chips", "2", "--global-batch", "2", "--spatial", "2").stdout.strip().splitlines()[-1]
-    )["rows"]
-    (one,), (two,) = whole, split
-    assert list(two["mesh"].values()) == [2, 2]
-    assert 0 < two["flops_per_device"] < one["flops_per_device"]
-    space = list(two["mesh"])[-1]
-    over_space = [c for c in two["collectives"] if c["axes"] == [space] and c["buffer_bytes"] > 0]
+    task = make_task("maskrcnn", config="tiny", with_data=False)
+    tx = task.workload.make_optimizer(task.config, task.config.train_steps)
+    step = make_train_step(task, tx)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(2))
+    common = dict(system="tpu-v3", chips=[2], strategies=["replicated"], replica_batch=1, compiler="cpu")
+    (one,) = project(step, state, task.batch_shapes, **common)  # 4 replicas, an image each
+    (two,) = project(step, state, task.batch_shapes, base=Strategy(spatial=2), **common)
+    assert (one.global_batch, two.global_batch) == (4, 2) and list(two.mesh.values()) == [2, 2]
+    assert 0 < two.flops_per_device < one.flops_per_device
+    space = list(two.mesh)[-1]
+    over_space = [c for c in two.collectives if list(c["axes"]) == [space] and c["buffer_bytes"] > 0]
     assert {"collective-permute", "all-reduce"} <= {c["kind"] for c in over_space}
     assert all(c["seconds"] > 0 for c in over_space)

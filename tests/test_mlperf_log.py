@@ -114,8 +114,10 @@ def _checker(log, cwd):
     )
 
 
-WORKLOAD_RUNS = {  # the time-to-target commands of docs/benchmarks.md
-    "gnmt": dict(steps=300, eval_every=25, target=0.95),
+WORKLOAD_RUNS = {  # the time-to-target commands of docs/benchmarks.md, evaluated half as often
+    # (gnmt reaches its target at step 250 there, a multiple of both intervals; greedy decoding of
+    # the held-out set is most of a tiny run's evaluation time)
+    "gnmt": dict(steps=300, eval_every=50, target=0.95),
 }
 """resnet50's and ssd's runs and checks are tests/test_cli.py's, through the command line;
 transformer-big's and bert-large's are its runs with --model-parallel 2 (their step equals plain
