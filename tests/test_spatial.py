@@ -26,7 +26,7 @@ def _setup(images=(32, 32), channels=3, rows=16, bn_axis=None):
         {"image": rng.normal(size=shape).astype(np.float32), "label": rng.integers(0, 10, rows).astype(np.int32)}
         for _ in range(STEPS)
     ]
-    variables = model.init(jax.random.key(0), batches[0]["image"])
+    variables = jax.jit(model.init)(jax.random.key(0), batches[0]["image"])  # one program, not one per op
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
 
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))

@@ -64,7 +64,7 @@ def _setup(bn_axis=None):
     data = ssd.tiny_data("train", size=16 * STEPS)
     batches = [data.get(np.arange(i * 16, (i + 1) * 16)) for i in range(STEPS)]
     model = ssd.SSD(ssd.TINY)
-    variables = model.init(jax.random.key(0), batches[0]["image"])
+    variables = jax.jit(model.init)(jax.random.key(0), batches[0]["image"])  # one program, not one per op
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.02, momentum=0.9))
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
     return _step(ssd.SSD(ssd.TINY, bn_axis=bn_axis), tx), state, batches
