@@ -272,9 +272,9 @@ def test_reordering_rows_on_one_device_moves_the_parameters_as_far(x64):
 def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update, x64):
     """k partitions per canvas on a replicas x k mesh (one replica: spatial partitioning alone,
     on 4 of the devices; k = 1: plain data parallelism over 8 replicas): the whole model
-    (backbone, RPN, anchor matching, proposals, RoIAlign, heads) on the partitions, STEPS chained steps against one device's on whole canvases:
-    every step's loss within LOSS_RTOL relative, the parameters and optimizer state within
-    PARAMS_TOLERANCE."""
+    (backbone, RPN, anchor matching, proposals, RoIAlign, heads) on the partitions, STEPS chained
+    steps against one device's on whole canvases: every step's loss within LOSS_RTOL relative,
+    the parameters and optimizer state within PARAMS_TOLERANCE."""
     model, step, state, batches = _setup(dtype=jnp.float64)
     want, want_losses = _reference(step, state, batches)
     assert max_relative_diff(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"

@@ -119,9 +119,8 @@ WORKLOAD_RUNS = {  # the time-to-target commands of docs/benchmarks.md, evaluate
     # the held-out set is most of a tiny run's evaluation time)
     "gnmt": dict(steps=300, eval_every=50, target=0.95),
 }
-"""resnet50's and ssd's runs and checks are tests/test_cli.py's, through the command line;
-transformer-big's and bert-large's are its runs with --model-parallel 2 (their step equals plain
-data parallelism's: tests/test_tensor.py)."""
+"""resnet50's, ssd's, maskrcnn's, transformer-big's and bert-large's runs and checks are
+tests/test_cli.py's, through the command line."""
 
 
 @pytest.mark.slow
