@@ -9,7 +9,9 @@ tests that need bit-identity then fall back to a bound of a few ulps (see ``FMA_
 
 The tests' own programs are small, so compiling them takes longer than running them: this
 process compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``, about
-40% off a compile, steps run 3x slower). Every program a test compares is compiled at that one
+40% off a compile, steps run 3x slower) and with XLA:CPU's older loop emitters in place of its MLIR
+fusion emitters (``--xla_cpu_use_fusion_emitters=false``: measured on the tiny GNMT's and Mask
+R-CNN's steps, another 35-45% off each compile at that level; steps ran 1x to 1.6x as long). Every program a test compares is compiled at that one
 level; the last bits of a result can differ from the default level's, which moves a step that is
 discontinuous at roundoff (the tiny Mask R-CNN's: its equality tests run in float64). The CLI
 runs the tests start as subprocesses train for hundreds of steps, and get the default level (XLA
@@ -26,8 +28,9 @@ FMA_OFF = os.environ.get("PODSCALE_TEST_FMA") != "1"
 if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
 _SUBPROCESS_FLAGS = os.environ["XLA_FLAGS"] if FMA_OFF else os.environ.get("XLA_FLAGS")
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 import jax  # noqa: E402
 
 import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is installed without a TPU)
