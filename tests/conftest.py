@@ -7,15 +7,16 @@ therefore compiles for a CPU without FMA instructions (``--xla_cpu_max_isa=AVX``
 tests can ask for bit-identity; ``PODSCALE_TEST_FMA=1`` keeps the default ISA instead, and the
 tests that need bit-identity then fall back to a bound of a few ulps (see ``FMA_OFF``).
 
-The tests' own programs are small, so compiling them takes longer than running them: this
-process compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``, about
-40% off a compile, steps run 3x slower) and with XLA:CPU's older loop emitters in place of its MLIR
-fusion emitters (``--xla_cpu_use_fusion_emitters=false``: measured on the tiny GNMT's and Mask
-R-CNN's steps, another 35-45% off each compile at that level; steps ran 1x to 1.6x as long). Every program a test compares is compiled at that one
-level; the last bits of a result can differ from the default level's, which moves a step that is
-discontinuous at roundoff (the tiny Mask R-CNN's: its equality tests run in float64). The CLI
-runs the tests start as subprocesses train for hundreds of steps, and get the default level (XLA
-reads its flags once, at the first compile, so the variable is set back after one)."""
+The tests' own programs are small, so compiling them takes longer than running them: the suite
+compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``, about 40% off a
+compile, steps run 3x slower) and with XLA:CPU's loop emitters in place of its MLIR fusion
+emitters (``--xla_cpu_use_fusion_emitters=false``: on the tiny GNMT's and Mask R-CNN's steps,
+another 35-45% off each compile at that level; steps ran 1x to 1.6x as long). Every program a test
+compares is compiled with these flags; the last bits of a result can differ from the default
+level's, which moves a step that is discontinuous at roundoff (the tiny Mask R-CNN's: its
+equality tests run in float64). The CLI runs the tests start as subprocesses inherit the flags;
+the few that train for hundreds of steps (the time-to-target runs) take XLA's defaults instead,
+through ``helpers.long_run_env``."""
 
 import atexit
 import os
@@ -27,7 +28,9 @@ import pytest
 FMA_OFF = os.environ.get("PODSCALE_TEST_FMA") != "1"
 if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
-_SUBPROCESS_FLAGS = os.environ["XLA_FLAGS"] if FMA_OFF else os.environ.get("XLA_FLAGS")
+# XLA's flags for the long CLI runs (helpers.long_run_env): the default level. Set once, by the
+# first process of the session (xdist's workers and the CLI runs inherit the suite's flags).
+os.environ.setdefault("PODSCALE_TEST_LONG_RUN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
@@ -39,11 +42,11 @@ import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is insta
 # object, which jit's in-memory cache does not recognise. JAX's persistent compilation cache keys
 # on the program itself, so one session compiles each program once. One directory serves the whole
 # session's test processes: both xdist workers (the controller makes it before it starts them, and
-# they inherit the variable). The CLI runs the tests start as subprocesses share another (through
-# JAX's own variables): they compile at the default optimization level, and the cache's key reads
-# XLA_FLAGS as it is when the key is made, which would not tell the two levels apart. Reads and
-# writes hold the cache's file lock (eviction on, with a limit no session reaches), so one process
-# never reads an entry another is still writing.
+# they inherit the variable) and the CLI runs the tests start (through JAX's own variables), which
+# compile with the same flags: the cache's key reads XLA_FLAGS as it is when the key is made. The
+# long runs compile at the default level and keep a directory of their own. Reads and writes hold
+# the cache's file lock (eviction on, with a limit no session reaches), so one process never reads
+# an entry another is still writing.
 _CACHE = os.environ.get("PODSCALE_TEST_XLA_CACHE")
 if not _CACHE or not os.path.isdir(_CACHE):
     _CACHE = os.environ["PODSCALE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="podscale-test-xla-cache-")
@@ -57,15 +60,7 @@ _SETTINGS = {
 for _name, _value in _SETTINGS.items():
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_CACHE, "subprocesses")
-
 jax.config.update("jax_num_cpu_devices", 8)
-jax.jit(lambda x: x + 1)(0.0).block_until_ready()  # XLA reads XLA_FLAGS here, once
-if _SUBPROCESS_FLAGS is None:
-    os.environ.pop("XLA_FLAGS", None)
-else:
-    os.environ["XLA_FLAGS"] = _SUBPROCESS_FLAGS
-
 
 FULL_CONFIGS = os.environ.get("PODSCALE_TEST_FULL_CONFIGS") == "1"
 """Compiling a workload's full config takes a minute or more on two cores: those tests are the

@@ -13,6 +13,20 @@ FMA_OFF = "--xla_cpu_max_isa" in os.environ.get("XLA_FLAGS", "")
 EXACT = 0.0 if FMA_OFF else 1e-7
 
 
+def long_run_env() -> dict[str, str]:
+    """The environment of a CLI run that trains for hundreds of steps (a time-to-target run): XLA's
+    default flags, whose steps run about 3x faster than the suite's fast-compiling ones
+    (conftest.py), and a compilation cache of their own (the cache's key reads XLA_FLAGS)."""
+    env = dict(os.environ)
+    flags = env.pop("PODSCALE_TEST_LONG_RUN_XLA_FLAGS")
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(env["PODSCALE_TEST_XLA_CACHE"], "long-runs")
+    return env
+
+
 def _plain(x):
     """Typed PRNG keys compare by their key data."""
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
