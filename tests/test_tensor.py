@@ -68,7 +68,8 @@ def test_tensor_partitioned_step_equals_one_device(name, shape, weight_update):
     split weights are bert-large's case."""
     task, tx, batches, state, ref = _reference(name)
     if name == "transformer":
-        grads = jax.grad(lambda p: task.train_outputs(state, p, batches[0])[0]["loss"].mean())(state.params)
+        grad_fn = jax.jit(jax.grad(lambda p, b: task.train_outputs(state, p, b)[0]["loss"].mean()))
+        grads = grad_fn(state.params, batches[0])
         assert float(optax.global_norm(grads)) > 0.5  # so the clipping at 0.05 acts
     k = shape[1]
     dp = data_parallel(
@@ -264,27 +265,23 @@ def test_the_2d_sum_needs_two_data_axes_besides_the_model_axis():
 
 
 def test_a_tensor_partitioned_run_resumes_bit_identically(tmp_path, weight_update="sharded"):
-    """Checkpoints hold whole tensors: a run saved at step 3 and resumed to step 6 ends where an
-    uninterrupted 6-step run ends, on the same 4x2 mesh with 2-way model parallelism. With the
-    sharded update the state holds both kinds of leaf: split over the model axis, and split over
-    both axes in 1/N chunks (the optimizer state of split weights)."""
+    """Checkpoints hold whole tensors: a run resumed from its step-3 checkpoint to step 6 ends
+    where the uninterrupted 6-step run ends, on the same 4x2 mesh with 2-way model parallelism.
+    The uninterrupted run writes the checkpoints (steps 3 and 6); its step 6 is removed, so the
+    resumed run starts from step 3. With the sharded update the state holds both kinds of leaf:
+    split over the model axis, and split over both axes in 1/N chunks (the optimizer state of
+    split weights)."""
+    import shutil
+
     from podscale.train.trainer import TrainConfig, train
 
-    common = dict(model="transformer", mesh=(4, 2), progress=False, checkpoint_every=3)
     strategy = Strategy(model_parallel=2, weight_update=weight_update)
-    whole = dict(common, workdir=str(tmp_path / "whole"))
-    train(TrainConfig(**whole, steps=6, strategy=strategy, export=str(tmp_path / "whole.npz")))
-    train(TrainConfig(**common, steps=3, strategy=strategy, workdir=str(tmp_path / "run")))
-    resumed = train(
-        TrainConfig(
-            **common,
-            steps=6,
-            strategy=strategy,
-            workdir=str(tmp_path / "run"),
-            resume=True,
-            export=str(tmp_path / "resumed.npz"),
-        )
-    )
+    common = dict(model="transformer", mesh=(4, 2), progress=False, checkpoint_every=3, steps=6, strategy=strategy)
+    run = tmp_path / "run"
+    train(TrainConfig(**common, workdir=str(run), export=str(tmp_path / "whole.npz")))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3", "6"]
+    shutil.rmtree(run / "checkpoints" / "6")
+    resumed = train(TrainConfig(**common, workdir=str(run), resume=True, export=str(tmp_path / "resumed.npz")))
     assert resumed["resumed_from"] == 3
     assert resumed["configuration"]["strategy"]["rules"]["name"] == "transformer"
     with np.load(tmp_path / "whole.npz") as a, np.load(tmp_path / "resumed.npz") as b:
