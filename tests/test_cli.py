@@ -27,6 +27,13 @@ def _summary(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _train_to_target(*args, log, timeout=600) -> dict:
+    """A time-to-target run's JSON summary, its MLPerf log written to ``log``. Its hundreds of
+    steps run at XLA's default flags (helpers.long_run_env), about 3x faster than the suite's."""
+    proc = _run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=timeout, env=long_run_env())
+    return _summary(proc)
+
+
 def _params(path):
     with np.load(path) as f:
         return {k: f[k] for k in f.files}
@@ -451,26 +458,8 @@ def test_tiny_resnet50_reaches_97_percent_with_lars_and_logs_it(tmp_path):
     from podscale.train import mlperf_log
 
     log = tmp_path / "mllog.txt"
-    proc = _run(
-        "train",
-        "--model",
-        "resnet50",
-        "--config",
-        "tiny",
-        "--steps",
-        "200",
-        "--eval-every",
-        "25",
-        "--target",
-        "0.97",
-        "--mllog",
-        str(log),
-        "--json",
-        "--no-progress",
-        timeout=600,
-        env=long_run_env(),
-    )
-    summary = _summary(proc)
+    args = ["train", "--model", "resnet50", "--config", "tiny", "--steps", "200", "--eval-every", "25"]
+    summary = _train_to_target(*args, "--target", "0.97", log=log)
     assert summary["eval_value"] >= 0.97 and summary["optimizer"] == "recipe"
     events = mlperf_log.read(str(log))
     logged = {e["key"]: e["value"] for e in events}
@@ -492,7 +481,7 @@ def test_tiny_ssd_reaches_its_map_target_and_logs_it(tmp_path):
     with an MLPerf log the compliance checker accepts."""
     log = tmp_path / "mllog.txt"
     args = ["train", "--model", "ssd", "--config", "tiny", "--steps", "704", "--eval-every", "64", "--target", "0.5"]
-    summary = _summary(_run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=600, env=long_run_env()))
+    summary = _train_to_target(*args, log=log)
     assert summary["eval_value"] >= 0.5 and summary["time_to_target_s"] is not None
     _passes_the_checker(log, tmp_path)
 
@@ -508,7 +497,7 @@ def test_tiny_maskrcnn_reaches_its_box_and_mask_ap_targets_and_logs_both(tmp_pat
     log = tmp_path / "mllog.txt"
     args = ["train", "--model", "maskrcnn", "--config", "tiny", "--steps", str(MASKRCNN_RUN["steps"])]
     args += ["--eval-every", str(MASKRCNN_RUN["every"]), "--target", str(MASKRCNN_RUN["target"])]
-    summary = _summary(_run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=900, env=long_run_env()))
+    summary = _train_to_target(*args, log=log, timeout=900)
     assert summary["time_to_target_s"] is not None
     assert summary["eval"]["mask_ap"] >= MASKRCNN_RUN["target"] and summary["eval"]["mask_ap50"] >= 0.5
     assert summary["eval"]["box_ap"] >= maskrcnn.TINY.box_target
@@ -536,10 +525,7 @@ def test_tiny_transformers_reach_their_targets(tmp_path, model, steps, every, ta
     trainer), and on 8 CPU devices sharing 2 cores they take 1.5x as long."""
     log = tmp_path / "mllog.txt"
     args = ["train", "--model", model, "--config", "tiny", "--steps", str(steps), "--eval-every", str(every)]
-    proc = _run(
-        *args, "--target", str(target), "--mllog", str(log), "--json", "--no-progress", timeout=600, env=long_run_env()
-    )
-    summary = _summary(proc)
+    summary = _train_to_target(*args, "--target", str(target), log=log)
     assert summary["eval_value"] >= target and summary["replicas"] == 8
     _passes_the_checker(log, tmp_path)
 

@@ -129,15 +129,12 @@ def test_every_workloads_log_passes_mlperfs_compliance_checker(tmp_path, name):
     """The tiny run to its target. The open division's quality rule (eval_accuracy at least
     MLPerf's target, below 1) holds for these tiny tasks' metrics too; what a tiny run cannot
     mean is the MLPerf result itself (its data sets and sizes are not MLPerf's)."""
-    from helpers import long_run_env
-    from test_cli import _run, _summary
+    from test_cli import _train_to_target
 
     path, run = str(tmp_path / "mllog.txt"), WORKLOAD_RUNS[name]
     args = ["train", "--model", name, "--config", "tiny", "--steps", str(run["steps"])]
     args += ["--eval-every", str(run["eval_every"]), "--target", str(run["target"])]
-    # The command line, in a subprocess at XLA's default optimization level: its hundreds of steps
-    # run 3x faster than at the suite's (tests/conftest.py).
-    summary = _summary(_run(*args, "--mllog", path, "--json", "--no-progress", timeout=600, env=long_run_env()))
+    summary = _train_to_target(*args, log=path)  # the command line, in a subprocess
     assert summary["time_to_target_s"] is not None
     events = mlperf_log.read(path)
     assert next(e for e in events if e["key"] == C.SUBMISSION_BENCHMARK)["value"] in (

@@ -4,6 +4,7 @@ reported before running and refused by strict."""
 
 import math
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -271,8 +272,6 @@ def test_a_tensor_partitioned_run_resumes_bit_identically(tmp_path, weight_updat
     resumed run starts from step 3. With the sharded update the state holds both kinds of leaf:
     split over the model axis, and split over both axes in 1/N chunks (the optimizer state of
     split weights)."""
-    import shutil
-
     from podscale.train.trainer import TrainConfig, train
 
     strategy = Strategy(model_parallel=2, weight_update=weight_update)
