@@ -306,3 +306,36 @@ def test_a_damaged_checkpoint_on_the_command_line_is_exit_2_and_one_json_error(t
     out = json.loads(proc.stdout)
     assert out["exit_code"] == 2 and re.search(rf"checkpoint step 3 in .* is damaged: {LEAF}", out["error"])
     assert "Traceback" not in proc.stderr and "podscale: error: checkpoint step 3" in proc.stderr
+
+
+def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog):
+    """A read still running when a restore fails fails later, and asyncio logs it ("Task exception
+    was never retrieved", with its traceback) when the task is collected: the cause of the rare
+    traceback under load. Once a damaged step is reported, those from orbax's code are dropped;
+    any other task's are still logged."""
+    import asyncio
+    import gc
+    import logging
+
+    from podscale.train import checkpoint
+
+    def failing(filename):
+        scope = {}
+        exec(compile("async def read():\n    raise OSError('damaged chunk')\n", filename, "exec"), scope)  # noqa: S102
+        return scope["read"]
+
+    def leave_a_failed_task(read):
+        async def main():
+            task = asyncio.get_running_loop().create_task(read())
+            await asyncio.sleep(0)
+            del task
+
+        asyncio.run(main())
+        gc.collect()
+
+    checkpoint._collect_quietly()  # what a damaged restore does before it raises
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        leave_a_failed_task(failing("/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
+        assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+        leave_a_failed_task(failing("/elsewhere/user_code.py"))
+        assert [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -94,9 +95,32 @@ def _quoted(name: str) -> str:
     return rf"(?<![\w.]){re.escape(name)}(?=[/'\"])"
 
 
+class _OrbaxReadFailures(logging.Filter):
+    """Drops asyncio's "Task (or Future) exception was never retrieved" for orbax's other reads of a step
+    already reported as damaged: reads still running when the restore failed fail later, after
+    :func:`_collect_quietly`, and asyncio logs each one (with its traceback) when it is collected,
+    at exit at the latest. The damage is reported once, by :class:`CheckpointError`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        first = record.getMessage().split("\n", 1)[0]
+        if not first.endswith("exception was never retrieved") or not record.exc_info:
+            return True
+        tb = record.exc_info[2]
+        while tb is not None:
+            if "orbax" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+_ORBAX_READ_FAILURES = _OrbaxReadFailures()
+
+
 def _collect_quietly() -> None:
     """Collects what a failed orbax restore left: its other reads of the broken step, coroutines
-    that failed too, would otherwise print their tracebacks when collected (at exit, say)."""
+    that failed too, would otherwise print their tracebacks when collected (at exit, say); those
+    that fail after this collection are dropped by :class:`_OrbaxReadFailures`."""
+    logging.getLogger("asyncio").addFilter(_ORBAX_READ_FAILURES)  # a filter is added once
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
