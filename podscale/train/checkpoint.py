@@ -96,18 +96,21 @@ def _quoted(name: str) -> str:
 
 
 class _OrbaxReadFailures(logging.Filter):
-    """Drops asyncio's "Task (or Future) exception was never retrieved" for orbax's other reads of a step
-    already reported as damaged: reads still running when the restore failed fail later, after
-    :func:`_collect_quietly`, and asyncio logs each one (with its traceback) when it is collected,
-    at exit at the latest. The damage is reported once, by :class:`CheckpointError`."""
+    """Drops what orbax's other reads of a step already reported as damaged log after the
+    restore failed: reads still running then finish later, in orbax's threads. asyncio logs a
+    failed one when its task is collected ("Task exception was never retrieved", with a traceback
+    through orbax's code), and concurrent.futures logs one that finishes after orbax closed its
+    event loop ("exception calling callback for ...": "Event loop is closed"). The damage is
+    reported once, by :class:`CheckpointError`; other records pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        first = record.getMessage().split("\n", 1)[0]
-        if not first.endswith("exception was never retrieved") or not record.exc_info:
+        if not record.exc_info or record.exc_info[1] is None:
             return True
-        tb = record.exc_info[2]
+        exc, tb = record.exc_info[1], record.exc_info[2]
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return False
         while tb is not None:
-            if "orbax" in tb.tb_frame.f_code.co_filename:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
                 return False
             tb = tb.tb_next
         return True
@@ -120,7 +123,8 @@ def _collect_quietly() -> None:
     """Collects what a failed orbax restore left: its other reads of the broken step, coroutines
     that failed too, would otherwise print their tracebacks when collected (at exit, say); those
     that fail after this collection are dropped by :class:`_OrbaxReadFailures`."""
-    logging.getLogger("asyncio").addFilter(_ORBAX_READ_FAILURES)  # a filter is added once
+    for logger in ("asyncio", "concurrent.futures"):
+        logging.getLogger(logger).addFilter(_ORBAX_READ_FAILURES)  # a filter is added once
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
