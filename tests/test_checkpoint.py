@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -309,48 +310,68 @@ def test_a_damaged_checkpoint_on_the_command_line_is_exit_2_and_one_json_error(t
 
 
 def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog):
-    """Reads still running when a restore fails finish later, in orbax's threads: asyncio logs a
-    failed one when its task is collected ("Task exception was never retrieved", with a traceback
-    through orbax), and concurrent.futures one that finishes after orbax's event loop closed
-    ("exception calling callback": "Event loop is closed"). They were the rare traceback under
-    load. Once a damaged step is reported, both are dropped; any other task's failure is logged."""
+    """Reads still running when a restore fails finish later, in orbax's threads, and each would
+    print a traceback (the rare one under load): a failed read's task is logged by asyncio when
+    collected, its coroutine is unraisable at exit, and a read that succeeds hands its result to
+    orbax's closed event loop ("Event loop is closed", printed bare by the reader thread). While a
+    restore runs, and after one failed, those are dropped; any other failure is still reported."""
     import asyncio
-    import concurrent.futures
     import gc
     import logging
+    import types
 
     from podscale.train import checkpoint
 
-    def failing(filename):
+    def raising_in(filename, function="read"):
+        scope = {}
+        source = f"def {function}():\n    raise RuntimeError('Event loop is closed')\n"
+        exec(compile(source, filename, "exec"), scope)  # noqa: S102
+        try:
+            scope[function]()
+        except RuntimeError as e:
+            return e
+
+    def leave_a_failed_task(filename):
         scope = {}
         exec(compile("async def read():\n    raise OSError('damaged chunk')\n", filename, "exec"), scope)  # noqa: S102
-        return scope["read"]
 
-    def leave_a_failed_task(read):
         async def main():
-            task = asyncio.get_running_loop().create_task(read())
+            task = asyncio.get_running_loop().create_task(scope["read"]())
             await asyncio.sleep(0)
             del task
 
         asyncio.run(main())
         gc.collect()
 
-    def finish_a_read_after_the_loop_closed():
-        loop = asyncio.new_event_loop()
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            release = concurrent.futures.Future()
-            future = loop.run_in_executor(pool, release.result)
-            loop.close()
-            release.set_result(None)
-        del future
+    def printed(error, capsys_hook):
+        seen = []
+        capsys_hook(seen, error)
+        return seen
 
-    def logged():
-        return [r for r in caplog.records if "never retrieved" in r.getMessage() or "callback" in r.getMessage()]
-
-    checkpoint._collect_quietly()  # what a damaged restore does before it raises
-    with caplog.at_level(logging.ERROR):
-        leave_a_failed_task(failing(f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}serialization.py"))
-        finish_a_read_after_the_loop_closed()
-        assert not logged()
-        leave_a_failed_task(failing(f"{os.sep}elsewhere{os.sep}user_code.py"))
-        assert logged()
+    orbax_file = f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}serialization.py"
+    late_loop = raising_in(f"{os.sep}asyncio{os.sep}base_events.py", "call_soon_threadsafe")
+    user_error = raising_in(f"{os.sep}elsewhere{os.sep}user_code.py")
+    shown = []
+    original = sys.excepthook, sys.unraisablehook
+    sys.excepthook = lambda kind, value, tb: shown.append(("except", value))
+    sys.unraisablehook = lambda u: shown.append(("unraisable", u.exc_value))
+    try:
+        checkpoint._quiet_late_reads(True)  # what a restore does; kept after it fails
+        with caplog.at_level(logging.ERROR):
+            leave_a_failed_task(orbax_file)
+            sys.excepthook(RuntimeError, late_loop, late_loop.__traceback__)
+            orbax_error = raising_in(orbax_file)
+            unraisable = types.SimpleNamespace(
+                exc_type=RuntimeError, exc_value=orbax_error, exc_traceback=orbax_error.__traceback__
+            )
+            sys.unraisablehook(unraisable)
+            assert not shown and not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+            sys.excepthook(RuntimeError, user_error, user_error.__traceback__)
+            leave_a_failed_task(f"{os.sep}elsewhere{os.sep}user_code.py")
+            assert shown == [("except", user_error)]
+            assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
+        checkpoint._quiet_late_reads(False)  # after a restore that succeeded: the hooks are put back
+        assert (sys.excepthook, sys.unraisablehook) != original and not hasattr(sys.excepthook, "podscale_wraps")
+    finally:
+        checkpoint._quiet_late_reads(False)
+        sys.excepthook, sys.unraisablehook = original

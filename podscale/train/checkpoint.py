@@ -95,42 +95,53 @@ def _quoted(name: str) -> str:
     return rf"(?<![\w.]){re.escape(name)}(?=[/'\"])"
 
 
-class _OrbaxReadFailures(logging.Filter):
-    """Drops what orbax's other reads of a step already reported as damaged log after the
-    restore failed: reads still running then finish later, in orbax's threads. asyncio logs a
-    failed one when its task is collected ("Task exception was never retrieved", with a traceback
-    through orbax's code), and concurrent.futures logs one that finishes after orbax closed its
-    event loop ("exception calling callback for ...": "Event loop is closed"). The damage is
-    reported once, by :class:`CheckpointError`; other records pass."""
+def _is_late_read(kind, value, tb) -> bool:
+    """An exception of one of orbax's reads of a step whose restore already failed: the reads
+    still running then finish later, in orbax's threads and coroutines. A failed one raises
+    through orbax's code; one that succeeds hands its result to the event loop orbax closed
+    (``call_soon_threadsafe``: "Event loop is closed")."""
+    if value is None or not isinstance(value, Exception):  # a KeyboardInterrupt is never hidden
+        return False
+    files, names = [], []
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if any(f"{os.sep}orbax{os.sep}" in f for f in files):
+        return True
+    return kind is RuntimeError and str(value) == "Event loop is closed" and "call_soon_threadsafe" in names
+
+
+class _LateReads(logging.Filter):
+    """asyncio's "Task exception was never retrieved" and concurrent.futures' "exception calling
+    callback" records of such reads."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.exc_info or record.exc_info[1] is None:
-            return True
-        exc, tb = record.exc_info[1], record.exc_info[2]
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return False
-        while tb is not None:
-            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-                return False
-            tb = tb.tb_next
-        return True
+        return not (record.exc_info and _is_late_read(*record.exc_info))
 
 
-_ORBAX_READ_FAILURES = _OrbaxReadFailures()
+_LATE_READS = _LateReads()
 
 
-def _collect_quietly() -> None:
-    """Collects what a failed orbax restore left: its other reads of the broken step, coroutines
-    that failed too, would otherwise print their tracebacks when collected (at exit, say); those
-    that fail after this collection are dropped by :class:`_OrbaxReadFailures`."""
+def _quiet_late_reads(on: bool) -> None:
+    """While a restore runs and, once it has failed, for the rest of the process, the late reads
+    of its step print nothing: each would print a traceback (a bare one from a reader thread, an
+    unraisable coroutine's when collected, at exit at the latest, or asyncio's and
+    concurrent.futures' log records). The damage is reported once, by :class:`CheckpointError`.
+    ``on=False`` (after a restore that succeeded: every read has finished) puts the hooks back."""
+    hooks = (("excepthook", lambda h: lambda k, v, t: _is_late_read(k, v, t) or h(k, v, t)),)
+    hooks += (("unraisablehook", lambda h: lambda u: _is_late_read(u.exc_type, u.exc_value, u.exc_traceback) or h(u)),)
+    for name, wrap in hooks:
+        hook = getattr(sys, name)
+        wrapped = getattr(hook, "podscale_wraps", None)
+        if on and wrapped is None:
+            quiet = wrap(hook)
+            quiet.podscale_wraps = hook
+            setattr(sys, name, quiet)
+        elif not on and wrapped is not None:
+            setattr(sys, name, wrapped)
     for logger in ("asyncio", "concurrent.futures"):
-        logging.getLogger(logger).addFilter(_ORBAX_READ_FAILURES)  # a filter is added once
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda unraisable: None
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = hook
+        (logging.getLogger(logger).addFilter if on else logging.getLogger(logger).removeFilter)(_LATE_READS)
 
 
 def _warn(message: str) -> None:
@@ -147,6 +158,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = every
         self.warn = warn
+        self._failed_restores = 0
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -227,7 +239,10 @@ class Checkpointer:
         )
         unreadable = None
         try:
+            _quiet_late_reads(True)
             state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            if not self._failed_restores:  # kept after a failure: its other reads may finish (and print) later
+                _quiet_late_reads(False)
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read
             chain = [e]
             while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
@@ -241,9 +256,10 @@ class Checkpointer:
             else:
                 reason = f"corrupt or not of this model/optimizer ({detail})"
             unreadable = _Damaged(reason, f"{where} is {reason}. {todo}.")
+            self._failed_restores += 1
             del chain, e
         if unreadable:  # raised outside the except clause, which no longer holds orbax's failed reads
-            _collect_quietly()
+            gc.collect()  # what the failed restore left, quietly (_quiet_late_reads)
             raise unreadable
         try:
             saved = (self._manager.metadata(step).custom_metadata or {}).get(CHECKSUMS)
