@@ -15,8 +15,8 @@ another 35-45% off each compile at that level; steps ran 1x to 1.6x as long). Ev
 compares is compiled with these flags; the last bits of a result can differ from the default
 level's, which moves a step that is discontinuous at roundoff (the tiny Mask R-CNN's: its
 equality tests run in float64). The CLI runs the tests start as subprocesses inherit the flags;
-the few that train for hundreds of steps (the time-to-target runs) take XLA's defaults instead,
-through ``helpers.long_run_env``."""
+the few that train for hundreds of steps (the time-to-target runs) take XLA's default emitters at
+LLVM's level 1 instead, through ``helpers.long_run_env``."""
 
 import atexit
 import os
@@ -28,7 +28,7 @@ import pytest
 FMA_OFF = os.environ.get("PODSCALE_TEST_FMA") != "1"
 if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
-# XLA's flags for the long CLI runs (helpers.long_run_env): the default level. Set once, by the
+# XLA's flags for the long CLI runs (helpers.long_run_env), before the suite's own. Set once, by the
 # first process of the session (xdist's workers and the CLI runs inherit the suite's flags).
 os.environ.setdefault("PODSCALE_TEST_LONG_RUN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
@@ -44,7 +44,7 @@ import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is insta
 # session's test processes: both xdist workers (the controller makes it before it starts them, and
 # they inherit the variable) and the CLI runs the tests start (through JAX's own variables), which
 # compile with the same flags: the cache's key reads XLA_FLAGS as it is when the key is made. The
-# long runs compile at the default level and keep a directory of their own. Reads and writes hold
+# long runs compile with other flags and keep a directory of their own. Reads and writes hold
 # the cache's file lock (eviction on, with a limit no session reaches), so one process never reads
 # an entry another is still writing.
 _CACHE = os.environ.get("PODSCALE_TEST_XLA_CACHE")

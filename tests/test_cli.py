@@ -29,7 +29,7 @@ def _summary(proc) -> dict:
 
 def _train_to_target(*args, log, timeout=600) -> dict:
     """A time-to-target run's JSON summary, its MLPerf log written to ``log``. Its hundreds of
-    steps run at XLA's default flags (helpers.long_run_env), about 3x faster than the suite's."""
+    steps run with XLA's default emitters at LLVM's level 1 (helpers.long_run_env), about 3x faster than the suite's."""
     proc = _run(*args, "--mllog", str(log), "--json", "--no-progress", timeout=timeout, env=long_run_env())
     return _summary(proc)
 
