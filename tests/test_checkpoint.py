@@ -314,7 +314,8 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
     print a traceback (the rare one under load): a failed read's task is logged by asyncio when
     collected, its coroutine is unraisable at exit, and a read that succeeds hands its result to
     orbax's closed event loop ("Event loop is closed", printed bare by the reader thread). While a
-    restore runs, and after one failed, those are dropped; any other failure is still reported."""
+    restore runs, and after one failed, those are dropped; any other failure is still reported, and
+    so is an uncaught exception through orbax's code in the main thread."""
     import asyncio
     import gc
     import logging
@@ -366,9 +367,10 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
             )
             sys.unraisablehook(unraisable)
             assert not shown and not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+            sys.excepthook(RuntimeError, orbax_error, orbax_error.__traceback__)  # uncaught in the main thread
             sys.excepthook(RuntimeError, user_error, user_error.__traceback__)
             leave_a_failed_task(f"{os.sep}elsewhere{os.sep}user_code.py")
-            assert shown == [("except", user_error)]
+            assert shown == [("except", orbax_error), ("except", user_error)]
             assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
         checkpoint._quiet_late_reads(False)  # after a restore that succeeded: the hooks are put back
         assert (sys.excepthook, sys.unraisablehook) != original and not hasattr(sys.excepthook, "podscale_wraps")

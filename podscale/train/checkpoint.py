@@ -95,11 +95,11 @@ def _quoted(name: str) -> str:
     return rf"(?<![\w.]){re.escape(name)}(?=[/'\"])"
 
 
-def _is_late_read(kind, value, tb) -> bool:
+def _is_late_read(kind, value, tb, through_orbax: bool = True) -> bool:
     """An exception of one of orbax's reads of a step whose restore already failed: the reads
     still running then finish later, in orbax's threads and coroutines. A failed one raises
-    through orbax's code; one that succeeds hands its result to the event loop orbax closed
-    (``call_soon_threadsafe``: "Event loop is closed")."""
+    through orbax's code (``through_orbax``); one that succeeds hands its result to the event loop
+    orbax closed (``call_soon_threadsafe``: "Event loop is closed")."""
     if value is None or not isinstance(value, Exception):  # a KeyboardInterrupt is never hidden
         return False
     files, names = [], []
@@ -107,7 +107,7 @@ def _is_late_read(kind, value, tb) -> bool:
         files.append(tb.tb_frame.f_code.co_filename)
         names.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
-    if any(f"{os.sep}orbax{os.sep}" in f for f in files):
+    if through_orbax and any(f"{os.sep}orbax{os.sep}" in f for f in files):
         return True
     return kind is RuntimeError and str(value) == "Event loop is closed" and "call_soon_threadsafe" in names
 
@@ -121,6 +121,7 @@ class _LateReads(logging.Filter):
 
 
 _LATE_READS = _LateReads()
+_LATE_READS.pending = False  # a restore failed in this process: its late reads may still come
 
 
 def _quiet_late_reads(on: bool) -> None:
@@ -128,8 +129,10 @@ def _quiet_late_reads(on: bool) -> None:
     of its step print nothing: each would print a traceback (a bare one from a reader thread, an
     unraisable coroutine's when collected, at exit at the latest, or asyncio's and
     concurrent.futures' log records). The damage is reported once, by :class:`CheckpointError`.
-    ``on=False`` (after a restore that succeeded: every read has finished) puts the hooks back."""
-    hooks = (("excepthook", lambda h: lambda k, v, t: _is_late_read(k, v, t) or h(k, v, t)),)
+    ``on=False`` (after a restore that succeeded: every read has finished) puts the hooks back.
+    An uncaught exception (``sys.excepthook``) is dropped only as the bare "Event loop is closed"
+    of a reader thread: one that passes through orbax's code in the main thread is still printed."""
+    hooks = (("excepthook", lambda h: lambda k, v, t: _is_late_read(k, v, t, through_orbax=False) or h(k, v, t)),)
     hooks += (("unraisablehook", lambda h: lambda u: _is_late_read(u.exc_type, u.exc_value, u.exc_traceback) or h(u)),)
     for name, wrap in hooks:
         hook = getattr(sys, name)
@@ -158,7 +161,6 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = every
         self.warn = warn
-        self._failed_restores = 0
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -241,7 +243,7 @@ class Checkpointer:
         try:
             _quiet_late_reads(True)
             state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-            if not self._failed_restores:  # kept after a failure: its other reads may finish (and print) later
+            if not _LATE_READS.pending:  # kept after a failure: its other reads may finish (and print) later
                 _quiet_late_reads(False)
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read
             chain = [e]
@@ -256,7 +258,7 @@ class Checkpointer:
             else:
                 reason = f"corrupt or not of this model/optimizer ({detail})"
             unreadable = _Damaged(reason, f"{where} is {reason}. {todo}.")
-            self._failed_restores += 1
+            _LATE_READS.pending = True
             del chain, e
         if unreadable:  # raised outside the except clause, which no longer holds orbax's failed reads
             gc.collect()  # what the failed restore left, quietly (_quiet_late_reads)
