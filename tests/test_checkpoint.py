@@ -373,7 +373,7 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
             assert shown == [("except", orbax_error), ("except", user_error)]
             assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
         checkpoint._quiet_late_reads(False)  # after a restore that succeeded: the hooks are put back
-        assert (sys.excepthook, sys.unraisablehook) != original and not hasattr(sys.excepthook, "podscale_wraps")
+        assert (sys.excepthook, sys.unraisablehook) != original and sys.excepthook is not checkpoint._excepthook
     finally:
         checkpoint._quiet_late_reads(False)
         sys.excepthook, sys.unraisablehook = original

@@ -121,7 +121,20 @@ class _LateReads(logging.Filter):
 
 
 _LATE_READS = _LateReads()
-_LATE_READS.pending = False  # a restore failed in this process: its late reads may still come
+_late_reads_pending = False
+"""A restore failed in this process: its step's late reads may still come."""
+
+
+def _excepthook(kind, value, tb):
+    """Drops only a reader thread's bare "Event loop is closed": an uncaught exception through
+    orbax's code in the main thread is still printed."""
+    if not _is_late_read(kind, value, tb, through_orbax=False):
+        _excepthook.wraps(kind, value, tb)
+
+
+def _unraisablehook(unraisable):
+    if not _is_late_read(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+        _unraisablehook.wraps(unraisable)
 
 
 def _quiet_late_reads(on: bool) -> None:
@@ -129,20 +142,14 @@ def _quiet_late_reads(on: bool) -> None:
     of its step print nothing: each would print a traceback (a bare one from a reader thread, an
     unraisable coroutine's when collected, at exit at the latest, or asyncio's and
     concurrent.futures' log records). The damage is reported once, by :class:`CheckpointError`.
-    ``on=False`` (after a restore that succeeded: every read has finished) puts the hooks back.
-    An uncaught exception (``sys.excepthook``) is dropped only as the bare "Event loop is closed"
-    of a reader thread: one that passes through orbax's code in the main thread is still printed."""
-    hooks = (("excepthook", lambda h: lambda k, v, t: _is_late_read(k, v, t, through_orbax=False) or h(k, v, t)),)
-    hooks += (("unraisablehook", lambda h: lambda u: _is_late_read(u.exc_type, u.exc_value, u.exc_traceback) or h(u)),)
-    for name, wrap in hooks:
-        hook = getattr(sys, name)
-        wrapped = getattr(hook, "podscale_wraps", None)
-        if on and wrapped is None:
-            quiet = wrap(hook)
-            quiet.podscale_wraps = hook
+    ``on=False`` (after a restore that succeeded: every read has finished) puts the hooks back."""
+    for name, quiet in (("excepthook", _excepthook), ("unraisablehook", _unraisablehook)):
+        current = getattr(sys, name)
+        if on and current is not quiet:
+            quiet.wraps = current
             setattr(sys, name, quiet)
-        elif not on and wrapped is not None:
-            setattr(sys, name, wrapped)
+        elif not on and current is quiet:
+            setattr(sys, name, quiet.wraps)
     for logger in ("asyncio", "concurrent.futures"):
         (logging.getLogger(logger).addFilter if on else logging.getLogger(logger).removeFilter)(_LATE_READS)
 
@@ -231,6 +238,7 @@ class Checkpointer:
 
     def _restore_verified(self, step: int, abstract, earlier: int | None):
         """Restores ``step`` and checks it against its checksums; raises :class:`_Damaged`."""
+        global _late_reads_pending
         where = f"checkpoint step {step} in {self.directory}"
         todo = (
             f"Pass --resume-fallback to set it aside and resume from the newest intact earlier step (the next kept "
@@ -243,7 +251,7 @@ class Checkpointer:
         try:
             _quiet_late_reads(True)
             state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-            if not _LATE_READS.pending:  # kept after a failure: its other reads may finish (and print) later
+            if not _late_reads_pending:  # kept after a failure: its other reads may finish (and print) later
                 _quiet_late_reads(False)
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read
             chain = [e]
@@ -258,7 +266,7 @@ class Checkpointer:
             else:
                 reason = f"corrupt or not of this model/optimizer ({detail})"
             unreadable = _Damaged(reason, f"{where} is {reason}. {todo}.")
-            _LATE_READS.pending = True
+            _late_reads_pending = True
             del chain, e
         if unreadable:  # raised outside the except clause, which no longer holds orbax's failed reads
             gc.collect()  # what the failed restore left, quietly (_quiet_late_reads)
