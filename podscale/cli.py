@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from podscale.parallel.checks import PodscaleWarning
+from podscale.parallel.mesh import MAX_CPU_DEVICES
 from podscale.parallel.mesh import parse_shape as _parse_shape
 from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed, supervise
@@ -328,7 +329,9 @@ def _run_plan(args) -> int:
 
     import jax
 
-    from podscale import data_parallel, make_mesh, workloads
+    from podscale import workloads
+    from podscale.parallel.engine import data_parallel
+    from podscale.parallel.mesh import make_mesh
     from podscale.parallel.tensor import with_model_rules
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
@@ -352,16 +355,18 @@ def _run_plan(args) -> int:
             args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size, "compiler": compiler}
         )
     if tpu_devices:
-        from jax._src import config
+        from podscale._jax import jax_config
 
-        with config.enable_compilation_cache(False):  # a compile-only client's executables are not cached
+        with jax_config.enable_compilation_cache(False):  # a compile-only client's executables are not cached
             plan = dp.plan(state, batch, compile=True)
     else:
         plan = dp.plan(state, batch, compile=True)
     if args.json:
         print(json.dumps({**plan.to_dict(), "compiler": compiler}))
     else:
-        plan.render()
+        from podscale import render
+
+        render.plan(plan)
         print(f"the compiled module: {compiler}, mesh {dict(mesh.shape)}")
     return 0
 
@@ -637,7 +642,7 @@ def _run_project(args) -> int:
     import jax
 
     on_tpu = proj.use_tpu_compiler(system, args.compiler, progress)
-    devices = 0 if on_tpu else min(proj.MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
+    devices = 0 if on_tpu else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
     if not args.dry_run and not on_tpu:  # a dry run compiles nothing: it leaves the devices as they are
         jax.config.update("jax_num_cpu_devices", devices)
     from podscale import workloads

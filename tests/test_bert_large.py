@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.train.precision import BF16, FLOAT32
 from podscale.workloads import bert_large as bert
+from podscale.workloads.precision import BF16, FLOAT32
 from podscale.workloads.synthetic import BOS, PAD
 
 TINY = bert.TINY

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from podscale import data_parallel, make_mesh
-from podscale.train.data import Digits, Loader, SyntheticImages, SyntheticTokens, batch_indices, padded_eval_batches
+from podscale.train.data import Loader, batch_indices, padded_eval_batches
+from podscale.workloads.datasets import Digits, SyntheticImages, SyntheticTokens
 
 
 def _identity_step(state, batch):

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.train.data import DigitDetection
 from podscale.workloads import detection as D
+from podscale.workloads.datasets import DigitDetection
 
 
 def test_ssd300_has_the_mlperf_8732_default_boxes():

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.train.precision import FLOAT32
 from podscale.workloads import gnmt
+from podscale.workloads.precision import FLOAT32
 from podscale.workloads.synthetic import BOS, PAD, shift_right
 
 # Three layers each, so the residual layers of encoder and decoder are exercised too.

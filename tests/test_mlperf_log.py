@@ -82,8 +82,8 @@ def test_a_log_without_run_start_is_an_error():
 
 
 def test_sixteen_bit_state_is_refused_before_training():
-    from podscale.train.precision import check_state
     from podscale.train.tasks import TrainState
+    from podscale.workloads.precision import check_state
 
     state = TrainState(step=jnp.zeros(()), params={"w": jnp.zeros(3, jnp.bfloat16)}, batch_stats={}, opt_state=())
     with pytest.raises(TypeError, match=r"state.params\['w'\] would be stored as bfloat16.*param_dtype=jnp.float32"):

@@ -13,9 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from podscale import data_parallel, make_mesh
 from podscale.parallel.mesh import BN_GROUP
-from podscale.train.precision import BF16, FLOAT32
 from podscale.train.tasks import TrainState
+from podscale.workloads import datasets
 from podscale.workloads import resnet50 as r
+from podscale.workloads.precision import BF16, FLOAT32
 
 TINY = r.TINY
 SMALL = dataclasses.replace(TINY, stage_sizes=(1, 1), stage_widths=(4, 8))  # the tiny layers, fewer: compiles fast
@@ -37,7 +38,7 @@ def _variables(cfg=TINY, policy=BF16, abstract=False):
 
 
 def _digits(n, start=0):
-    return {k: jnp.asarray(v) for k, v in r.data.Digits("train").get(np.arange(start, start + n)).items()}
+    return {k: jnp.asarray(v) for k, v in datasets.Digits("train").get(np.arange(start, start + n)).items()}
 
 
 # -- the recipe -----------------------------------------------------------------------------------

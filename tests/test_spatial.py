@@ -192,8 +192,8 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
     groups, one group of every replica (the whole batch, as on one device). Every leaf of the
     parameters and batch statistics equals one device's within 1e-6 relative error (the leaf's
     2-norm; measured 4e-7 to 8e-7: elementwise, a few small batch-norm biases differ by 15 ulps)."""
-    from podscale.train.precision import FLOAT32
     from podscale.train.tasks import make_task, make_train_step
+    from podscale.workloads.precision import FLOAT32
 
     if not _RESNET50:
         task = make_task("resnet50", config="tiny", policy=FLOAT32)

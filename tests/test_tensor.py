@@ -16,8 +16,8 @@ from podscale import Strategy, data_parallel, make_mesh
 from podscale.parallel.checks import PodscaleWarning
 from podscale.parallel.tensor import RULES, Rules, RuleWarning, assign, path_name
 from podscale.perf import hlo
-from podscale.train.precision import FLOAT32
 from podscale.train.tasks import make_task, make_train_step
+from podscale.workloads.precision import FLOAT32
 
 STEPS = 10
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podscale.train.precision import BF16, FLOAT32
 from podscale.workloads import transformer_big as tb
+from podscale.workloads.precision import BF16, FLOAT32
 from podscale.workloads.synthetic import BOS, PAD, shift_right
 
 CFG = tb.TINY

@@ -12,8 +12,8 @@ from helpers import max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh, workloads
 from podscale.parallel.mesh import BN_GROUP
-from podscale.train.precision import BF16, FLOAT32, check_state
 from podscale.train.tasks import Task, bn_group_workloads, make_task, make_train_step
+from podscale.workloads.precision import BF16, FLOAT32, check_state
 
 HEAVY = ("dot_general", "conv_general_dilated")
 

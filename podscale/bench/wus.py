@@ -41,8 +41,9 @@ from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
 from podscale.report import Ticker
-from podscale.train import data, models
+from podscale.train import models
 from podscale.train.tasks import Task, make_task, make_train_step
+from podscale.workloads import datasets
 
 
 def _peak(compiled) -> int | None:
@@ -52,11 +53,13 @@ def _peak(compiled) -> int | None:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def _task(width: int, depth: int, vocab: int, seq: int) -> Task:
+def decoder_task(width: int, depth: int, vocab: int, seq: int) -> Task:
+    """The decoder language model that ``podscale bench wus`` and ``podscale project --validate``
+    time: ``depth`` blocks of ``width``, on synthetic tokens of length ``seq``."""
     model = models.Transformer(
         vocab_size=vocab, width=width, depth=depth, num_heads=WUS_HEADS, mlp_dim=4 * width, max_len=seq
     )
-    tokens = data.SyntheticTokens(1024, seq_len=seq, vocab_size=vocab)
+    tokens = datasets.SyntheticTokens(1024, seq_len=seq, vocab_size=vocab)
     return Task(model=model, kind="lm", train_data=tokens, eval_data=tokens)
 
 
@@ -80,7 +83,7 @@ def _gspmd(step, mesh, state):
     return jitted, place, gather, lambda s, b: jitted.lower(s, b).compile()
 
 
-class _Variant:
+class Variant:
     """One way of running the step: placed state, compiled program, and its timings."""
 
     def __init__(self, name, step, mesh, state, batch):
@@ -178,7 +181,7 @@ def bench_wus(
     n = mesh.devices.size
     makers = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-4), "lamb": lambda: optax.lamb(1e-4)}
     if model is None:
-        task = _task(width, depth, vocab, seq)
+        task = decoder_task(width, depth, vocab, seq)
     else:
         task = make_task(model, config="tiny")
         cfg = task.config
@@ -205,7 +208,7 @@ def bench_wus(
                 state = jax.device_get(task.init_state(jax.random.key(0), tx))
                 for variant in variants:
                     bar.update(f"{opt}: compiling {variant}" + (" (sgd)" if which != opt else ""), line=True)
-                    runs[which, variant] = _Variant(variant, step, mesh, state, batches[0])
+                    runs[which, variant] = Variant(variant, step, mesh, state, batches[0])
                     bar.advance()
             for i, batch in enumerate(batches):
                 bar.update(f"{opt}: step {i + 1}/{len(batches)}")

@@ -12,6 +12,8 @@ from typing import Any
 
 from jax.extend import core
 
+from podscale._jax import source_info_util
+
 Rule = Callable[[Any, list[Any]], Sequence[Any]]
 
 GRAD_SUM = "psum_invariant"
@@ -73,7 +75,5 @@ def source(eqn):
     """The context to bind ``eqn``'s primitive in so that it keeps the user's name stack and
     source line (as ``jax.core.eval_jaxpr`` does): compiled ops and their collectives then name
     the layer they come from (``metadata={op_name=...}`` in the HLO)."""
-    from jax._src import source_info_util
-
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from podscale._jax import all_gather_invariant
 from podscale.parallel.mesh import BN_GROUP
 
 MODES = ("1d", "2d")

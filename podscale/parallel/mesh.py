@@ -14,6 +14,11 @@ from podscale.parallel import checks
 DATA = "data"
 BN_GROUP = "bn_group"
 """The mesh axis of ``make_mesh(..., bn_group_size=k)`` that batch-norm statistics are averaged over."""
+MAX_CPU_DEVICES = 2048
+"""The most devices a program of one process's JAX CPU client runs over: past 2048 it refuses
+("Multiprocess computations aren't implemented on the CPU backend"), and far more devices only
+cost time and memory to create (``jax_num_cpu_devices`` 100000 grows by about 1 GB every 30 s).
+:func:`podscale.train.distributed.setup` refuses more per process; ``podscale project`` compiles on at most this many."""
 _DEFAULT_NAMES = {1: (DATA,)}
 """Default axis names: ``data`` for a 1-D mesh; ``x, y, z, w`` for 2 to 4 dimensions, and
 ``a4, a5, ...`` after ``w`` for more (see :func:`default_axis_names`)."""

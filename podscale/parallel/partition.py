@@ -41,10 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr; no public name
-from jax._src.lax.parallel import all_gather_invariant  # public lax has no invariant all-gather
 from jax.extend import core
 
+from podscale._jax import all_gather_invariant, pe, prng, source_info_util, threefry2x32
 from podscale.parallel import _interpret
 from podscale.parallel._interpret import varying_axes
 
@@ -567,8 +566,6 @@ def _is_zero(var) -> bool:
 
 def _source(eqn) -> str:
     try:
-        from jax._src import source_info_util
-
         frame = source_info_util.user_frame(eqn.source_info.traceback)
         return f" at {frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
     except Exception:  # source info is a courtesy; never fail the plan over it
@@ -595,8 +592,6 @@ def _random_bits_rows(p: Partitioner, eqn, key):
     shape, bit_width = tuple(eqn.params["shape"]), eqn.params["bit_width"]
     if not shape or shape[0] != p.batch_rows or not p.splittable(shape, 0) or np.shape(key) != ():
         return None
-    from jax._src.random import prng, threefry2x32
-
     local = (shape[0] // p.n, *shape[1:])
     if p.independent_rng:  # rng="independent": this replica's own stream
         mine = jax.random.fold_in(key, p.index())

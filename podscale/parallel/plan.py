@@ -9,10 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-from podscale import report
 from podscale.parallel import spatial
 from podscale.perf.hlo import layer_of, ring_bytes
 
@@ -56,135 +53,6 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def render(self, console: Console | None = None) -> None:
-        """Readable at 80 columns, on a terminal or piped: numbers are never cut, paths fold."""
-        console = console or Console()
-        console.print(f"weight update: [bold]{self.weight_update}[/] on {self.replicas} replicas, mesh {self.mesh}")
-        g = self.grad_sum
-        how = " then ".join(g["order"]) if g["mode"] == "2d" else ",".join(g["order"])
-        extra = (f", {g['chunks']} chunks" if g["mode"] == "2d" else "") + (
-            f", summed in {g['dtype']}" if g["dtype"] else ""
-        )
-        console.print(f"gradient sum: [bold]{g['mode']}[/] over {how}{extra}: {g['reason']}")
-        leaves = Table(title="state layout (per device)")
-        leaves.add_column("state leaf", overflow="fold", ratio=3)
-        leaves.add_column("shape", no_wrap=True)
-        leaves.add_column("layout", no_wrap=True)
-        leaves.add_column("bytes", justify="right", no_wrap=True)
-        leaves.add_column("why", overflow="fold", ratio=2)
-        for leaf in self.leaves:
-            leaves.add_row(
-                leaf["path"],
-                "x".join(map(str, leaf["shape"])) or "()",
-                f"1/{self.replicas * leaf['split']}"
-                if leaf["sharded"]
-                else (
-                    f"1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "whole"
-                ),
-                report.size(leaf["bytes_per_device"]),
-                leaf["reason"],
-            )
-        report.show(leaves, console)
-        collectives = Table(title="collectives per step (podscale's)")
-        collectives.add_column("collective", no_wrap=True)
-        collectives.add_column("axes", no_wrap=True)
-        collectives.add_column("buffer", justify="right", no_wrap=True)
-        collectives.add_column("tensors", justify="right", no_wrap=True)
-        collectives.add_column("what", overflow="fold")
-        for c in self.collectives:
-            chunks = f" x{c['chunks']}" if c["chunks"] > 1 else ""
-            collectives.add_row(
-                c["kind"] + chunks, ",".join(c["axes"]), report.size(c["bytes_per_device"]), str(c["tensors"]), c["why"]
-            )
-        report.show(collectives, console)
-        if self.compiled is not None:
-            table = Table(title="collectives per step (the compiled module)")
-            table.add_column("collective", no_wrap=True)
-            table.add_column("axes", no_wrap=True)
-            table.add_column("dtype", no_wrap=True)
-            table.add_column("runs", justify="right", no_wrap=True)
-            table.add_column("buffer", justify="right", no_wrap=True)
-            table.add_column("sent", justify="right", no_wrap=True)
-            for c in self.compiled["collectives"]:
-                table.add_row(
-                    c["kind"],
-                    ",".join(c["axes"]) or "?",
-                    c["dtype"],
-                    str(c["runs"]),
-                    report.size(c["buffer_bytes"]),
-                    report.size(c["moved_bytes"]),
-                )
-            report.show(table, console)
-            if self.compiled["unknown_trip_counts"]:
-                console.print(
-                    f"[yellow]loops without a known trip count (counted once):[/] {self.compiled['unknown_trip_counts']}"
-                )
-        sp = self.spatial
-        if sp:
-            halo = (
-                f"; halo exchanges (collective-permute) {sp['halo_exchanges']} per step, "
-                f"{report.size(sp['halo_bytes_per_device'])} per device"
-                if "halo_bytes_per_device" in sp
-                else ""
-            )
-            console.print(
-                f"spatial: each image's height split {sp['partitions']} ways over {sp['axis']!r} "
-                f"({sp['layers']} convolution and pooling layers){halo}"
-            )
-            for note in sp["uneven_layers"]:
-                console.print(f"  [yellow]{note}[/]")
-            if sp.get("gathers"):
-                title = (
-                    f"gathered or summed over the space axis {sp['axis']!r}, per layer "
-                    f"({report.size(sp['gather_bytes_per_device'])} per device)"
-                )
-                _per_layer(title, sp["gathers"], console)
-        tp = self.tensor
-        if tp:
-            console.print(
-                f"tensor: weights split {tp['partitions']} ways over {tp['axis']!r} by the rules {tp['rules']!r}: "
-                f"{tp['split_leaves']} leaves, {report.size(tp['split_bytes_per_device'])} per device of "
-                f"{report.size(tp['split_bytes'])}"
-            )
-            for note in tp["notes"]:
-                console.print(f"  [yellow]{note}[/]")
-            if tp.get("collectives"):
-                _per_layer(f"collectives over the model axis {tp['axis']!r}, per layer", tp["collectives"], console)
-        t = self.traffic
-        if t:
-            console.print(
-                f"bytes sent per device per step: gradient sum + weight gather {report.size(t['update_bytes'])} = "
-                f"{t['ratio']:.3f}x one all-reduce of the gradients ({report.size(t['all_reduce_bytes'])}); "
-                f"the model's own collectives {report.size(t['model_bytes'])}"
-            )
-        m = self.memory
-        lines = [
-            f"weights {report.size(m['weights'])} (replicated {report.size(m['weights_replicated'])})",
-            f"optimizer state {report.size(m['optimizer_state'])} (replicated {report.size(m['optimizer_state_replicated'])})",
-            f"local gradients {report.size(m['gradients'])}",
-        ]
-        if "temporaries" in m:
-            lines += [
-                f"temporaries (activations, gradients, workspace) {report.size(m['temporaries'])}",
-                f"peak {report.size(m['peak'])}",
-            ]
-        console.print("memory per device: " + "; ".join(lines))
-        if self.whole_ops:
-            console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(self.whole_ops)}")
-        if self.gathered_ops:
-            console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(self.gathered_ops)}")
-
-
-def _per_layer(title: str, rows: list[dict[str, Any]], console: Console) -> None:
-    table = Table(title=title, title_justify="left")
-    table.add_column("layer", overflow="fold")
-    table.add_column("kind", no_wrap=True)
-    table.add_column("runs", justify="right", no_wrap=True)
-    table.add_column("bytes/device", justify="right", no_wrap=True)
-    for c in rows:
-        table.add_row(c["layer"] or "?", c["kind"], str(c["runs"]), report.size(c["bytes_per_device"]))
-    report.show(table, console)
 
 
 def make_plan(dp, compiled=None) -> Plan:

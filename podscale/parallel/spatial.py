@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from jax._src import source_info_util
 
+from podscale._jax import source_info_util
 from podscale.parallel._interpret import sub_jaxprs
 
 WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")

@@ -1,1 +1,2 @@
-"""Reading compiled modules, and (later) cost formulas with their sources."""
+"""The performance model: compiled modules read (``hlo``), systems and their networks costed
+(``systems``, ``network``, ``tpu``), and a step projected to a pod (``project``, ``validate``)."""

@@ -42,12 +42,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from podscale.parallel import checks
+from podscale.parallel.mesh import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
 from podscale.perf import hlo
 from podscale.perf.network import Topology
 from podscale.perf.systems import System
 from podscale.report import elapsed, heartbeat
-from podscale.train.distributed import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 
 DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
 STRATEGIES = {
@@ -271,8 +271,8 @@ def accelerator_lowerings():
     on CPU as a rolled loop, whose every round writes the whole state to memory, and on
     accelerators unrolled into one fusion. Without this, a step with dropout would be costed with
     the CPU's loop (a third of transformer-big's bytes). Uses JAX's lowering registry (private)."""
-    from jax._src.interpreters import mlir
-    from jax._src.random import threefry2x32 as threefry
+    from podscale._jax import mlir
+    from podscale._jax import threefry2x32 as threefry
 
     rules = mlir._platform_specific_lowerings["cpu"]
     old = rules.get(threefry.threefry2x32_p)
@@ -582,9 +582,9 @@ def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int
 def _no_persistent_cache():
     """JAX's persistent compilation cache cannot hold a compile-only client's executables (reading
     one back warns): XLA:TPU's compiles here skip it."""
-    from jax._src import config
+    from podscale._jax import jax_config
 
-    return config.enable_compilation_cache(False)
+    return jax_config.enable_compilation_cache(False)
 
 
 def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:

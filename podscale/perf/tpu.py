@@ -47,7 +47,7 @@ def available() -> bool:
 def has_tpu() -> bool:
     """Whether this host has TPU chips."""
     try:
-        from jax._src import hardware_utils
+        from podscale._jax import hardware_utils
 
         return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
     except Exception:  # private API moved: assume a TPU may be there, change nothing
@@ -65,7 +65,8 @@ def quiet_platforms() -> None:
     if any(e.name != "tpu" for e in importlib.metadata.entry_points(group="jax_plugins")):
         return  # a GPU plugin: JAX chooses among the platforms itself
     import jax
-    from jax._src import xla_bridge
+
+    from podscale._jax import xla_bridge
 
     if jax.config.jax_platforms or xla_bridge._backends:
         return

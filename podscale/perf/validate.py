@@ -252,12 +252,12 @@ def _workload_rows(name: str, measured: dict[int, Measured], steps: int, log) ->
 def _wus_rows(measured: Measured, steps: int, log, width=256, depth=4, vocab=4096) -> list[dict[str, Any]]:
     import optax
 
-    from podscale.bench.wus import _task, _Variant
+    from podscale.bench.wus import Variant, decoder_task
     from podscale.train.tasks import make_train_step
 
     n = measured.devices
     mesh = make_mesh({"data": n})
-    task = _task(width, depth, vocab, 128)
+    task = decoder_task(width, depth, vocab, 128)
     tx = optax.adam(1e-4)
     step = make_train_step(task, tx)
     host_state = jax.device_get(task.init_state(jax.random.key(0), tx))
@@ -268,7 +268,7 @@ def _wus_rows(measured: Measured, steps: int, log, width=256, depth=4, vocab=409
     rows = []
     for variant in ("replicated", "sharded", "gspmd"):
         log(f"bench wus: {variant}")
-        run = _Variant(variant, step, mesh, host_state, batches[0])
+        run = Variant(variant, step, mesh, host_state, batches[0])
         module = hlo.read(run.compiled, mesh)
         predicted = predict(measured, module, dict(mesh.shape))
         times = []

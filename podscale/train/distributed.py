@@ -30,15 +30,12 @@ import time
 
 import jax
 
+from podscale.parallel.mesh import MAX_CPU_DEVICES
+
 ENV_COORDINATOR = "PODSCALE_COORDINATOR"
 ENV_NUM_PROCESSES = "PODSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "PODSCALE_PROCESS_ID"
 DEFAULT_CPU_REPLICAS = 8
-MAX_CPU_DEVICES = 2048
-"""The most devices a program of one process's JAX CPU client runs over: past 2048 it refuses
-("Multiprocess computations aren't implemented on the CPU backend"), and far more devices only
-cost time and memory to create (``jax_num_cpu_devices`` 100000 grows by about 1 GB every 30 s).
-:func:`setup` refuses more per process; ``podscale project`` compiles on at most this many."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +110,7 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     """Configures CPU devices and joins the cluster. Call once, before any JAX computation.
 
     On the CPU backend, the replicas are simulated devices split evenly over the processes, at
-    most :data:`MAX_CPU_DEVICES` per process; without ``replicas``, :data:`DEFAULT_CPU_REPLICAS`
+    most :data:`podscale.parallel.mesh.MAX_CPU_DEVICES` per process; without ``replicas``, :data:`DEFAULT_CPU_REPLICAS`
     of them, which the process count must divide (a count that does not is refused, naming
     ``--replicas``, never replaced by another). A GPU or TPU backend uses its own devices."""
     local, cpu_only_problem = local_devices(replicas, spec)

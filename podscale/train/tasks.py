@@ -21,9 +21,9 @@ import optax
 
 from podscale import workloads
 from podscale.parallel.mesh import BN_GROUP
-from podscale.train import data, models
-from podscale.train.precision import BF16, Policy
-from podscale.workloads import Workload
+from podscale.train import models
+from podscale.workloads import Workload, datasets
+from podscale.workloads.precision import BF16, Policy
 
 
 @flax.struct.dataclass
@@ -169,11 +169,17 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, str]]] = {
 
 DATASETS: dict[str, dict[str, Callable[[int], tuple[Any, Any]]]] = {
     "classify": {
-        "digits": lambda seed: (data.Digits("train"), data.Digits("test")),
-        "synthetic": lambda seed: (data.SyntheticImages(4096, seed=seed), data.SyntheticImages(512, seed=seed + 1)),
+        "digits": lambda seed: (datasets.Digits("train"), datasets.Digits("test")),
+        "synthetic": lambda seed: (
+            datasets.SyntheticImages(4096, seed=seed),
+            datasets.SyntheticImages(512, seed=seed + 1),
+        ),
     },
     "lm": {
-        "synthetic": lambda seed: (data.SyntheticTokens(4096, seed=seed), data.SyntheticTokens(512, seed=seed + 1)),
+        "synthetic": lambda seed: (
+            datasets.SyntheticTokens(4096, seed=seed),
+            datasets.SyntheticTokens(512, seed=seed + 1),
+        ),
     },
 }
 

@@ -27,6 +27,7 @@ from mlperf_logging.mllog import constants as C
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from podscale._jax import jax_distributed
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
@@ -38,9 +39,9 @@ from podscale.train.distributed import ENV_PROCESS_ID
 from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
-from podscale.train.precision import check_state, policy_by_name
 from podscale.train.supervise import ENV_STDERR_TTY
 from podscale.train.tasks import make_eval_fn, make_task, make_task_optimizer, make_train_step, recipe_config
+from podscale.workloads.precision import check_state, policy_by_name
 
 DEFAULT_CHECKPOINT_EVERY = 100
 
@@ -366,8 +367,6 @@ def _flat_params(params) -> dict[str, np.ndarray]:
 
 def _preemption_sync() -> bool:
     """Whether JAX's preemption sync manager runs (multi-process runs with its service on)."""
-    from jax._src import distributed as jax_distributed
-
     return jax_distributed.global_state.preemption_sync_manager is not None
 
 

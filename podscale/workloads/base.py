@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from podscale.train.precision import Policy
+from podscale.workloads.precision import Policy
 
 Batch = dict[str, Any]
 PerExample = dict[str, jax.Array]  # every value of shape [batch]
@@ -105,7 +105,7 @@ class Workload:
 
     def param_count(self, config_name: str = "full", policy: Policy | None = None) -> int:
         """Parameters of a config, from shapes only (nothing is allocated)."""
-        from podscale.train.precision import BF16
+        from podscale.workloads.precision import BF16
 
         config = self.config(config_name)
         model = self.make_model(config, policy or BF16, None)

@@ -63,9 +63,9 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train.data import hash_uniform
-from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.datasets import hash_uniform
+from podscale.workloads.precision import Policy
 from podscale.workloads.synthetic import BOS, PAD
 
 MASK = 2

@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.precision import Policy
 from podscale.workloads.synthetic import BOS, PAD, ReversedTokens, shift_right
 
 _NVIDIA_V06 = (

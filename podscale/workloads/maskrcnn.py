@@ -51,9 +51,9 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train.data import DigitDetection
 from podscale.workloads import rcnn
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.datasets import DigitDetection
 
 ASPECT_RATIOS = ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4))
 """Anchor (width, height) factors: Google's ``aspect_ratios``."""

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train import data
-from podscale.train.precision import Policy
+from podscale.workloads import datasets
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.precision import Policy
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -237,7 +237,7 @@ def make_data(cfg: ResNetConfig, seed: int):
             "resnet50 --config full trains on ImageNet (the MLPerf data set), which does not ship with "
             "podscale; use --config tiny (8x8 digits)"
         )
-    return data.Digits("train"), data.Digits("test")
+    return datasets.Digits("train"), datasets.Digits("test")
 
 
 # -- the recipe -----------------------------------------------------------------------------------

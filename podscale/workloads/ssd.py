@@ -9,7 +9,7 @@ default boxes per cell, 4 box offsets and 81 class scores (80 COCO classes and b
 8732 boxes (:data:`podscale.workloads.detection.SSD300`).
 
 The tiny config is the same network with narrower stages and one block each, on 64x64 canvases
-of the digits detection set (:class:`podscale.train.data.DigitDetection`), with four maps of 8,
+of the digits detection set (:class:`podscale.workloads.datasets.DigitDetection`), with four maps of 8,
 4, 2 and 1 and 340 default boxes.
 
 The evaluation is COCO mAP@[.5:.95] by pycocotools over the whole held-out set
@@ -34,9 +34,9 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train.data import DigitDetection
 from podscale.workloads import detection
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.datasets import DigitDetection
 from podscale.workloads.detection import DefaultBoxes
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from podscale.train.data import hash_uniform
+from podscale.workloads.datasets import hash_uniform
 
 PAD, BOS = 0, 1
 """Reserved token ids; content tokens are ``2 .. vocab_size - 1``."""

@@ -57,8 +57,8 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.train.precision import Policy
 from podscale.workloads.base import Reference, Workload
+from podscale.workloads.precision import Policy
 from podscale.workloads.synthetic import BOS, PAD, ReversedTokens, shift_right
 
 _FULL_SOURCE = (

@@ -1,0 +1,72 @@
+"""podscale's import graph: layers point down (import-linter's contract in pyproject.toml), every
+module sits in a layer, and JAX's private names have one home."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import tomllib
+
+from importlinter.cli import lint_imports
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "podscale"
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def _layers() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = config["contracts"]
+    return [m.strip() for layer in contract["layers"] for m in layer.replace(":", "|").split("|")]
+
+
+def test_the_layers_point_down():
+    assert lint_imports(str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+def test_every_module_is_in_a_layer():
+    """A new module or package joins the contract; only the package's own ``__init__`` (the
+    public API, which re-exports from every layer) stands above them all, and a subpackage's
+    ``__init__`` that imports nothing is a docstring."""
+    layers = _layers()
+    outside = [
+        m
+        for m, tree in _modules().items()
+        if m != "podscale"
+        and not any(m == x or m.startswith(x + ".") for x in layers)
+        and any(isinstance(n, ast.Import | ast.ImportFrom) for n in ast.walk(tree))
+    ]
+    assert not outside, f"add these to a layer of [tool.importlinter] in pyproject.toml: {outside}"
+
+
+def test_no_module_reaches_the_public_api_from_below():
+    """``from podscale import data_parallel`` inside the package would import every layer through
+    ``podscale/__init__.py``, hidden from the contract; modules import what they use from its home."""
+    modules = _modules()
+    through_root = []
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "podscale":
+                through_root += [f"{name}: {a.name}" for a in node.names if f"podscale.{a.name}" not in modules]
+    assert not through_root, through_root
+
+
+def test_jax_private_names_have_one_home():
+    """Only ``podscale/_jax.py`` imports ``jax._src``."""
+    private = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            private += [f"{name}: {n}" for n in names if n == "jax._src" or n.startswith("jax._src.")]
+    assert all(p.startswith("podscale._jax:") for p in private), private
+    assert private, "podscale._jax imports nothing private: the check would be empty"
