@@ -229,3 +229,22 @@ def test_spatial_with_the_2d_gradient_sum_over_two_data_axes_equals_one_device(w
     kinds = {(c.kind, c.axes) for c in module.collectives}
     assert {("reduce-scatter", ("x",)), ("all-gather", ("x",)), ("collective-permute", ("z",))} <= kinds
     assert not any(c.kind in ("all-reduce", "reduce-scatter") and c.axes == ("x", "y") for c in module.collectives)
+
+
+def test_the_space_axis_is_named_by_its_role_in_any_position():
+    """``space_axis`` names the axis: here the first of a ``jax.make_mesh`` mesh (Explicit axes),
+    the data axis after it; the same step as one device's, with the sharded update."""
+    step, state, batches = _setup()
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = run_single(step, state, batches)
+    ref, ref_metrics = _REFERENCE["ref"]
+    mesh = jax.make_mesh((4, 2), ("space", "data"))
+    dp = data_parallel(step, mesh, space_axis="space", weight_update="sharded", min_shard_size=64)
+    assert (dp.space, dp.axes, dp.replicas) == ("space", ("data",), 2)
+    out, metrics = run_parallel(dp, state, batches)
+    assert max_relative_diff(out, ref) <= 1e-6
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
+    halos = [c for c in module.collectives if c.kind == "collective-permute"]
+    assert halos and all(c.axes == ("space",) for c in halos)
+    assert dp.plan().spatial["partitions"] == 4

@@ -80,6 +80,8 @@ WRONG_TYPES = {
     "rng": [1, None, True],
     "spatial": _INT,
     "model_parallel": _INT,
+    "space_axis": [3, True, ("space",), ""],
+    "model_axis": [3, True, ("model",), b"model"],
     "rules": [3, ("w", 0), True, [("w", 0)]],
 }
 OUT_OF_RANGE = {
@@ -168,3 +170,47 @@ def test_rules_without_model_parallel_are_refused_on_the_command_line(capsys):
     assert main(["plan", "--model", "transformer", "--rules", "transformer"]) == 2
     err = capsys.readouterr().err
     assert "--rules transformer is given without --model-parallel" in err and "Traceback" not in err
+
+
+# -- Axis roles by name ----------------------------------------------------------------------------
+
+
+def test_named_roles_resolve_by_name_and_the_counts_by_position():
+    mesh = make_mesh((2, 2, 2), ("space", "data", "more"))
+    assert Strategy(space_axis="space").space_of(mesh) == "space"
+    assert Strategy(space_axis="space").axes(mesh) == ("data", "more")
+    assert Strategy(model_axis="data", data_axes=("space", "more")).axes(mesh) == ("space", "more")
+    assert Strategy(spatial=2).space_of(mesh) == "more"  # a count names no axis: the last one
+    assert Strategy(space_axis="space", spatial=2).partitions(mesh) == 2  # both given, and they agree
+    assert Strategy().partitions(mesh) == 1
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "message"),
+    [
+        (dict(space_axis="s"), ((2, 4), ("data", "space")), r"space_axis='s' is not an axis of the mesh"),
+        (dict(model_axis="model"), ((8, 1), ("data", "model")), r"model_axis='model' has 1 device"),
+        (dict(space_axis="space", spatial=2), ((2, 4), ("data", "space")), r"spatial=2 and space_axis='space'"),
+        (dict(model_axis="m"), ((8,), ("m",)), r"no data axis beside the model axis"),
+        (dict(space_axis="y", data_axes=("x", "y")), ((2, 4), ("x", "y")), r"data_axes \('x', 'y'\) include 'y'"),
+    ],
+    ids=["unknown axis", "one device", "count disagrees", "no data axis", "also a data axis"],
+)
+def test_a_named_role_that_does_not_fit_the_mesh_is_refused_naming_the_axis(strategy, mesh, message):
+    shape, names = mesh
+    with pytest.raises(ValueError, match=message):
+        data_parallel(_step, make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))]), **strategy)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [dict(space_axis="s", model_axis="m"), dict(spatial=2, model_axis="m"), dict(space_axis="s", model_parallel=2)],
+)
+def test_space_and_model_roles_together_are_refused_before_any_mesh(strategy):
+    with pytest.raises(ValueError, match="does not yet split images and weights in one step"):
+        Strategy(**strategy)
+
+
+def test_one_axis_has_one_role():
+    with pytest.raises(ValueError, match="one axis has one role"):
+        Strategy(space_axis="x", model_axis="x")

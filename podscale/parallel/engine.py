@@ -135,13 +135,14 @@ class DataParallelStep:
         self.strategy = strategy or Strategy()
         self.donate_state = donate_state
         self.axes = self.strategy.axes(mesh)
-        self.space = self.strategy.space_axis(mesh)
-        self.model = self.strategy.model_axis(mesh)
-        """With ``model_parallel``: the model axis the sharding rules split weights over."""
+        self.space = self.strategy.space_of(mesh)
+        """The space axis each image's height is split over (``space_axis`` or ``spatial``), or None."""
+        self.model = self.strategy.model_of(mesh)
+        """The model axis the sharding rules split weights over (``model_axis`` or ``model_parallel``)."""
         self.partition = self.space or self.model
         if self.model and self.strategy.rules is None:
             raise ValueError(
-                f"model_parallel={self.strategy.model_parallel} needs sharding rules: pass rules=Rules(...) or a "
+                f"the model axis {self.model!r} needs sharding rules: pass rules=Rules(...) or a "
                 f"built-in's name ({', '.join(tensor.RULES)})"
             )
         st = self.strategy
@@ -224,7 +225,7 @@ class DataParallelStep:
                 self._check_spatial(abstract, batch)
         elif self.space:
             raise ValueError(
-                f"spatial={self.strategy.spatial} needs an example global batch to find the images and check "
+                f"the space axis {self.space!r} needs an example global batch to find the images and check "
                 "their heights: call place_state(state, batch) or prepare(state, batch)"
             )
         elif self.sharded:
@@ -236,7 +237,7 @@ class DataParallelStep:
             assignment = tensor.assign(
                 self.strategy.rules,
                 abstract,
-                self.strategy.model_parallel,
+                self.mesh.shape[self.model],
                 self.model,
                 weights=forward,
                 strict=self.strict,
@@ -283,7 +284,7 @@ class DataParallelStep:
         self.images = spatial.image_leaves(shapes, found)
         self.windows = [*self.windows, *(w for w in found if w not in self.windows)]
         images = [s for s, im in zip(shapes, self.images, strict=True) if im]
-        self.uneven = spatial.check(found, self.strategy.spatial, self.space, images, self.strict)
+        self.uneven = spatial.check(found, self.mesh.shape[self.space], self.space, images, self.strict)
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
         key = (

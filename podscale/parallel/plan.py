@@ -142,7 +142,7 @@ def _tensor(dp, compiled) -> dict[str, Any] | None:
     split = [leaf for leaf in dp.layout.leaves if leaf.model_dim is not None]
     out = {
         "axis": dp.model,
-        "partitions": dp.strategy.model_parallel,
+        "partitions": dp.mesh.shape[dp.model],
         "rules": dp.strategy.rules.name,
         "notes": list(dp.rule_notes),
         "split_leaves": len(split),
@@ -169,7 +169,7 @@ def _spatial(dp, compiled) -> dict[str, Any] | None:
         return None
     out = {
         "axis": dp.space,
-        "partitions": dp.strategy.spatial,
+        "partitions": dp.mesh.shape[dp.space],
         "image_leaves": sum(dp.images or []),
         "layers": len(spatial.summary(dp.windows)),
         "uneven_layers": list(dp.uneven),

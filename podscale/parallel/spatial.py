@@ -1,6 +1,6 @@
 """Spatial partitioning: each image's height split over a space axis, by XLA's SPMD partitioner.
 
-With ``Strategy(spatial=k)`` the mesh's last axis (of size k) is the space axis. podscale's own
+With ``Strategy(space_axis="space")`` (or ``spatial=k``: the mesh's last axis, of size k) that axis is the space axis. podscale's own
 partitioner stays manual over the data axes (the batch's rows, partial sums, the sharded update);
 the space axis is left to XLA (``shard_map(..., axis_names=data axes)``): the images enter
 sharded along their height, and XLA's convolution and windowed-reduction handlers keep that

@@ -6,8 +6,10 @@ its help the field's), and what the plan reports. Its fields check themselves wh
 made, and their errors name the parameter; the CLI maps parameter names to flags in one place
 (:func:`flag_name`).
 
-The mesh axes get their roles here once: the data axes split the batch; with ``spatial=k`` the
-mesh's last axis (of size k) is the space axis, over which every image's height is split.
+The mesh axes get their roles here once, by name: the data axes (``data_axes``) split the batch;
+the space axis (``space_axis``) splits every image's height; the model axis (``model_axis``) splits
+the weights the sharding rules name. The command line's counts, ``spatial=k`` and
+``model_parallel=k``, name no axis: they take the mesh's last axis, which must have k devices.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def _data_axes(name, value):
     if not axes:
         raise ValueError(f"{name}=(): give at least one mesh axis, or None for every axis but a space or model axis")
     return axes
+
+
+def _axis_name(name, value):
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name}={value!r} is {checks.described(value)}; give a mesh axis name (str), or None")
+    return value
 
 
 def _sum_dtype(name, value):
@@ -165,6 +175,19 @@ class Strategy:
         "partitioning: attention heads, the MLP hidden dimension, the vocabulary), e.g. --mesh 4x2 --model-parallel 2",
         _count(optional=True, what=" (devices per replica)"),
     )
+    space_axis: str | None = _field(
+        None,
+        "the mesh axis, by name, each image's height is split over (spatial partitioning; its size is the "
+        "partitions per image): a role, not a position",
+        _axis_name,
+        cli=False,
+    )
+    model_axis: str | None = _field(
+        None,
+        "the mesh axis, by name, the sharding rules split weights over (tensor partitioning): a role, not a position",
+        _axis_name,
+        cli=False,
+    )
     rules: Any = _field(
         None,
         "the sharding rules of model_parallel: a podscale.parallel.tensor.Rules, or a built-in's name "
@@ -177,21 +200,28 @@ class Strategy:
         given_rules = self.rules
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
-        if self.rules is not None and self.model_parallel is None:
+        if self.rules is not None and self.model_parallel is None and self.model_axis is None:
             name = given_rules if isinstance(given_rules, str) else self.rules.name
             raise ValueError(
                 f"rules={name!r} is given without model_parallel: sharding rules say how tensor partitioning "
-                "splits the weights over the mesh's last axis; give model_parallel=k (k > 1) with them, or no rules"
+                "splits the weights over the model axis; give model_parallel=k (k > 1) with them, or no rules"
+                + ("" if given_rules is None else " (in Python, model_axis='NAME' names the model axis instead)")
             )
-        if self.model_parallel == 1:  # one partition of the weights: data parallelism, nothing for rules to split
+        if self.model_parallel == 1 and self.model_axis is None:  # one partition of the weights: data parallelism
             object.__setattr__(self, "model_parallel", None)
             object.__setattr__(self, "rules", None)
-        if self.spatial not in (None, 1) and self.model_parallel is not None:
+        if self.space_axis is not None and self.space_axis == self.model_axis:
+            raise ValueError(f"space_axis and model_axis are both {self.space_axis!r}: one axis has one role")
+        space = self.space_axis or (self.spatial not in (None, 1) and f"spatial={self.spatial}")
+        model = self.model_axis or (self.model_parallel is not None and f"model_parallel={self.model_parallel}")
+        if space and model:
+            space = f"space_axis={space!r}" if self.space_axis else space
+            model = f"model_axis={model!r}" if self.model_axis else model
             raise ValueError(
-                f"spatial={self.spatial} and model_parallel={self.model_parallel}: both use the mesh's last axis, "
-                "and podscale does not combine them yet; choose one"
+                f"{space} and {model}: podscale does not yet split images and weights in one step "
+                "(data x space x model); choose one"
             )
-        if self.spatial == 1:
+        if self.spatial == 1 and self.space_axis is None:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
         if self.axis_costs is not None and self.grad_sum != "2d":
             raise ValueError(
@@ -206,20 +236,27 @@ class Strategy:
     def sharded(self) -> bool:
         return self.weight_update == "sharded"
 
-    def space_axis(self, mesh) -> str | None:
-        """The mesh axis each image's height is split over (``spatial``), or ``None``."""
+    def space_of(self, mesh) -> str | None:
+        """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``
+        the mesh's last axis), or ``None``."""
+        if self.space_axis is not None:
+            return self._named_axis(mesh, "space_axis", self.space_axis, "spatial", self.spatial, "space")
         if self.spatial is None:
             return None
         names = tuple(mesh.axis_names)
         if names[-1] == BN_GROUP:
             raise ValueError(
                 f"spatial={self.spatial}: the mesh's last axis is the batch-norm group axis; build the mesh with "
-                f"make_mesh(shape, bn_group_size=..., spatial={self.spatial}), which keeps the space axis last"
+                f"make_mesh(shape, bn_group_size=..., spatial={self.spatial}), which keeps the space axis last, "
+                "or name the space axis with space_axis='NAME'"
             )
         return self._last_axis(mesh, "spatial", self.spatial, "space")
 
-    def model_axis(self, mesh) -> str | None:
-        """The mesh axis the sharding rules split weights over (``model_parallel``), or ``None``."""
+    def model_of(self, mesh) -> str | None:
+        """The mesh axis the sharding rules split weights over (``model_axis``, or with
+        ``model_parallel=k`` the mesh's last axis), or ``None``."""
+        if self.model_axis is not None:
+            return self._named_axis(mesh, "model_axis", self.model_axis, "model_parallel", self.model_parallel, "model")
         if self.model_parallel is None:
             return None
         if mesh.axis_names[-1] == BN_GROUP:
@@ -228,6 +265,37 @@ class Strategy:
                 "tensor partitioning takes a mesh without one"
             )
         return self._last_axis(mesh, "model_parallel", self.model_parallel, "model")
+
+    def partitions(self, mesh) -> int:
+        """Devices per replica: the size of the space or model axis on ``mesh`` (1 without one)."""
+        axis = self.partition_of(mesh)
+        return dict(mesh.shape)[axis] if axis else 1
+
+    def _named_axis(self, mesh, field: str, name: str, count_field: str, k: int | None, role: str) -> str:
+        """The axis ``name`` of ``mesh``, checked to be one with more than one device, beside at
+        least one data axis, agreeing with ``count_field=k`` where that is given too."""
+        shape = dict(mesh.shape)
+        if name not in shape:
+            raise ValueError(
+                f"{field}={name!r} is not an axis of the mesh {shape}; name one of its axes "
+                f"({', '.join(map(repr, shape))}), e.g. make_mesh({{'data': 2, {name!r}: 4}})"
+            )
+        if name == BN_GROUP:
+            raise ValueError(f"{field}={name!r} is the batch-norm group axis; the {role} axis is another")
+        if shape[name] == 1:
+            raise ValueError(f"{field}={name!r} has 1 device: there is nothing to split; leave {field} out")
+        if k is not None and shape[name] != k:
+            raise ValueError(
+                f"{count_field}={k} and {field}={name!r}, which has {shape[name]} devices: give one of them"
+            )
+        if len(shape) < 2:
+            raise ValueError(
+                f"{field}={name!r}: the mesh {shape} has no data axis beside the {role} axis; add one, of size 1 "
+                f"for one replica: make_mesh({{'data': 1, {name!r}: {shape[name]}}})"
+            )
+        if self.data_axes is not None and name in self.data_axes:
+            raise ValueError(f"data_axes {self.data_axes} include {name!r}, the {role} axis ({field})")
+        return name
 
     def _last_axis(self, mesh, field: str, k: int, role: str) -> str:
         """The mesh's last axis, checked to have ``k`` devices after at least one data axis."""
@@ -241,13 +309,13 @@ class Strategy:
             raise ValueError(f"data_axes {self.data_axes} include {names[-1]!r}, the {role} axis of {field}={k}")
         return names[-1]
 
-    def partition_axis(self, mesh) -> str | None:
+    def partition_of(self, mesh) -> str | None:
         """The mesh axis left to XLA's partitioner: the space axis or the model axis, if any."""
-        return self.space_axis(mesh) or self.model_axis(mesh)
+        return self.space_of(mesh) or self.model_of(mesh)
 
     def axes(self, mesh) -> tuple[str, ...]:
         """The data axes on ``mesh``: every axis but the space or model axis."""
-        space = self.partition_axis(mesh)
+        space = self.partition_of(mesh)
         if self.data_axes is None:
             return tuple(a for a in mesh.axis_names if a != space)
         unknown = [a for a in self.data_axes if a not in mesh.axis_names]
@@ -256,8 +324,7 @@ class Strategy:
         rest = [a for a in mesh.axis_names if a not in self.data_axes and a != space]
         if rest:
             raise ValueError(
-                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), nor the last axis of spatial or "
-                "model_parallel: "
+                f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), nor the space or model axis: "
                 "leave data_axes out, or make the mesh of data axes only"
             )
         return tuple(a for a in mesh.axis_names if a in self.data_axes)  # mesh order: the batch's split order

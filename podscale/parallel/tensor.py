@@ -1,6 +1,6 @@
 """Tensor (model) partitioning of unmodified models by sharding rules on the parameter paths.
 
-With ``Strategy(model_parallel=k)`` the mesh's last axis (of size k) is the *model axis*.
+With ``Strategy(model_axis="model")`` (or ``model_parallel=k``: the mesh's last axis, of size k) that axis is the *model axis*.
 :class:`Rules` is an ordered table of ``(regex, dim)``: each state leaf whose path (its keys joined
 by ``/``, e.g. ``params/encoder/self_attention/query/kernel``) the regex matches (``re.search``)
 is split along ``dim`` (negative counts from the end, so a stack of scanned layers keeps its
@@ -93,11 +93,16 @@ class RuleWarning(PodscaleWarning):
 def with_model_rules(strategy, model: str):
     """``strategy`` with the built-in rules of ``model`` when it asks for ``model_parallel``
     without rules of its own; refuses a model without built-in rules."""
-    if not strategy.model_parallel or strategy.rules is not None:
+    if not (strategy.model_parallel or strategy.model_axis) or strategy.rules is not None:
         return strategy
     if model not in RULES:
+        given = (
+            f"model_parallel={strategy.model_parallel}"
+            if strategy.model_parallel
+            else f"model_axis={strategy.model_axis!r}"
+        )
         raise ValueError(
-            f"model_parallel={strategy.model_parallel}: model {model!r} has no built-in sharding rules (built-in "
+            f"{given}: model {model!r} has no built-in sharding rules (built-in "
             f"rules: {', '.join(RULES)}); give rules=NAME of a built-in whose layer names fit the model, or drop "
             "model_parallel"
         )

@@ -454,6 +454,16 @@ def project(
         resolved = dict(strategies)
     else:
         resolved = {s: strategy_for(base, s) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)}
+    for name, strategy in {"base": base, **resolved}.items():
+        named = [
+            f"{f}={getattr(strategy, f)!r}" for f in ("space_axis", "model_axis", "data_axes") if getattr(strategy, f)
+        ]
+        if named:
+            raise ValueError(
+                f"project(): strategy {name!r} names mesh axes ({', '.join(named)}), and project builds each pod's "
+                "mesh itself (the space or model axis last and innermost); give the counts instead: spatial=k or "
+                "model_parallel=k"
+            )
     if callable(batch):
         if replica_batch is None:
             raise ValueError("project(..., batch=FUNCTION): pass replica_batch, the batch of one replica")
