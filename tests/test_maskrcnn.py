@@ -321,7 +321,7 @@ def _check_no_feature_map_is_gathered(dp, batch):
     rows = len(batch["image"]) // dp.replicas
     p2 = rows * (cfg.image_size[0] // 4) * (cfg.image_size[1] // 4) * cfg.fpn_features * 4
     for c in module.collectives:
-        if c.kind == "all-gather" and dp.space in c.axes and "podscale_update" not in c.op_name:  # not the update's
+        if c.kind == "all-gather" and dp.space in c.axes and hlo.UPDATE_SCOPE not in c.op_name:  # not the update's
             assert c.buffer_bytes * c.group_size < p2, (c.op_name[:200], c.buffer_bytes)
 
 

@@ -35,15 +35,7 @@ from jax.extend import core
 from podscale.parallel import _interpret
 from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
 from podscale.parallel.gradsum import GradSum, PhaseRecord
-
-UPDATE_SCOPE = "podscale_update"
-"""The name scope of the gradient sums and of everything downstream of them (the optimizer update,
-the weight gather): compiled ops carry it in their ``op_name``, so :mod:`podscale.perf` can tell
-the update's cost from the forward and backward passes'."""
-
-GRAD_SUM_SCOPE = "grad_sum"
-"""Nested in ``UPDATE_SCOPE``: the gradient sums themselves (not the norms' partial sums, not the
-weight gather), the collectives that may overlap the backward pass."""
+from podscale.perf.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 
 DEFAULT_MIN_SHARD_SIZE = 2048
 """Tensors with fewer elements stay replicated: at 8 KiB in float32, the latency of a collective

@@ -295,8 +295,17 @@ def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, dev
     return size, varying
 
 
+UPDATE_SCOPE = "podscale_update"
+"""The name scope of the gradient sums and of everything downstream of them (the optimizer update,
+the weight gather), which :mod:`podscale.parallel.weight_update` opens: compiled ops carry it in
+their ``op_name``, so the update's cost is told from the forward and backward passes'."""
+
+GRAD_SUM_SCOPE = "grad_sum"
+"""Nested in ``UPDATE_SCOPE``: the gradient sums themselves (not the norms' partial sums, not the
+weight gather), the collectives that may overlap the backward pass."""
+
 _SCOPES = frozenset(
-    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", "podscale_update", "grad_sum"}
+    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", UPDATE_SCOPE, GRAD_SUM_SCOPE}
 )
 _METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
 
@@ -410,7 +419,7 @@ class Op:
 
 
 def _phase(op_name: str) -> str:
-    if "podscale_update" in op_name:
+    if UPDATE_SCOPE in op_name:
         return "update"
     return "backward" if "transpose(" in op_name else "forward"
 

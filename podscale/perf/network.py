@@ -40,6 +40,7 @@ import math
 
 import numpy as np
 
+from podscale.perf.hlo import ring_bytes
 from podscale.perf.systems import System
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -73,9 +74,8 @@ def ring_time(
         steps = math.ceil((n - 1) / 2) if bidirectional else n - 1
     if kind == "all-to-all":
         return (n // 2) * ((n + 1) // 2) / n * nbytes / (ways * bandwidth) + steps * latency
-    volume = n * nbytes if kind == "all-gather" else nbytes
-    one = (n - 1) / n * volume / (ways * bandwidth) + steps * latency
-    return 2 * one if kind == "all-reduce" else one
+    passes = 2 if kind == "all-reduce" else 1  # a reduce-scatter, then an all-gather
+    return ring_bytes(kind, n, nbytes) / (ways * bandwidth) + passes * steps * latency
 
 
 @dataclasses.dataclass(frozen=True)

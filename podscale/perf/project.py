@@ -325,7 +325,7 @@ def cost(
     exposed = 0.0
     seconds: list[float] = []  # each collective's time per run, in the module's order
     for c in module.collectives:
-        update = "podscale_update" in c.op_name
+        update = hlo.UPDATE_SCOPE in c.op_name
         size, nbytes = c.group_size, c.buffer_bytes
         if reduced in c.axes:
             size = math.prod(shape[a] for a in c.axes)
@@ -353,7 +353,7 @@ def cost(
         row["buffer_bytes"] += nbytes * c.count
         row["seconds"] += t * c.count
         seconds.append(t)
-        if "podscale_update/grad_sum" in c.op_name and size > 1:
+        if f"{hlo.UPDATE_SCOPE}/{hlo.GRAD_SUM_SCOPE}" in c.op_name and size > 1:
             sums += [t] * c.count
         else:
             exposed += t * c.count
