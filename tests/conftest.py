@@ -16,7 +16,7 @@ compares is compiled with these flags; the last bits of a result can differ from
 level's, which moves a step that is discontinuous at roundoff (the tiny Mask R-CNN's: its
 equality tests run in float64). The CLI runs the tests start as subprocesses inherit the flags;
 the few that train for hundreds of steps (the time-to-target runs) take XLA's default emitters at
-LLVM's level 1 instead, through ``helpers.long_run_env``."""
+LLVM's level 1 and the machine's whole ISA instead, through ``helpers.long_run_env``."""
 
 import atexit
 import os
@@ -25,12 +25,13 @@ import tempfile
 
 import pytest
 
+# XLA's flags for the long CLI runs (helpers.long_run_env), before the suite's own (the user's, with
+# the machine's whole ISA: they compare no bits, and run as the documented commands do). Set once,
+# by the first process of the session (xdist's workers and the CLI runs inherit the suite's flags).
+os.environ.setdefault("PODSCALE_TEST_LONG_RUN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 FMA_OFF = os.environ.get("PODSCALE_TEST_FMA") != "1"
 if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX").strip()
-# XLA's flags for the long CLI runs (helpers.long_run_env), before the suite's own. Set once, by the
-# first process of the session (xdist's workers and the CLI runs inherit the suite's flags).
-os.environ.setdefault("PODSCALE_TEST_LONG_RUN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
