@@ -116,8 +116,13 @@ class StateLayout:
         return jax.tree.unflatten(self.treedef, [self._sharding(leaf) for leaf in self.leaves])
 
     def stored_shapes(self):
+        """The stored leaves as ``ShapeDtypeStruct``, with their shardings: lowering the step for
+        them is lowering it for the placed state (jit's trace of a call is reused)."""
+
         def one(leaf):
-            return jax.ShapeDtypeStruct(self.stored_shape(leaf), leaf.dtype, weak_type=leaf.weak_type)
+            return jax.ShapeDtypeStruct(
+                self.stored_shape(leaf), leaf.dtype, weak_type=leaf.weak_type, sharding=self._sharding(leaf)
+            )
 
         return jax.tree.unflatten(self.treedef, [one(leaf) for leaf in self.leaves])
 
