@@ -30,7 +30,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 CHECKSUMS = "podscale_checksums"
 """The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
@@ -93,6 +92,14 @@ def _stored_names(tree) -> dict[str, str]:
 def _quoted(name: str) -> str:
     """A pattern for ``name`` as a whole, as an error message quotes a file path within the step."""
     return rf"(?<![\w.]){re.escape(name)}(?=[/'\"])"
+
+
+def _orbax():
+    """orbax.checkpoint, imported when a checkpoint is first made or read: a run or command that
+    keeps none does not pay its import (0.7 s: tensorstore and its handlers)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
 
 
 def _is_late_read(kind, value, tb, through_orbax: bool = True) -> bool:
@@ -168,9 +175,9 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = every
         self.warn = warn
-        self._manager = ocp.CheckpointManager(
+        self._manager = _orbax().CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(
+            options=_orbax().CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
             ),
         )
@@ -188,7 +195,7 @@ class Checkpointer:
             return False  # the step we resumed from: already saved, never overwritten
         state = transform(state) if transform else state
         self._manager.save(
-            step, args=ocp.args.StandardSave(state), force=True, custom_metadata={CHECKSUMS: checksums(state)}
+            step, args=_orbax().args.StandardSave(state), force=True, custom_metadata={CHECKSUMS: checksums(state)}
         )
         return True
 
@@ -213,7 +220,7 @@ class Checkpointer:
                 "point --workdir at the directory of the run to continue."
             )
         abstract = jax.tree.map(
-            lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x), like
+            lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _orbax().utils.to_shape_dtype_struct(x), like
         )
         damaged: dict[int, str] = {}  # step: what is wrong with it
         for i, step in enumerate(steps):
@@ -250,7 +257,7 @@ class Checkpointer:
         unreadable = None
         try:
             _quiet_late_reads(True)
-            state = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            state = self._manager.restore(step, args=_orbax().args.StandardRestore(abstract))
             if not _late_reads_pending:  # kept after a failure: its other reads may finish (and print) later
                 _quiet_late_reads(False)
         except Exception as e:  # orbax raises many kinds; all mean this step cannot be read
