@@ -205,7 +205,6 @@ class Strategy:
             raise ValueError(
                 f"rules={name!r} is given without model_parallel: sharding rules say how tensor partitioning "
                 "splits the weights over the model axis; give model_parallel=k (k > 1) with them, or no rules"
-                + ("" if given_rules is None else " (in Python, model_axis='NAME' names the model axis instead)")
             )
         if self.model_parallel == 1 and self.model_axis is None:  # one partition of the weights: data parallelism
             object.__setattr__(self, "model_parallel", None)
