@@ -480,7 +480,9 @@ def test_tiny_ssd_reaches_its_map_target_and_logs_it(tmp_path):
     """The SSD time-to-target run of docs/benchmarks.md: COCO mAP by pycocotools at least 0.5,
     with an MLPerf log the compliance checker accepts."""
     log = tmp_path / "mllog.txt"
-    args = ["train", "--model", "ssd", "--config", "tiny", "--steps", "704", "--eval-every", "64", "--target", "0.5"]
+    # docs/benchmarks.md's command, evaluated every 128 steps instead of 64: it reaches the target at
+    # step 384 there, a multiple of both.
+    args = ["train", "--model", "ssd", "--config", "tiny", "--steps", "704", "--eval-every", "128", "--target", "0.5"]
     summary = _train_to_target(*args, log=log)
     assert summary["eval_value"] >= 0.5 and summary["time_to_target_s"] is not None
     _passes_the_checker(log, tmp_path)
@@ -508,10 +510,10 @@ def test_tiny_maskrcnn_reaches_its_box_and_mask_ap_targets_and_logs_both(tmp_pat
     _passes_the_checker(log, tmp_path)
 
 
-MASKRCNN_RUN = {"steps": 600, "every": 125, "target": 0.5}
-"""docs/benchmarks.md's Mask R-CNN run (its steps and mask AP target), evaluated every 125 steps
+MASKRCNN_RUN = {"steps": 600, "every": 250, "target": 0.5}
+"""docs/benchmarks.md's Mask R-CNN run (its steps and mask AP target), evaluated every 250 steps
 instead of 50: it reaches its targets at step 250 there, a multiple of both, and each evaluation
-(pycocotools' box and mask AP on the held-out canvases) costs about 40 training steps."""
+(pycocotools' box and mask AP on the held-out canvases) costs about 25 training steps."""
 
 
 @pytest.mark.parametrize(
