@@ -181,8 +181,8 @@ def test_named_roles_resolve_by_name_and_the_counts_by_position():
     assert Strategy(space_axis="space").axes(mesh) == ("data", "more")
     assert Strategy(model_axis="data", data_axes=("space", "more")).axes(mesh) == ("space", "more")
     assert Strategy(spatial=2).space_of(mesh) == "more"  # a count names no axis: the last one
-    assert Strategy(space_axis="space", spatial=2).partitions(mesh) == 2  # both given, and they agree
-    assert Strategy().partitions(mesh) == 1
+    assert Strategy(space_axis="space", spatial=2).space_of(mesh) == "space"  # both given, and they agree
+    assert Strategy().partition_of(mesh) is None
 
 
 @pytest.mark.parametrize(

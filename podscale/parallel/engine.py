@@ -115,20 +115,6 @@ def _signature(batch) -> tuple:
     return jax.tree.structure(shapes), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes))
 
 
-def _avals(tree) -> tuple:
-    """What a lowering depends on in its arguments: the tree, and each leaf's shape, dtype and
-    weak type."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(
-        (
-            tuple(np.shape(x)),
-            str(getattr(x, "dtype", None) or np.asarray(x).dtype),
-            bool(getattr(x, "weak_type", False)),
-        )
-        for x in leaves
-    )
-
-
 def _whole(kind: str, path, x):
     if _interpret.varying_axes(jax.typeof(x)):
         raise AssertionError(f"podscale left {kind}{_path(path)} per replica; please report this with the step")
@@ -186,9 +172,6 @@ class DataParallelStep:
         self._jitted: dict[tuple, Any] = {}
         """One jitted program per batch signature (tree, shapes, dtypes), as ``jax.jit`` retraces."""
         self._traces: dict[tuple, Trace] = {}
-        self._lowered: dict[tuple, Any] = {}
-        """One lowering per (state, batch) signature: ``lower`` (the plan's, a benchmark's, a
-        test's) traces and partitions the step once, as its jitted program is fixed per signature."""
 
     # The strategy's fields, as the rest of the step reads them.
     weight_update = property(lambda self: self.strategy.weight_update)
@@ -519,15 +502,11 @@ class DataParallelStep:
         return self._compiled(state, batch)(state, batch)
 
     def lower(self, state, batch):
-        """Lowers the step for a stored ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``).
-        The program's shardings are fixed (the stored layout's, the batch's), so it depends only on
-        the arguments' shapes and dtypes: each signature is lowered once."""
+        """Lowers the step for a stored ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``;
+        ``layout.stored_shapes()`` carry the stored shardings, so jit reuses the trace of a call or
+        of an earlier lowering with the same signature instead of partitioning the step again)."""
         self.check_batch(batch)
-        jitted = self._compiled(state, batch)
-        key = (_avals(state), _avals(batch))
-        if key not in self._lowered:
-            self._lowered[key] = jitted.lower(state, batch)
-        return self._lowered[key]
+        return self._compiled(state, batch).lower(state, batch)
 
     # -- moving state in and out --------------------------------------------------------------
     def place_state(self, state, batch=None):

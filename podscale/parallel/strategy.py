@@ -265,11 +265,6 @@ class Strategy:
             )
         return self._last_axis(mesh, "model_parallel", self.model_parallel, "model")
 
-    def partitions(self, mesh) -> int:
-        """Devices per replica: the size of the space or model axis on ``mesh`` (1 without one)."""
-        axis = self.partition_of(mesh)
-        return dict(mesh.shape)[axis] if axis else 1
-
     def _named_axis(self, mesh, field: str, name: str, count_field: str, k: int | None, role: str) -> str:
         """The axis ``name`` of ``mesh``, checked to be one with more than one device, beside at
         least one data axis, agreeing with ``count_field=k`` where that is given too."""
