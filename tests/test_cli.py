@@ -39,9 +39,9 @@ def _params(path):
         return {k: f[k] for k in f.files}
 
 
-def _assert_bit_identical(tmp_path, after: str) -> None:
-    """``whole.npz`` (an uninterrupted run) and ``resumed.npz`` hold the same parameters."""
-    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "resumed.npz")
+def _assert_bit_identical(tmp_path, resumed: str, after: str) -> None:
+    """``whole.npz`` (an uninterrupted run) and ``resumed`` hold the same parameters."""
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / resumed)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} after {after}")
@@ -128,71 +128,56 @@ def test_two_processes_reach_the_same_parameters_and_loss_as_one(tmp_path):
     assert max(float(np.max(np.abs(a[k] - c[k]))) for k in a) <= 1e-6
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path):
-    """SIGKILL at a random step, then --resume: the final parameters equal an uninterrupted run's."""
-    common = [
-        "train",
-        "--model",
-        "resnet",
-        "--data",
-        "digits",
-        "--batch-size",
-        "64",
-        "--steps",
-        "40",
-        "--checkpoint-every",
-        "4",
-        "--no-progress",
-    ]
-    _run(*common, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
-
-    kill_after = random.Random().randint(6, 30)
-    workdir = tmp_path / "killed"
-    proc = subprocess.Popen([*PODSCALE, *common, "--workdir", str(workdir)], stderr=subprocess.PIPE)
+def _stop_after(args: list[str], workdir, steps: int, sig: int) -> subprocess.Popen:
+    """``podscale ARGS --workdir WORKDIR`` sent ``sig`` once it has logged ``steps`` steps."""
+    proc = subprocess.Popen([*PODSCALE, *args, "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True)
     metrics = workdir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= kill_after:
+        if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= steps:
             break
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(sig)
+    return proc
+
+
+def test_kill_sigterm_or_ctrl_c_then_resume_is_bit_identical(tmp_path):
+    """Each way a run stops early, then ``--resume``: the final parameters equal one
+    uninterrupted run's (which keeps no checkpoints: saving does not change the run).
+    - SIGKILL at a random step: it resumes from the last periodic checkpoint (every 4 steps).
+    - Preemption, by SIGTERM and by Ctrl-C: one line, exit code 128 + the signal, no traceback;
+      the checkpoint written at the interrupted step (no periodic one before step 250) resumes."""
+    common = ["train", "--model", "mlp", "--data", "digits", "--steps", "300", "--no-progress"]
+    _run(*common, "--export", str(tmp_path / "whole.npz"))
+
+    kill_after = random.Random().randint(6, 30)
+    killed = [*common, "--checkpoint-every", "4"]
+    proc = _stop_after(killed, tmp_path / "killed", kill_after, signal.SIGKILL)
+    proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed (step {kill_after})"
     resumed = _summary(
-        _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
+        _run(*killed, "--workdir", str(tmp_path / "killed"), "--resume", "--json", "--export", str(tmp_path / "k.npz"))
     )
     assert resumed["resumed_from"] is not None and resumed["resumed_from"] <= kill_after + 1
-    _assert_bit_identical(tmp_path, f"a kill at step ~{kill_after}")
+    _assert_bit_identical(tmp_path, "k.npz", f"a kill at step ~{kill_after}")
 
-
-def test_sigterm_or_ctrl_c_saves_at_the_step_boundary_and_resume_is_bit_identical(tmp_path):
-    """Preemption, by SIGTERM and by Ctrl-C: one line, exit code 128 + the signal, no traceback;
-    the checkpoint written at the interrupted step resumes to the uninterrupted run's parameters."""
-    common = ["train", "--model", "mlp", "--data", "digits", "--steps", "300", "--checkpoint-every", "250"]
-    common += ["--no-progress"]
-    _run(*common, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
+    stopped = [*common, "--checkpoint-every", "250"]
     for sig in (signal.SIGTERM, signal.SIGINT):
         workdir = tmp_path / f"stopped-{sig.name}"
-        proc = subprocess.Popen([*PODSCALE, *common, "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True)
-        metrics = workdir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= 10:
-                break
-            time.sleep(0.005)
-        proc.send_signal(sig)
+        proc = _stop_after(stopped, workdir, 10, sig)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 128 + sig, err
         lines = [line for line in err.splitlines() if line.strip()]
         assert "Traceback" not in err and lines[-1].startswith(f"podscale: interrupted by {sig.name} at step")
         assert lines[-1].endswith("continue with --resume")
         step = int(lines[-1].split(" at step ")[1].split(";")[0])
-        assert 10 <= step < 300  # the run stopped early, and saved there because of the signal
+        assert 10 <= step < 250  # the run stopped early, and saved there because of the signal
+        export = f"{sig.name}.npz"
         resumed = _summary(
-            _run(*common, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
+            _run(*stopped, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / export))
         )
         assert resumed["resumed_from"] == step
-        _assert_bit_identical(tmp_path, f"{sig.name} at step {step}")
+        _assert_bit_identical(tmp_path, export, f"{sig.name} at step {step}")
 
 
 def _two_processes(*args, **env_extra):
@@ -310,7 +295,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
         _run(*launch, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
     )
     assert resumed["resumed_from"] == step
-    _assert_bit_identical(tmp_path, f"SIGTERM to process 1 at step {step}")
+    _assert_bit_identical(tmp_path, "resumed.npz", f"SIGTERM to process 1 at step {step}")
 
 
 def test_launch_needs_a_command():
@@ -517,18 +502,26 @@ instead of 50: it reaches its targets at step 250 there, a multiple of both, and
 
 
 @pytest.mark.parametrize(
-    ("model", "steps", "every", "target"), [("transformer-big", 1000, 100, 0.99), ("bert-large", 600, 50, 0.75)]
+    ("model", "steps", "every", "target", "replicas"),
+    [("transformer-big", 1000, 350, 0.99, 2), ("bert-large", 600, 200, 0.75, 8)],
 )
-def test_tiny_transformers_reach_their_targets(tmp_path, model, steps, every, target):
-    """The time-to-target runs of docs/benchmarks.md on 8 replicas, with MLPerf logs the
-    compliance checker accepts. The same runs with ``--mesh 4x2 --model-parallel 2`` (rows of
-    docs/benchmarks.md) reach their targets at the same steps: their step equals this one up to
-    summation order (tests/test_tensor.py, which also resumes a model-parallel run through the
-    trainer), and on 8 CPU devices sharing 2 cores they take 1.5x as long."""
+def test_tiny_transformers_reach_their_targets(tmp_path, model, steps, every, target, replicas):
+    """The time-to-target runs of docs/benchmarks.md, with MLPerf logs the compliance checker
+    accepts, evaluated at fewer steps (their targets fall at steps 700 and 400 there, multiples of
+    350 and 200; each evaluation decodes or scores the whole held-out set). bert-large runs on
+    8 replicas, as documented. transformer-big runs on 2: its step is the same up to summation
+    order on any replica count (no batch norm; dropout masks drawn as on one device: tests/
+    test_workloads.py holds 8 replicas to one device), and on 2 CPU cores 8 simulated devices
+    launch 4x the kernels of 2 for a tiny model's step (measured: 80 CPU-seconds on 8 replicas,
+    55 on 2, both at step 700 with exact match 0.9941). The same runs with ``--mesh 4x2
+    --model-parallel 2`` (rows of docs/benchmarks.md) reach their targets at the same steps:
+    their step equals this one up to summation order (tests/test_tensor.py, which also resumes a
+    model-parallel run through the trainer), and on 8 CPU devices sharing 2 cores they take 1.5x
+    as long."""
     log = tmp_path / "mllog.txt"
     args = ["train", "--model", model, "--config", "tiny", "--steps", str(steps), "--eval-every", str(every)]
-    summary = _train_to_target(*args, "--target", str(target), log=log)
-    assert summary["eval_value"] >= target and summary["replicas"] == 8
+    summary = _train_to_target(*args, "--target", str(target), "--replicas", str(replicas), log=log)
+    assert summary["eval_value"] >= target and summary["replicas"] == replicas
     _passes_the_checker(log, tmp_path)
 
 
