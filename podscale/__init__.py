@@ -1,14 +1,35 @@
-"""podscale: run an unmodified single-device JAX training step across a pod of accelerators."""
+"""podscale: run an unmodified single-device JAX training step across a pod of accelerators.
+
+The public names load on first use (PEP 562), so ``podscale launch`` and the supervisor of each
+process of a multi-process run (:mod:`podscale.train.supervise`) start without loading JAX."""
+
+from __future__ import annotations
+
+import importlib
 
 from podscale.perf.tpu import quiet_platforms
 
 quiet_platforms()  # libtpu installed on a host without a TPU: JAX on the CPU, without libtpu's start-up errors
 
-from podscale.parallel.checks import PodscaleWarning  # noqa: E402
-from podscale.parallel.engine import DataParallelStep, data_parallel  # noqa: E402
-from podscale.parallel.mesh import make_mesh  # noqa: E402
-from podscale.parallel.strategy import Strategy  # noqa: E402
-from podscale.train.evaluate import distributed_eval  # noqa: E402
-
-__all__ = ["DataParallelStep", "PodscaleWarning", "Strategy", "data_parallel", "distributed_eval", "make_mesh"]
+_PUBLIC = {
+    "DataParallelStep": "podscale.parallel.engine",
+    "PodscaleWarning": "podscale.parallel.checks",
+    "Strategy": "podscale.parallel.strategy",
+    "data_parallel": "podscale.parallel.engine",
+    "distributed_eval": "podscale.train.evaluate",
+    "make_mesh": "podscale.parallel.mesh",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'podscale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

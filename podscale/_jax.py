@@ -8,7 +8,6 @@ Every module named here is loaded by ``import jax`` itself, so importing this co
 from jax._src import config as jax_config  # enable_compilation_cache(False): compile-only TPU clients
 from jax._src import distributed as jax_distributed  # global_state: whether preemption sync runs
 from jax._src import (
-    hardware_utils,  # whether this host has TPU chips, without starting a backend
     source_info_util,  # the user's frame and name stack of a traced equation
     xla_bridge,  # whether a backend has started (jax_platforms can still change)
 )
@@ -19,7 +18,6 @@ from jax._src.random import prng, threefry2x32  # a replica's rows of a threefry
 
 __all__ = [
     "all_gather_invariant",
-    "hardware_utils",
     "jax_config",
     "jax_distributed",
     "mlir",

@@ -11,16 +11,18 @@ import sys
 import warnings
 
 from podscale.parallel.checks import PodscaleWarning
-from podscale.parallel.mesh import MAX_CPU_DEVICES
-from podscale.parallel.mesh import parse_shape as _parse_shape
-from podscale.parallel.strategy import Strategy, add_flags, flag_name, from_flags
 from podscale.train import distributed, supervise
-from podscale.train.checkpoint import CheckpointError
 from podscale.train.interrupt import Interrupted
+
+# The modules that load JAX (the parallel layer, checkpoints, the trainer) are imported where a
+# command needs them: ``podscale launch`` and the supervisor of each process of a multi-process
+# run (``_supervise_before_jax``) start without loading JAX.
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``--mesh``: argparse shows an ``ArgumentTypeError``'s own message."""
+    from podscale.parallel.mesh import parse_shape as _parse_shape
+
     try:
         return _parse_shape(text)
     except ValueError as e:
@@ -84,6 +86,7 @@ def _dry_run_launch(args, cmd: list[str]) -> int:
 
 
 def _train_parser(sub) -> None:
+    from podscale.parallel.strategy import add_flags
     from podscale.train.trainer import TrainConfig
 
     p = sub.add_parser("train", help="train a model data-parallel on all devices")
@@ -164,14 +167,19 @@ def _train_parser(sub) -> None:
         action="store_true",
         help="let jax.distributed.initialize() detect the cluster (SLURM, TPU pods)",
     )
-    g.add_argument("--heartbeat-timeout", type=int, default=30, help="seconds before a silent peer is declared dead")
+    g.add_argument(
+        "--heartbeat-timeout", type=int, default=HEARTBEAT_S, help="seconds before a silent peer is declared dead"
+    )
     g.add_argument(
         "--join-timeout",
         type=int,
-        default=60,
+        default=JOIN_S,
         help="seconds the processes wait for each other to reach the coordinator",
     )
 
+
+HEARTBEAT_S, JOIN_S = 30, 60
+"""``--heartbeat-timeout`` and ``--join-timeout``'s defaults."""
 
 _JSON_OUT = [None]
 """Where ``--json`` output goes once ``train`` has pointed file descriptor 1 at stderr."""
@@ -191,9 +199,13 @@ def _cluster_spec(args) -> distributed.ClusterSpec:
 def _run_supervised(args, argv: list[str]) -> int | None:
     """A process of a multi-process run trains in a child under :mod:`podscale.train.supervise`;
     returns ``None`` where this process is to train itself (one process, or the child)."""
-    spec = _cluster_spec(args)
-    multi = spec.auto or (spec.explicit and spec.num_processes > 1)
-    if not multi or os.environ.get(supervise.ENV_SUPERVISED):
+    if os.environ.get(supervise.ENV_SUPERVISED):
+        return None
+    return _supervise(_cluster_spec(args), argv, args.json)
+
+
+def _supervise(spec: distributed.ClusterSpec, argv: list[str], json_out: bool) -> int | None:
+    if not (spec.auto or (spec.explicit and spec.num_processes > 1)):
         return None
     return supervise.run(
         argv,
@@ -201,12 +213,57 @@ def _run_supervised(args, argv: list[str]) -> int | None:
         num_processes=spec.num_processes,
         coordinator=spec.coordinator_address,
         heartbeat_s=spec.heartbeat_timeout_s,
-        join_s=spec.join_timeout_s or (60 if spec.explicit else None),
-        json_out=args.json,
+        join_s=spec.join_timeout_s or (JOIN_S if spec.explicit else None),
+        json_out=json_out,
     )
 
 
+class _Unreadable(Exception):
+    """Flags that :func:`_supervise_before_jax`'s short reading cannot take."""
+
+
+class _ClusterFlags(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Unreadable(message)
+
+
+def _supervise_before_jax(argv: list[str]) -> int | None:
+    """``podscale train`` as one process of a multi-process run: its supervisor, before anything
+    loads JAX. It reads the cluster's flags only; the child it starts reads and checks them all,
+    and the child's refusals reach this process's stderr, stdout and exit code as they are.
+    ``None`` where the whole command line is to be read here: another command, one process, the
+    supervised child itself, ``--dry-run`` or ``--help``, or cluster flags that this reading cannot
+    take (an abbreviation, a value that is not a number: the whole reading refuses them with its
+    own message)."""
+    if argv[:1] != ["train"] or os.environ.get(supervise.ENV_SUPERVISED):
+        return None
+    p = _ClusterFlags(add_help=False, allow_abbrev=False)
+    numbers = ("num_processes", "process_id", "heartbeat_timeout", "join_timeout")
+    for name in ("coordinator_address", *numbers):
+        p.add_argument("--" + name.replace("_", "-"))
+    for flag in ("--distributed-auto", "--json", "--dry-run", "--help", "-h"):
+        p.add_argument(flag, action="store_true")
+    try:
+        flags, _ = p.parse_known_args(argv[1:])
+        if flags.dry_run or flags.help or flags.h:
+            return None
+        n = {k: None if getattr(flags, k) is None else int(getattr(flags, k)) for k in numbers}
+        spec = distributed.ClusterSpec.from_env(
+            coordinator_address=flags.coordinator_address,
+            num_processes=n["num_processes"],
+            process_id=n["process_id"],
+            auto=flags.distributed_auto or None,
+            heartbeat_timeout_s=HEARTBEAT_S if n["heartbeat_timeout"] is None else n["heartbeat_timeout"],
+            join_timeout_s=JOIN_S if n["join_timeout"] is None else n["join_timeout"],
+        )
+    except (_Unreadable, ValueError):
+        return None
+    return _supervise(spec, argv, flags.json)
+
+
 def _run_train(args) -> int:
+    from podscale.parallel.strategy import from_flags
+
     out = sys.stdout
     if args.json:
         # Keep stdout for the one JSON object: native libraries (gloo prints "[Gloo] Rank ..."
@@ -272,6 +329,8 @@ def _run_train(args) -> int:
 
 
 def _plan_parser(sub) -> None:
+    from podscale.parallel.strategy import Strategy, add_flags
+
     p = sub.add_parser("plan", help="show what the step does on the mesh, without running it")
     p.add_argument("--model", default="mlp")
     p.add_argument("--config", default=None, help="MLPerf workloads: tiny or full")
@@ -320,6 +379,8 @@ def _plan_devices(args) -> list | None:
 
 
 def _run_plan(args) -> int:
+    from podscale.parallel.strategy import from_flags
+
     if args.batch_size is not None and not 1 <= args.batch_size < 2**31:
         raise ValueError(
             f"--batch-size must be at least 1 and below 2**31 (XLA's 32-bit dimensions), got {args.batch_size}"
@@ -426,6 +487,8 @@ def _run_models(args) -> int:
 
 
 def _project_parser(sub) -> None:
+    from podscale.parallel.strategy import Strategy, add_flags
+
     p = sub.add_parser(
         "project",
         help="project the step time of a model's compiled step to 16-4096 chips of a TPU or GPU system",
@@ -581,6 +644,9 @@ def _strategy_names() -> tuple[str, ...]:
 
 
 def _run_project(args) -> int:
+    from podscale.parallel.mesh import MAX_CPU_DEVICES
+    from podscale.parallel.strategy import from_flags
+
     given = _project_given(args)
     _check_project_flags(args, given)
 
@@ -944,14 +1010,18 @@ def _run_bench_gradsum(args, kwargs: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    supervised = _supervise_before_jax(_Parser.argv)
+    if supervised is not None:
+        return supervised
     parser = _Parser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    _plan_parser(sub)
-    _bench_parser(sub)
-    _project_parser(sub)
-    mp = sub.add_parser("models", help="list the MLPerf reference workloads with their parameter counts")
-    mp.add_argument("--json", action="store_true")
+    if _Parser.argv[:1] != ["launch"]:  # the launcher reads its own flags only, without loading JAX
+        _train_parser(sub)
+        _plan_parser(sub)
+        _bench_parser(sub)
+        _project_parser(sub)
+        mp = sub.add_parser("models", help="list the MLPerf reference workloads with their parameter counts")
+        mp.add_argument("--json", action="store_true")
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
     lp.add_argument(
@@ -1009,12 +1079,20 @@ def _dispatch(args, argv) -> int:  # noqa: C901
     except Interrupted as e:
         print(f"podscale: {e}", file=sys.stderr)
         return 128 + e.signum
-    except (ValueError, CheckpointError) as e:
+    except _refusals() as e:
         message = _as_flags(str(e))
         print(f"podscale: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):  # scripts read one JSON object either way
             print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
         return 2
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What a command refuses with one ``podscale: error:`` line and exit code 2: a ValueError, or a
+    CheckpointError where checkpoints were read (evaluated as an exception reaches it: the
+    checkpoint module loads JAX, and a command that never loaded it raises none)."""
+    checkpoint = sys.modules.get("podscale.train.checkpoint")
+    return (ValueError,) if checkpoint is None else (ValueError, checkpoint.CheckpointError)
 
 
 def _as_flags(message: str) -> str:
@@ -1024,6 +1102,8 @@ def _as_flags(message: str) -> str:
     ``--mesh 4x2``). The one place the two meet. Python-only advice (``rules=Rules(...)``) is left
     as it is."""
     import re
+
+    from podscale.parallel.strategy import Strategy, flag_name
 
     for f in sorted(dataclasses.fields(Strategy), key=lambda f: -len(f.name)):  # grad_sum_chunks before grad_sum
         if not f.metadata.get("cli", True):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 from podscale.perf.systems import System
 
@@ -45,25 +46,36 @@ def available() -> bool:
 
 
 def has_tpu() -> bool:
-    """Whether this host has TPU chips."""
+    """Whether this host has TPU chips: JAX's own check (``jax._src.hardware_utils``, a scan of the
+    PCI devices in the standard library alone), read from its file without importing JAX, so that
+    a process that never runs JAX (``podscale launch``, a run's supervisors) never loads it."""
     try:
-        from podscale._jax import hardware_utils
-
+        jax_dir = importlib.util.find_spec("jax").submodule_search_locations[0]
+        spec = importlib.util.spec_from_file_location(
+            "podscale_jax_hardware_utils", os.path.join(jax_dir, "_src", "hardware_utils.py")
+        )
+        hardware_utils = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hardware_utils)
         return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except Exception:  # private API moved: assume a TPU may be there, change nothing
+    except Exception:  # the private module moved: assume a TPU may be there, change nothing
         return True
 
 
 def quiet_platforms() -> None:
     """With libtpu installed on a host without a TPU and no platform chosen (``JAX_PLATFORMS``),
     keeps JAX to the CPU unless another accelerator plugin is installed, so that libtpu's
-    initialisation errors are not printed at every start. Does nothing once JAX's backends are up."""
+    initialisation errors are not printed at every start. Before JAX is imported this sets
+    ``JAX_PLATFORMS=cpu``, which JAX reads when it is (a process that never runs JAX never loads
+    it for this); after, JAX's setting, unless its backends are already up."""
     if os.environ.get("JAX_PLATFORMS") or not available() or has_tpu():
         return
     import importlib.metadata
 
     if any(e.name != "tpu" for e in importlib.metadata.entry_points(group="jax_plugins")):
         return  # a GPU plugin: JAX chooses among the platforms itself
+    if "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        return
     import jax
 
     from podscale._jax import xla_bridge

@@ -11,6 +11,9 @@ A dead peer: JAX's coordination service notices missing heartbeats within
 fails as soon as gloo sees the connection drop, and then waits for that verdict. Processes that
 do not all join within ``join_timeout_s`` stop too. :mod:`podscale.train.supervise` turns each of
 these into one line naming the lost process or the coordinator.
+
+JAX is imported by the functions that start it: ``launch`` and ``ClusterSpec`` serve the
+launcher and each process's supervisor, which never load JAX.
 """
 
 from __future__ import annotations
@@ -28,14 +31,29 @@ import subprocess
 import sys
 import time
 
-import jax
-
-from podscale.parallel.mesh import MAX_CPU_DEVICES
-
 ENV_COORDINATOR = "PODSCALE_COORDINATOR"
 ENV_NUM_PROCESSES = "PODSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "PODSCALE_PROCESS_ID"
 DEFAULT_CPU_REPLICAS = 8
+
+
+def _jax():
+    """JAX, imported when a function first needs it (a test may have put a stand-in here)."""
+    if "jax" not in globals():
+        import jax
+
+        globals()["jax"] = jax
+    return globals()["jax"]
+
+
+def __getattr__(name: str):
+    if name == "jax":
+        return _jax()
+    if name == "MAX_CPU_DEVICES":
+        from podscale.parallel.mesh import MAX_CPU_DEVICES
+
+        return MAX_CPU_DEVICES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +131,7 @@ def setup(replicas: int | None, spec: ClusterSpec) -> None:
     most :data:`podscale.parallel.mesh.MAX_CPU_DEVICES` per process; without ``replicas``, :data:`DEFAULT_CPU_REPLICAS`
     of them, which the process count must divide (a count that does not is refused, naming
     ``--replicas``, never replaced by another). A GPU or TPU backend uses its own devices."""
+    jax = _jax()
     local, cpu_only_problem = local_devices(replicas, spec)
     if cpu_only_problem and _cpu_only():
         raise ValueError(cpu_only_problem)
@@ -155,6 +174,8 @@ def local_devices(replicas: int | None, spec: ClusterSpec) -> tuple[int, str | N
     """The CPU devices this process simulates for ``replicas`` over the spec's processes, checked
     without starting JAX; and a refusal that holds only where JAX runs on its CPU backend (or
     ``None``). :func:`setup` and ``--dry-run`` share it."""
+    from podscale.parallel.mesh import MAX_CPU_DEVICES
+
     processes = spec.num_processes if spec.explicit else 1
     if spec.explicit and not 0 <= spec.process_id < processes:
         raise ValueError(f"--process-id {spec.process_id} must be in [0, {processes})")
@@ -208,6 +229,7 @@ def _cpu_only() -> bool:
     start before ``jax.distributed.initialize``): ``JAX_PLATFORMS`` names ``cpu`` first, or no
     accelerator is installed (no PJRT plugin, no libtpu). Where this says no, :func:`setup`
     checks the backend itself once it runs."""
+    jax = _jax()
     platforms = jax.config.jax_platforms
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
