@@ -376,3 +376,24 @@ def test_only_process_0_checks_the_files_it_alone_writes(monkeypatch, tmp_path):
     monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
     with pytest.raises(ValueError, match="--metrics-file"):
         TrainConfig(metrics_file=missing)
+
+
+_NO_JAX = """
+import os, sys
+from podscale import cli
+from podscale.train import supervise
+if sys.argv[1] == "launch":
+    code = cli.main(["launch", "--processes", "2", "--", sys.executable, "-c", "pass"])
+else:
+    os.environ.update(PODSCALE_COORDINATOR="127.0.0.1:1", PODSCALE_NUM_PROCESSES="2", PODSCALE_PROCESS_ID="0")
+    supervise.run = lambda argv, **kw: 0  # the child it would start loads JAX, as it must
+    code = cli.main(["train", "--model", "mlp", "--steps", "3", "--json"])
+print(code, "jax" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("role", ["launch", "supervisor"])
+def test_the_launcher_and_a_processs_supervisor_never_load_jax(role):
+    """They start processes and watch them; only the processes that train load JAX."""
+    proc = subprocess.run([sys.executable, "-c", _NO_JAX, role], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["0", "False"], proc.stdout + proc.stderr
