@@ -182,7 +182,10 @@ def test_named_roles_resolve_by_name_and_the_counts_by_position():
     assert Strategy(model_axis="data", data_axes=("space", "more")).axes(mesh) == ("space", "more")
     assert Strategy(spatial=2).space_of(mesh) == "more"  # a count names no axis: the last one
     assert Strategy(space_axis="space", spatial=2).space_of(mesh) == "space"  # both given, and they agree
-    assert Strategy().partition_of(mesh) is None
+    assert Strategy().partitions_of(mesh) == ()
+    both = Strategy(space_axis="space", model_axis="more", rules="transformer")
+    assert (both.partitions_of(mesh), both.axes(mesh)) == (("space", "more"), ("data",))
+    assert Strategy(space_axis="space", model_parallel=2, rules="transformer").partitions_of(mesh) == ("space", "more")
 
 
 @pytest.mark.parametrize(
@@ -202,13 +205,24 @@ def test_a_named_role_that_does_not_fit_the_mesh_is_refused_naming_the_axis(stra
         data_parallel(_step, make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))]), **strategy)
 
 
+def test_space_and_model_by_position_alone_are_refused_saying_to_name_them():
+    with pytest.raises(ValueError, match=r"both take the mesh's last axis: .* space_axis='space', model_axis='model'"):
+        Strategy(spatial=2, model_parallel=2)
+
+
 @pytest.mark.parametrize(
-    "strategy",
-    [dict(space_axis="s", model_axis="m"), dict(spatial=2, model_axis="m"), dict(space_axis="s", model_parallel=2)],
+    ("strategy", "shape", "message"),
+    [
+        (dict(space_axis="space", model_parallel=2), (4, 2), r"space axis and the model axis are both .space."),
+        (dict(space_axis="space", model_axis="data"), (4, 2), r"has no data axis beside the space axis"),
+    ],
+    ids=["the same axis", "no data axis left"],
 )
-def test_space_and_model_roles_together_are_refused_before_any_mesh(strategy):
-    with pytest.raises(ValueError, match="does not yet split images and weights in one step"):
-        Strategy(**strategy)
+def test_space_and_model_roles_that_leave_no_data_axis_or_share_one_are_refused(strategy, shape, message):
+    mesh = make_mesh(shape, ("data", "space"))
+    strategy = Strategy(**strategy, rules="transformer")
+    with pytest.raises(ValueError, match=message):
+        strategy.axes(mesh)
 
 
 def test_one_axis_has_one_role():

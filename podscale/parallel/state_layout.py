@@ -37,7 +37,7 @@ class LeafLayout:
     """Read by the forward pass (kept whole for it); otherwise optimizer or other state."""
     weak_type: bool = False
     split: int = 1
-    """Devices each data replica's chunk is split over (a spatial strategy's space axis)."""
+    """Devices each data replica's chunk is split over (the space and model axes')."""
     model_dim: int | None = None
     """With tensor partitioning: the dimension split over the model axis (its sharding rule)."""
     model_split: int = 1
@@ -75,10 +75,12 @@ class StateLayout:
     mesh: Mesh
     order: tuple[str, ...] | None = None
     """The mesh axes in the order chunks are laid out (the gradient sum's); default mesh order."""
-    space: str | None = None
-    """A spatial strategy's space axis or tensor partitioning's model axis: each data replica's
-    chunk is split over it as well (XLA partitions the update of a chunk over it), so a sharded
-    leaf is 1/(data x k) per device; a leaf with a ``model_dim`` is split over it along that
+    parts: tuple[str, ...] = ()
+    """The axes left to XLA's partitioner (a spatial strategy's space axis, tensor partitioning's
+    model axis, or both): each data replica's chunk is split over them as well (XLA partitions the
+    update of a chunk over them), so a sharded leaf is 1/(data x k) per device, k their devices."""
+    model: str | None = None
+    """Tensor partitioning's model axis: a leaf with a ``model_dim`` is split over it along that
     dimension."""
 
     @property
@@ -104,11 +106,11 @@ class StateLayout:
     def _sharding(self, leaf: LeafLayout) -> NamedSharding:
         if leaf.model_dim is not None:
             spec = [None] * len(leaf.shape)
-            spec[leaf.model_dim] = self.space
+            spec[leaf.model_dim] = self.model
             return NamedSharding(self.mesh, P(*spec))
         if not leaf.sharded:
             return NamedSharding(self.mesh, P())
-        return NamedSharding(self.mesh, P((*self.axes, self.space) if self.space else self.axes))
+        return NamedSharding(self.mesh, P((*self.axes, *self.parts)))
 
     def shardings(self):
         """The stored leaves' shardings on the mesh (``specs`` name the data axes only, as the
@@ -316,14 +318,16 @@ def decide(
     min_shard_size: int,
     shard: bool = True,
     order: tuple[str, ...] | None = None,
-    space: str | None = None,
+    parts: tuple[str, ...] = (),
+    model: str | None = None,
     model_dims: tuple[int | None, ...] | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
     ``forward_inputs`` holds the flat indices of leaves the forward pass reads (the weights).
     ``shard=False`` (the replicated update) keeps every leaf replicated over the data axes.
-    ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``space``.
+    ``parts``: the axes XLA partitions (space, model), over which every chunk is split too.
+    ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``model``.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     leaves = []
@@ -340,12 +344,12 @@ def decide(
         dim = model_dims[i] if model_dims else None
         chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
         if dim is not None and not chunked:
-            k = mesh.shape[space]
+            k = mesh.shape[model]
             leaves.append(
                 LeafLayout(
                     **kw,
                     sharded=False,
-                    reason=f"dimension {dim} split over model axis {space!r} ({k} devices), whole over the replicas",
+                    reason=f"dimension {dim} split over model axis {model!r} ({k} devices), whole over the replicas",
                     model_dim=dim,
                     model_split=k,
                 )
@@ -365,8 +369,8 @@ def decide(
                 )
             )
         else:
-            k = mesh.shape[space] if space else 1
-            length, padding = chunk_layout(size, n, k)  # the chunk splits over the space axis too
+            k = math.prod(mesh.shape[a] for a in parts)
+            length, padding = chunk_layout(size, n, k)  # the chunk splits over the space and model axes too
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
             leaves.append(LeafLayout(**kw, sharded=True, reason=reason, shard_len=length, padding=padding, split=k))
-    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, space)
+    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)

@@ -211,15 +211,14 @@ class Strategy:
             object.__setattr__(self, "rules", None)
         if self.space_axis is not None and self.space_axis == self.model_axis:
             raise ValueError(f"space_axis and model_axis are both {self.space_axis!r}: one axis has one role")
-        space = self.space_axis or (self.spatial not in (None, 1) and f"spatial={self.spatial}")
-        model = self.model_axis or (self.model_parallel is not None and f"model_parallel={self.model_parallel}")
-        if space and model:
-            space = f"space_axis={space!r}" if self.space_axis else space
-            model = f"model_axis={model!r}" if self.model_axis else model
-            raise ValueError(
-                f"{space} and {model}: podscale does not yet split images and weights in one step "
-                "(data x space x model); choose one"
-            )
+        if self.spatial not in (None, 1) and self.model_parallel is not None:
+            if self.space_axis is None and self.model_axis is None:
+                raise ValueError(
+                    f"spatial={self.spatial} and model_parallel={self.model_parallel} both take the mesh's last "
+                    "axis: to split images and weights in one step, name the axes by role on a mesh with a data "
+                    "axis, a space axis and a model axis: space_axis='space', model_axis='model' on "
+                    f"jax.make_mesh((replicas, {self.spatial}, {self.model_parallel}), ('data', 'space', 'model'))"
+                )
         if self.spatial == 1 and self.space_axis is None:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
         if self.axis_costs is not None and self.grad_sum != "2d":
@@ -303,19 +302,31 @@ class Strategy:
             raise ValueError(f"data_axes {self.data_axes} include {names[-1]!r}, the {role} axis of {field}={k}")
         return names[-1]
 
-    def partition_of(self, mesh) -> str | None:
-        """The mesh axis left to XLA's partitioner: the space axis or the model axis, if any."""
-        return self.space_of(mesh) or self.model_of(mesh)
+    def partitions_of(self, mesh) -> tuple[str, ...]:
+        """The mesh axes left to XLA's partitioner: the space axis, the model axis, both or none."""
+        space, model = self.space_of(mesh), self.model_of(mesh)
+        if space is not None and space == model:
+            raise ValueError(
+                f"the space axis and the model axis are both {space!r}: one axis has one role; name the "
+                "other with space_axis='NAME' or model_axis='NAME'"
+            )
+        parts = tuple(a for a in (space, model) if a is not None)
+        if len(parts) == 2 and len(mesh.axis_names) < 3:
+            raise ValueError(
+                f"the mesh {dict(mesh.shape)} has no data axis beside the space axis {space!r} and the model "
+                f"axis {model!r}; add one, of size 1 for one replica"
+            )
+        return parts
 
     def axes(self, mesh) -> tuple[str, ...]:
-        """The data axes on ``mesh``: every axis but the space or model axis."""
-        space = self.partition_of(mesh)
+        """The data axes on ``mesh``: every axis but the space and model axes."""
+        parts = self.partitions_of(mesh)
         if self.data_axes is None:
-            return tuple(a for a in mesh.axis_names if a != space)
+            return tuple(a for a in mesh.axis_names if a not in parts)
         unknown = [a for a in self.data_axes if a not in mesh.axis_names]
         if unknown:
             raise ValueError(f"data_axes {unknown} are not axes of the mesh {dict(mesh.shape)}")
-        rest = [a for a in mesh.axis_names if a not in self.data_axes and a != space]
+        rest = [a for a in mesh.axis_names if a not in self.data_axes and a not in parts]
         if rest:
             raise ValueError(
                 f"mesh axes {rest} are not data axes (data_axes={self.data_axes}), nor the space or model axis: "
