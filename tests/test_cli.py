@@ -92,7 +92,8 @@ def _one_and_two_processes(tmp_path, *args):
 
 def test_two_processes_reach_the_same_parameters_and_loss_as_one(tmp_path):
     """The transformer for 20 steps: 2 processes x 4 devices (gloo) versus 1 process x 8 devices,
-    parameters within 1e-6 (measured: 1.2e-7), with the replicated and the sharded update.
+    parameters within 1e-6 (measured: 1.2e-7). The sharded update across two processes is held
+    to one process's by the preemption test below (the MLP on digits, 300 steps).
 
     gloo sums in another order than the in-process all-reduce. Plain SGD keeps that roundoff at
     float32 level; Adam at lr=1e-3 divides the rare nearly-cancelling gradient elements by their
@@ -102,30 +103,6 @@ def test_two_processes_reach_the_same_parameters_and_loss_as_one(tmp_path):
     one, two, diff = _one_and_two_processes(tmp_path, *flags)
     assert diff <= 1e-6
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
-    # The sharded weight update across two processes (reduce-scatter and all-gather over gloo).
-    sharded = _summary(
-        _run(
-            "launch",
-            "--processes",
-            "2",
-            "--",
-            *PODSCALE,
-            "train",
-            *flags,
-            "--replicas",
-            "8",
-            "--weight-update",
-            "sharded",
-            "--json",
-            "--no-progress",
-            "--export",
-            str(tmp_path / "sharded.npz"),
-        )
-    )
-    assert sharded["processes"] == 2
-    assert sharded["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
-    a, c = _params(tmp_path / "one.npz"), _params(tmp_path / "sharded.npz")
-    assert max(float(np.max(np.abs(a[k] - c[k]))) for k in a) <= 1e-6
 
 
 def _stop_after(args: list[str], workdir, steps: int, sig: int) -> subprocess.Popen:
@@ -267,11 +244,16 @@ def test_a_peer_that_never_starts_ends_in_a_bounded_wait_naming_the_coordinator(
 def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identical(tmp_path):
     """A preemption notice to process 1 only: both stop at the same step boundary, save one
     checkpoint together and exit 143 with one line; two processes resumed from it end where an
-    uninterrupted two-process run ends."""
-    common = ["train", "--model", "mlp", "--data", "digits", "--steps", "300", "--checkpoint-every", "250"]
-    common += ["--no-progress"]
+    uninterrupted two-process run ends. With the sharded update (reduce-scatter and all-gather
+    over gloo), and SGD: the uninterrupted run ends within 1e-6 of one process's (measured:
+    2.4e-7 after the 300 steps; see the test above for why SGD)."""
+    common = ["train", "--model", "mlp", "--data", "digits", "--optimizer", "sgd", "--learning-rate", "0.1"]
+    common += ["--steps", "300", "--checkpoint-every", "250", "--weight-update", "sharded", "--no-progress"]
     launch = ("launch", "--processes", "2", "--", *PODSCALE, *common)
     _run(*launch, "--workdir", str(tmp_path / "whole"), "--export", str(tmp_path / "whole.npz"))
+    _run(*common, "--workdir", str(tmp_path / "one"), "--export", str(tmp_path / "one.npz"))
+    a, b = _params(tmp_path / "one.npz"), _params(tmp_path / "whole.npz")
+    assert a.keys() == b.keys() and max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
     workdir = tmp_path / "stopped"
     _, procs = _two_processes(*common, "--workdir", str(workdir))
     try:
