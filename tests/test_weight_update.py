@@ -288,7 +288,7 @@ def test_fused_and_lone_gradient_chunks_match_the_stored_state_chunks(chunks, sp
         set(),
         1,
         order=("data",),
-        space="space" if split > 1 else None,
+        parts=("space",) if split > 1 else (),
     )
     assert all(leaf.sharded and leaf.shard_len % split == 0 for leaf in stored.leaves)
     for r in sorted({0, 1, chunks // 2, chunks - 1}):
