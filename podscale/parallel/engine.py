@@ -145,9 +145,10 @@ class DataParallelStep:
         if len(self.partitions) == 2:
             raise ValueError(
                 f"a space axis ({self.space!r}) and a model axis ({self.model!r}) in one step (data x space x "
-                "model) are not yet exact: with both left to XLA's partitioner, a weight's gradient came out "
-                "up to 1% off one device's after 3 SGD steps (twice it, for the convolution before the split "
-                "weights), so podscale refuses it; split images (space_axis) or weights (model_axis), not both"
+                "model) are not yet exact: XLA's partitioner (JAX 0.10.2, Shardy and GSPMD alike) returns a "
+                "convolution's kernel gradient times the size of a mesh axis its image is not split over "
+                "(tests/test_compose.py), so podscale refuses it; split images (space_axis) or weights "
+                "(model_axis), not both"
             )
         if self.model and self.strategy.rules is None:
             raise ValueError(
