@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale._jax import all_gather_invariant
 from podscale.parallel.mesh import BN_GROUP
+from podscale.perf import network
 
 MODES = ("1d", "2d")
 DEFAULT_CHUNKS = 4
@@ -49,12 +50,10 @@ class AxisCost:
     bandwidth: float
     latency: float
 
-    def ring(self, size: int, nbytes: float, steps_per_member: int = 1) -> float:
-        """Seconds for a ring reduce-scatter or all-gather (1 step each) or all-reduce (2) of
-        ``nbytes`` per device over ``size`` members."""
-        if size == 1:
-            return 0.0
-        return steps_per_member * (size - 1) * (self.latency + nbytes / size / self.bandwidth)
+    def ring(self, kind: str, size: int, nbytes: float) -> float:
+        """Seconds for a one-way ring ``reduce-scatter`` or ``all-reduce`` of ``nbytes`` per device
+        over ``size`` members (:func:`podscale.perf.network.ring_time`, the one ring formula)."""
+        return network.ring_time(kind, size, nbytes, self.bandwidth, self.latency, bidirectional=False)
 
 
 @dataclasses.dataclass
@@ -185,8 +184,8 @@ def modelled_seconds(
     """Ring model of the 2-D sum of ``nbytes`` per device with ``order[0]`` first:
     reduce-scatter along it, all-reduce along the other on 1/|first| pieces, all-gather back."""
     first, second = order
-    scatter = costs[first].ring(sizes[first], nbytes)
-    return 2 * scatter + costs[second].ring(sizes[second], nbytes / sizes[first], steps_per_member=2)
+    scatter = costs[first].ring("reduce-scatter", sizes[first], nbytes)  # and the all-gather back: as long
+    return 2 * scatter + costs[second].ring("all-reduce", sizes[second], nbytes / sizes[first])
 
 
 def choose_order(
