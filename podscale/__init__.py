@@ -23,12 +23,20 @@ __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
 
+_SUBPACKAGES = ("bench", "parallel", "perf", "train", "workloads")
+
+
 def __getattr__(name: str):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'podscale' has no attribute {name!r}")
+    elif name in _SUBPACKAGES:  # podscale.parallel.tensor.Rules after a plain ``import podscale``:
+        for module in sorted(set(_PUBLIC.values())):  # the modules ``import podscale`` loaded before
+            importlib.import_module(module)
+        value = importlib.import_module(f"podscale.{name}")
+    else:
+        raise AttributeError(f"module 'podscale' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
 def __dir__() -> list[str]:

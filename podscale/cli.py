@@ -233,8 +233,8 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
     and the child's refusals reach this process's stderr, stdout and exit code as they are.
     ``None`` where the whole command line is to be read here: another command, one process, the
     supervised child itself, ``--dry-run`` or ``--help``, or cluster flags that this reading cannot
-    take (an abbreviation, a value that is not a number: the whole reading refuses them with its
-    own message)."""
+    take (an abbreviation, a value that is not a number, an incomplete cluster: the whole reading
+    refuses them with its own message and exit code)."""
     if argv[:1] != ["train"] or os.environ.get(supervise.ENV_SUPERVISED):
         return None
     p = _ClusterFlags(add_help=False, allow_abbrev=False)
@@ -243,6 +243,11 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
         p.add_argument("--" + name.replace("_", "-"))
     for flag in ("--distributed-auto", "--json", "--dry-run", "--help", "-h"):
         p.add_argument(flag, action="store_true")
+    known = [a for action in p._actions for a in action.option_strings]
+    for token in argv[1:]:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag not in known and any(k.startswith(flag) for k in known):
+            return None  # an abbreviation: argparse's whole reading decides what it means
     try:
         flags, _ = p.parse_known_args(argv[1:])
         if flags.dry_run or flags.help or flags.h:
@@ -256,7 +261,9 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
             heartbeat_timeout_s=HEARTBEAT_S if n["heartbeat_timeout"] is None else n["heartbeat_timeout"],
             join_timeout_s=JOIN_S if n["join_timeout"] is None else n["join_timeout"],
         )
-    except (_Unreadable, ValueError):
+        if not (spec.auto or (spec.explicit and spec.num_processes > 1)):
+            return None
+    except (_Unreadable, ValueError):  # the whole reading refuses it, with its message and exit code
         return None
     return _supervise(spec, argv, flags.json)
 

@@ -1,6 +1,6 @@
 """Axis roles composed on one mesh: data x space x model, each image's height split over the space
-axis (and their width over the model axis) and the weights the rules name over the model axis, in
-one step, against one device."""
+axis and the weights the rules name over the model axis, in one step. Refused for now: XLA's
+partitioner gets a convolution's gradient wrong there (the last test holds that in plain JAX)."""
 
 import flax.linen as nn
 import jax
@@ -8,11 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import leaf_relative_error, max_relative_diff, run_parallel, run_single
 
 from podscale import Strategy, data_parallel
 from podscale.parallel.tensor import Rules
-from podscale.perf import hlo
 
 
 class ConvStemTransformer(nn.Module):
@@ -66,32 +64,19 @@ def _setup():
     return step, (params, tx.init(params)), batches
 
 
-@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-def test_data_space_and_model_on_one_3d_mesh_equal_one_device(weight_update):
-    """2 replicas x 2 partitions of each image x 2 of the split weights: 3 steps of Adam within
-    1e-5 of one device, parameters and optimizer state (float32: the sums over the partitions
-    run in another order; measured 4.5e-7 and 7.1e-7). The images' height goes over the space
-    axis and their width over the model axis (see the last test for why); the halos are
-    exchanged over the space axis, the split weights' sums run over the model axis."""
-    step, state, batches = _setup()
-    ref, ref_metrics = run_single(step, state, batches)
+def test_data_space_and_model_on_one_3d_mesh_are_refused_before_any_work():
+    """Both roles on one mesh are not yet exact (the test below says why). Measured with this
+    step on 2 x 2 x 2 before the refusal: the stem's kernel gradient was twice one device's
+    (Adam's moments 2x and 4x; with SGD the parameters up to 1% off). Splitting the images' width
+    over the model axis as well makes this step exact, but not a convolution after a split layer
+    (its input is no longer split over the model axis), so podscale refuses the composition,
+    whichever update, naming both axes."""
+    step, _, _ = _setup()
     mesh = jax.make_mesh((2, 2, 2), ("data", "space", "model"))
-    strategy = Strategy(
-        space_axis="space", model_axis="model", rules=RULES, weight_update=weight_update, min_shard_size=64
-    )
-    dp = data_parallel(step, mesh, strategy)
-    out, metrics = run_parallel(dp, state, batches)
-    assert (dp.axes, dp.partitions, dp.replicas) == (("data",), ("space", "model"), 2)
-    assert max_relative_diff(out[0], ref[0]) <= 1e-5
-    assert leaf_relative_error(out[1], ref[1]) <= 1e-5  # Adam's moments: the gradients, unscaled
-    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-    split = {leaf.path for leaf in dp.layout.leaves if leaf.model_dim is not None}
-    assert any("up" in p for p in split) and any("attention" in p for p in split)
-    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
-    assert ("space",) in {c.axes for c in module.collectives if c.kind == "collective-permute"}
-    assert any("model" in c.axes for c in module.collectives if c.kind == "all-reduce")
-    plan = dp.plan()
-    assert (plan.spatial["partitions"], plan.tensor["partitions"]) == (2, 2)
+    for update in ("replicated", "sharded"):
+        strategy = Strategy(space_axis="space", model_axis="model", rules=RULES, weight_update=update)
+        with pytest.raises(ValueError, match=r"a space axis \('space'\) and a model axis \('model'\) in one step"):
+            data_parallel(step, mesh, strategy)
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
@@ -99,10 +84,9 @@ def test_the_xla_gap_behind_the_refusal_is_still_there(partitioner):
     """Plain JAX, no podscale: ``jax.grad`` of a convolution whose images are split over
     ("data", "space") on a mesh with one more axis ("model", which nothing is split over) gives
     the kernel's gradient times that axis's size (2), with either partitioner; on the same mesh
-    without the extra axis it is one device's. This is why data x space x model splits the images'
-    width over the model axis (``DataParallelStep.batch_shardings``): split over every axis, the
-    gradient is one device's. When a JAX upgrade fixes this, this test fails: the width may then
-    stay whole over the model axis."""
+    without the extra axis it is one device's. This is why data x space x model is refused
+    (``DataParallelStep``). When a JAX upgrade fixes this, this test fails: then lift the refusal
+    and hold the composition to one device, with convolutions before and after split layers."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -205,8 +205,8 @@ def test_a_named_role_that_does_not_fit_the_mesh_is_refused_naming_the_axis(stra
         data_parallel(_step, make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))]), **strategy)
 
 
-def test_space_and_model_by_position_alone_are_refused_saying_to_name_them():
-    with pytest.raises(ValueError, match=r"both take the mesh's last axis: .* space_axis='space', model_axis='model'"):
+def test_space_and_model_by_count_are_refused_before_any_mesh():
+    with pytest.raises(ValueError, match=r"spatial=2 and model_parallel=2: podscale does not yet split images and"):
         Strategy(spatial=2, model_parallel=2)
 
 

@@ -328,3 +328,11 @@ def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
     assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="mesh form"):
         hlo._groups("replica_groups=mesh['x'=2] <unknown>")
+
+
+def test_the_host_s_tpu_check_reads_jax_s_own_without_importing_jax():
+    """``tpu.has_tpu`` runs JAX's PCI scan from its file (so that ``podscale launch`` and the
+    supervisors never load JAX); a JAX upgrade that moves it fails here, not silently."""
+    from podscale.perf import tpu
+
+    assert callable(tpu._hardware_utils().num_available_tpu_chips_and_device_id)

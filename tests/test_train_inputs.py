@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+from helpers import podscale_main
 
 from podscale import cli
 from podscale.train import distributed
@@ -397,3 +398,29 @@ def test_the_launcher_and_a_processs_supervisor_never_load_jax(role):
     """They start processes and watch them; only the processes that train load JAX."""
     proc = subprocess.run([sys.executable, "-c", _NO_JAX, role], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["0", "False"], proc.stdout + proc.stderr
+
+
+def test_a_launched_command_gets_the_users_jax_platforms():
+    """Where libtpu is installed without a TPU, podscale keeps JAX on the CPU by setting
+    ``JAX_PLATFORMS`` in its own process: the commands ``launch`` starts get the user's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PODSCALE_SET_JAX_PLATFORMS")}
+    show = [sys.executable, "-c", "import os; print(os.environ.get('JAX_PLATFORMS'))"]
+    proc = subprocess.run(
+        [*PODSCALE, "launch", "--processes", "1", "--", *show], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == ["None"], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags", [["--num-processes", "2"], ["--process-id", "0"], ["--num-proc", "2", "--process-id", "0"]]
+)
+def test_an_incomplete_or_abbreviated_cluster_is_refused_as_the_whole_command_line_reads_it(flags, capsys):
+    assert podscale_main(["train", "--model", "mlp", "--steps", "2", "--json", *flags]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and json.loads(out.out.strip().splitlines()[-1])["exit_code"] == 2
+
+
+def test_subpackages_are_attributes_after_a_plain_import():
+    code = "import podscale; print(podscale.parallel.tensor.Rules.__name__, podscale.workloads.NAMES[0])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split()[0] == "Rules", proc.stderr[-2000:]

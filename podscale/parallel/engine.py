@@ -142,6 +142,14 @@ class DataParallelStep:
         """The model axis the sharding rules split weights over (``model_axis`` or ``model_parallel``)."""
         self.partitions = tuple(a for a in (self.space, self.model) if a)
         """The axes left to XLA's partitioner (space, model): every axis but the data axes."""
+        if len(self.partitions) == 2:
+            raise ValueError(
+                f"a space axis ({self.space!r}) and a model axis ({self.model!r}) in one step (data x space x "
+                "model) are not yet exact, so podscale refuses them: XLA's partitioner (JAX 0.10.2, Shardy and "
+                "GSPMD alike) returns a convolution's kernel gradient times the size of a mesh axis its input "
+                "is not split over (tests/test_compose.py); split images (space_axis) or weights (model_axis), "
+                "not both"
+            )
         if self.model and self.strategy.rules is None:
             raise ValueError(
                 f"the model axis {self.model!r} needs sharding rules: pass rules=Rules(...) or a "
@@ -204,17 +212,13 @@ class DataParallelStep:
 
     def batch_shardings(self, batch):
         """Each batch leaf's sharding: rows over the data axes and, with ``spatial``, the height of
-        every image (a rank-4 NHWC leaf) over the space axis (and its width over the model axis,
-        where there is one), which XLA's SPMD partitioner then keeps through convolutions and
-        pooling, exchanging halos between neighbours."""
+        every image (a rank-4 NHWC leaf) over the space axis, which XLA's SPMD partitioner then
+        keeps through convolutions and pooling, exchanging halos between neighbours."""
         if self.space is None:
             return jax.tree.map(lambda _: self.batch_sharding, batch)
         if self.images is None:
             raise ValueError("place the state with dp.place_state(state, batch) before placing batches")
-        # With a model axis too (data x space x model), the width goes over it: XLA's partitioner
-        # (JAX 0.10.2) returns a convolution's kernel gradient times the size of an axis the images
-        # are not split over (tests/test_compose.py); split over every axis, it is one device's.
-        image = NamedSharding(self.mesh, P(self.axes, self.space, self.model))
+        image = NamedSharding(self.mesh, P(self.axes, self.space))
         return jax.tree.map(
             lambda x: image if spatial.is_image(np.shape(x), self.windows) else self.batch_sharding, batch
         )

@@ -212,13 +212,11 @@ class Strategy:
         if self.space_axis is not None and self.space_axis == self.model_axis:
             raise ValueError(f"space_axis and model_axis are both {self.space_axis!r}: one axis has one role")
         if self.spatial not in (None, 1) and self.model_parallel is not None:
-            if self.space_axis is None and self.model_axis is None:
-                raise ValueError(
-                    f"spatial={self.spatial} and model_parallel={self.model_parallel} both take the mesh's last "
-                    "axis: to split images and weights in one step, name the axes by role on a mesh with a data "
-                    "axis, a space axis and a model axis: space_axis='space', model_axis='model' on "
-                    f"jax.make_mesh((replicas, {self.spatial}, {self.model_parallel}), ('data', 'space', 'model'))"
-                )
+            raise ValueError(
+                f"spatial={self.spatial} and model_parallel={self.model_parallel}: podscale does not yet split "
+                "images and weights in one step (data x space x model: XLA's partitioner gets a convolution's "
+                "gradient wrong there); choose one"
+            )
         if self.spatial == 1 and self.space_axis is None:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
         if self.axis_costs is not None and self.grad_sum != "2d":

@@ -50,15 +50,27 @@ def has_tpu() -> bool:
     PCI devices in the standard library alone), read from its file without importing JAX, so that
     a process that never runs JAX (``podscale launch``, a run's supervisors) never loads it."""
     try:
-        jax_dir = importlib.util.find_spec("jax").submodule_search_locations[0]
-        spec = importlib.util.spec_from_file_location(
-            "podscale_jax_hardware_utils", os.path.join(jax_dir, "_src", "hardware_utils.py")
-        )
-        hardware_utils = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(hardware_utils)
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+        return _hardware_utils().num_available_tpu_chips_and_device_id()[0] > 0
     except Exception:  # the private module moved: assume a TPU may be there, change nothing
         return True
+
+
+def _hardware_utils():
+    """``jax._src.hardware_utils`` (standard library only), loaded from its file: no ``import jax``
+    (tests/test_tpu_project.py checks that the file is where this reads it)."""
+    jax_dir = importlib.util.find_spec("jax").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location(
+        "podscale_jax_hardware_utils", os.path.join(jax_dir, "_src", "hardware_utils.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ENV_SET_PLATFORMS = "PODSCALE_SET_JAX_PLATFORMS"
+"""Set beside ``JAX_PLATFORMS`` when :func:`quiet_platforms` set that: the processes podscale
+starts (``launch``'s, a supervisor's child) get the environment without either, as the user had
+it (a child that imports podscale decides again)."""
 
 
 def quiet_platforms() -> None:
@@ -75,6 +87,7 @@ def quiet_platforms() -> None:
         return  # a GPU plugin: JAX chooses among the platforms itself
     if "jax" not in sys.modules:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ[ENV_SET_PLATFORMS] = "1"  # launch and the supervisors drop both for their children
         return
     import jax
 

@@ -309,6 +309,8 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
         env = dict(
             os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
         )
+        if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):  # podscale's own choice, not the user's (perf.tpu)
+            env.pop("JAX_PLATFORMS", None)
         children.append(subprocess.Popen(command, env=env))
     exits: list[tuple[int, bool]] = []  # (code, killed by launch) of the failing children, as noticed
     noticed: set[int] = set()

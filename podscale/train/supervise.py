@@ -50,6 +50,8 @@ def run(
     """Runs ``podscale <argv>`` as a child and returns its exit code, or :data:`EXIT_PEER_LOST`
     with one line on stderr when JAX's distributed service ended it."""
     env = dict(os.environ, **{ENV_SUPERVISED: str(os.getpid())})
+    if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):  # podscale's own choice, not the user's (perf.tpu)
+        env.pop("JAX_PLATFORMS", None)
     if sys.stderr.isatty():
         env[ENV_STDERR_TTY] = "1"
     child = None
