@@ -238,9 +238,10 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
     if argv[:1] != ["train"] or os.environ.get(supervise.ENV_SUPERVISED):
         return None
     p = _ClusterFlags(add_help=False, allow_abbrev=False)
-    numbers = ("num_processes", "process_id", "heartbeat_timeout", "join_timeout")
-    for name in ("coordinator_address", *numbers):
-        p.add_argument("--" + name.replace("_", "-"))
+    p.add_argument("--coordinator-address")
+    for name, default in (("num-processes", None), ("process-id", None), ("heartbeat-timeout", HEARTBEAT_S)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--join-timeout", type=int, default=JOIN_S)
     for flag in ("--distributed-auto", "--json", "--dry-run", "--help", "-h"):
         p.add_argument(flag, action="store_true")
     known = [a for action in p._actions for a in action.option_strings]
@@ -252,15 +253,7 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
         flags, _ = p.parse_known_args(argv[1:])
         if flags.dry_run or flags.help or flags.h:
             return None
-        n = {k: None if getattr(flags, k) is None else int(getattr(flags, k)) for k in numbers}
-        spec = distributed.ClusterSpec.from_env(
-            coordinator_address=flags.coordinator_address,
-            num_processes=n["num_processes"],
-            process_id=n["process_id"],
-            auto=flags.distributed_auto or None,
-            heartbeat_timeout_s=HEARTBEAT_S if n["heartbeat_timeout"] is None else n["heartbeat_timeout"],
-            join_timeout_s=JOIN_S if n["join_timeout"] is None else n["join_timeout"],
-        )
+        spec = _cluster_spec(flags)
         if not (spec.auto or (spec.explicit and spec.num_processes > 1)):
             return None
     except (_Unreadable, ValueError):  # the whole reading refuses it, with its message and exit code

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from podscale.train import supervise
+
 ENV_COORDINATOR = "PODSCALE_COORDINATOR"
 ENV_NUM_PROCESSES = "PODSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "PODSCALE_PROCESS_ID"
@@ -306,11 +308,9 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     address = f"127.0.0.1:{_free_port()}"
     children = []
     for pid in range(processes):
-        env = dict(
-            os.environ, **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
+        env = supervise.users_env(
+            **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
         )
-        if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):  # podscale's own choice, not the user's (perf.tpu)
-            env.pop("JAX_PLATFORMS", None)
         children.append(subprocess.Popen(command, env=env))
     exits: list[tuple[int, bool]] = []  # (code, killed by launch) of the failing children, as noticed
     noticed: set[int] = set()

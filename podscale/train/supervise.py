@@ -37,6 +37,16 @@ _FATAL = b"Terminating process because the JAX distributed service"
 _KEEP = 1 << 16  # bytes of the child's stderr kept to read the reason from
 
 
+def users_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``, for a process podscale starts: without the
+    ``JAX_PLATFORMS`` that podscale itself set (:data:`podscale.perf.tpu.ENV_SET_PLATFORMS` marks
+    it), so the child has the user's and, if it imports podscale, decides again."""
+    env = dict(os.environ, **extra)
+    if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):
+        env.pop("JAX_PLATFORMS", None)
+    return env
+
+
 def run(
     argv: list[str],
     *,
@@ -49,9 +59,7 @@ def run(
 ) -> int:
     """Runs ``podscale <argv>`` as a child and returns its exit code, or :data:`EXIT_PEER_LOST`
     with one line on stderr when JAX's distributed service ended it."""
-    env = dict(os.environ, **{ENV_SUPERVISED: str(os.getpid())})
-    if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):  # podscale's own choice, not the user's (perf.tpu)
-        env.pop("JAX_PLATFORMS", None)
+    env = users_env(**{ENV_SUPERVISED: str(os.getpid())})
     if sys.stderr.isatty():
         env[ENV_STDERR_TTY] = "1"
     child = None
