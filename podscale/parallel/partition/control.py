@@ -1,0 +1,258 @@
+"""Calls and control flow (``jit`` inlined, ``remat``, ``scan``, ``while``, ``cond``) run on
+local pieces, with the layouts of loop carries and branch outputs found by a fixed point
+(:func:`_fixed_point`), and host callbacks (fired once per step, as on one device)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core
+
+from podscale._jax import pe
+from podscale.parallel.partition.jaxprs import _source
+from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
+
+if TYPE_CHECKING:
+    from podscale.parallel.partition.core import Partitioner
+
+
+class _Retry(Exception):
+    """A loop carry or a branch output came out in another layout than assumed: trace again."""
+
+    def __init__(self, layouts):
+        super().__init__("retry")
+        self.layouts = layouts
+
+
+def _inline(param: str):
+    def rule(p: Partitioner, eqn, ins):
+        closed = eqn.params[param]
+        jaxpr, consts = (closed.jaxpr, closed.consts) if isinstance(closed, core.ClosedJaxpr) else (closed, ())
+        extra = len(ins) - len(jaxpr.invars)
+        # Inlined even when every input is whole: the replay then sees one flat program and can
+        # run a nested helper's update work (optax's jitted norms) on shards too.
+        return p.run(jaxpr, consts, ins[extra:])
+
+    return rule
+
+
+def _remat(p: Partitioner, eqn, ins):
+    if all(lay is REPLICATED for _, lay in ins):
+        return [(o, REPLICATED) for o in p.bind(eqn, [v for v, _ in ins])]
+    # Rebuilt with the same params, not inlined: the recomputation keeps its optimization
+    # barrier (and so its memory saving).
+    layouts = [lay for _, lay in ins]
+    found: list = []
+
+    @_scoped(p)
+    def body(*vals):
+        outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
+        found.append([lay for _, lay in outs])
+        return [v for v, _ in outs]
+
+    vals = [v for v, _ in ins]
+    closed = jax.make_jaxpr(body)(*vals)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    outs = eqn.primitive.bind(*closed.consts, *vals, **dict(eqn.params, jaxpr=jaxpr))
+    return list(zip(outs, found[-1], strict=True))
+
+
+def _scoped(p: Partitioner):
+    def wrap(fn):
+        def inner(*args):
+            with p.scope():
+                return fn(*args)
+
+        return inner
+
+    return wrap
+
+
+def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset, guessed: frozenset = frozenset()):
+    """Converts each value to its target layout, or raises ``_Retry`` with better targets: a split
+    or partial value meeting a replicated target takes that slot over (unless the slot was already
+    given up, ``pinned``), and two different non-replicated layouts give the slot up. A ``guessed``
+    slot (a zero-initialised carry tried as a partial sum) takes whatever layout the body gives."""
+    new_targets, retry = list(targets), False
+    for i, ((_, lay), t) in enumerate(zip(vals_layouts, targets, strict=True)):
+        if i in guessed and lay != t:
+            new_targets[i], retry = lay, True
+            continue
+        if lay == t or lay is REPLICATED:
+            continue
+        if t is REPLICATED and i not in pinned:
+            new_targets[i], retry = lay, True
+        elif t is not REPLICATED:
+            new_targets[i], retry = REPLICATED, True
+    if retry:
+        raise _Retry(new_targets)
+    return [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
+
+
+def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16, guessed=()):
+    """Runs ``attempt(targets, pinned, guessed)`` until the layouts it assumes are the layouts it
+    gets. ``guessed`` slots start as partial sums and keep that only if the body keeps it."""
+    targets, pinned, guessed = list(initial), set(), set(guessed)
+    for i in guessed:
+        targets[i] = PARTIAL
+    mark, cmark = len(p.whole_ops), len(p.collectives)
+    for _ in range(limit):
+        try:
+            return attempt(targets, frozenset(pinned), frozenset(guessed))
+        except _Retry as r:
+            del p.whole_ops[mark:], p.collectives[cmark:]  # that trace is dropped
+            changed = {i for i, (a, b) in enumerate(zip(targets, r.layouts)) if a != b}
+            pinned |= {i for i in changed - guessed if targets[i] is not REPLICATED and r.layouts[i] is REPLICATED}
+            guessed -= changed
+            targets = r.layouts
+    return attempt([REPLICATED] * len(targets), frozenset(range(len(targets))), frozenset())
+
+
+def _zero_carries(p: Partitioner, eqn, first: int, count: int) -> list[int]:
+    """Carry slots initialised with a broadcast zero: a weight's gradient accumulated over the
+    iterations of a backward loop. Tried as partial sums first, so that the sum is taken once,
+    after the loop (and reduce-scattered there by the sharded update), not at every iteration."""
+    carries = eqn.invars[first : first + count]
+    return [
+        i
+        for i, v in enumerate(carries)
+        if isinstance(v, core.Var) and v in p._zeros and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+    ]
+
+
+def _scan(p: Partitioner, eqn, ins):
+    prm = eqn.params
+    body, nc, ncarry = prm["jaxpr"], prm["num_consts"], prm["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
+    # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
+    xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
+    x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
+    ys_layouts: list = []
+
+    def attempt(carry_layouts, pinned, guessed):
+        carry0 = _vary_all(
+            p, [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
+        )
+
+        @_scoped(p)
+        def step(carry, x):
+            outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
+            new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned, guessed), carry_layouts)
+            ys = outs[ncarry:]
+            # Rows stack as they are: stacked partial sums are the partial sum of the stack (a
+            # layer's weight gradient out of the backward scan over layers is summed once, after
+            # the loop, where the sharded update can reduce-scatter it); a partial ``xs`` is sliced
+            # into partial rows the same way.
+            ys_layouts[:] = [lay for _, lay in ys]
+            return new, [v for v, _ in ys]
+
+        carry, ys = lax.scan(
+            step,
+            carry0,
+            [v for v, _ in xs],
+            length=prm["length"],
+            reverse=prm["reverse"],
+            unroll=prm["unroll"],
+            _split_transpose=prm.get("_split_transpose", False),
+        )
+        ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
+        return [*zip(carry, carry_layouts), *zip(ys, ys_out)]
+
+    return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, nc, ncarry))
+
+
+def _while(p: Partitioner, eqn, ins):
+    prm = eqn.params
+    cj, bj, cn, bn = prm["cond_jaxpr"], prm["body_jaxpr"], prm["cond_nconsts"], prm["body_nconsts"]
+    cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
+
+    def attempt(carry_layouts, pinned, guessed):
+        carry0 = [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
+
+        @_scoped(p)
+        def cond(c):
+            ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
+            return p._whole(pred, lay)
+
+        @_scoped(p)
+        def body(c):
+            outs = p.run(bj.jaxpr, bj.consts, [*bconsts, *zip(c, carry_layouts)])
+            return _vary_all(p, _fit(p, outs, carry_layouts, pinned, guessed), carry_layouts)
+
+        out = lax.while_loop(cond, body, _vary_all(p, carry0, carry_layouts))
+        return list(zip(out, carry_layouts, strict=True))
+
+    return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, cn + bn, len(init)))
+
+
+def _vary_all(p: Partitioner, vals, layouts):
+    """Split and partial carries differ per replica: type them so from the start."""
+    return [p.vary(v) if lay is not REPLICATED else v for v, lay in zip(vals, layouts, strict=True)]
+
+
+def _cond(p: Partitioner, eqn, ins):
+    (index, il), *ops = ins
+    index = p.whole(index, il)
+    branches = eqn.params["branches"]
+
+    def attempt(out_layouts, pinned, guessed):
+        def make(br):
+            @_scoped(p)
+            def fn(*vals):
+                outs = p.run(br.jaxpr, br.consts, list(zip(vals, [lay for _, lay in ops], strict=True)))
+                return _vary_all(p, _fit(p, outs, out_layouts, pinned), out_layouts)
+
+            return fn
+
+        outs = lax.switch(index, [make(br) for br in branches], *[v for v, _ in ops])
+        return list(zip(outs, out_layouts, strict=True))
+
+    return _fixed_point(p, attempt, [REPLICATED] * len(eqn.outvars))
+
+
+def _debug_callback(p: Partitioner, eqn, ins):
+    """``jax.debug.print`` and ``jax.debug.callback``: fired once per step, on the whole values,
+    as one device fires them (replica 0 fires; the others skip it)."""
+    if any(type(e).__name__.startswith("Ordered") for e in eqn.effects):
+        raise NotImplementedError(
+            f"{eqn.primitive.name}{_source(eqn)} with ordered=True: JAX runs ordered effects on one device only, "
+            "and podscale runs the step on every replica. Drop ordered=True: podscale fires the callback once per "
+            "step, on the whole values."
+        )
+    vals = [p.whole(v, lay) for v, lay in ins]
+
+    def fire(*vals):
+        p.bind(eqn, list(vals))
+        return ()
+
+    lax.cond(p.index() == 0, fire, lambda *_: (), *vals)
+    return []
+
+
+def _io_callback(p: Partitioner, eqn, ins):
+    raise NotImplementedError(
+        f"io_callback{_source(eqn)} in the step: podscale runs the step on every replica, so it would fire once per "
+        "replica, where one device fires it once per step. Call it outside the step (on the metrics the step "
+        "returns), or use jax.debug.callback, which podscale fires once per step on the whole values."
+    )
+
+
+_CONTROL = {
+    "debug_callback": _debug_callback,
+    "debug_print": _debug_callback,
+    "io_callback": _io_callback,
+    "jit": _inline("jaxpr"),
+    "pjit": _inline("jaxpr"),
+    "closed_call": _inline("call_jaxpr"),
+    "core_call": _inline("call_jaxpr"),
+    "custom_jvp_call": _inline("call_jaxpr"),
+    "custom_vjp_call": _inline("call_jaxpr"),
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}

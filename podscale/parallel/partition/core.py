@@ -1,0 +1,412 @@
+"""The :class:`Partitioner`: conversions between layouts, and the replay of a jaxpr on local
+pieces, equation by equation, by the rules of :mod:`.rules` (split values), :mod:`.control`
+(calls, loops, branches, callbacks) and :mod:`.draws` (random draws)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core
+
+from podscale._jax import all_gather_invariant
+from podscale.parallel import _interpret
+from podscale.parallel.partition.control import _CONTROL
+from podscale.parallel.partition.draws import _random_bits_rows
+from podscale.parallel.partition.jaxprs import _dtype, _is_zero, _source, _vma
+from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Layout, Split
+from podscale.parallel.partition.rules import _RULES, ELEMENTWISE, _elementwise
+from podscale.parallel.partition.sums import (
+    _IDENTITY,
+    _LINEAR_SUMS,
+    _LINEAR_UNARY,
+    WIDE,
+    _feeding_group_sums,
+    _is_float,
+    _linear_in_partial,
+    _narrow_float,
+    one_replica_sum,
+)
+
+
+class Partitioner:
+    """Evaluates a global-shape jaxpr on local pieces; see the package docstring."""
+
+    def __init__(
+        self,
+        axes: Sequence[str],
+        n: int,
+        group_axis: str | None = None,
+        group_size: int = 1,
+        batch_rows: int | None = None,
+        independent_rng: bool = False,
+        platform: str = "cpu",
+    ):
+        self.axes, self.n = tuple(axes), n
+        self.upcast_dots = platform == "cpu"
+        """How a 16-bit ``dot_general`` or convolution accumulates in float32: on GPUs and TPUs, as
+        the op itself (``preferred_element_type=float32``); XLA:CPU has no such kernel for every
+        shape, so there its operands are widened first (exact: every 16-bit float is a float32)."""
+        self.independent_rng = independent_rng
+        """Opt-in: batch-shaped draws come from per-replica streams instead of one device's."""
+        self.batch_rows = batch_rows
+        """The global batch size: a random draw with this many leading rows is drawn row-split."""
+        self.group_axis, self.group_size = group_axis, group_size
+        """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
+        step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
+        self._feeds_group_sum: set = set()
+        self._zeros: set = set()
+        """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
+        self._group_values: set[int] = set()
+        """ids of the group values an equation is being computed on (as replicated ones)."""
+        self.whole_ops: list[str] = []
+        """Equations computed on whole values because no rule ran them on pieces, for the plan."""
+        self.collectives: list[tuple[str, tuple[str, ...], int, str]] = []
+        """The collectives the partitioning adds itself, for the plan: (kind, mesh axes, bytes of the
+        buffer each device contributes, what for). Its sums of partial values are the replay's to fuse and
+        record."""
+        self._memo: dict[tuple, tuple[Any, Any]] = {}
+        """Conversions already made, by (id of the local value, source, destination): a partial
+        sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
+        self._wide: dict[int, tuple[Any, np.dtype]] = {}
+        """Partial sums held in float32 for a narrow float type, by id: (the value, the program's
+        type), which the value is rounded to once it is summed."""
+
+    # -- conversions ---------------------------------------------------------------------------
+    @property
+    def one(self) -> bool:
+        """One replica (a 1xk mesh whose last axis is a space or model axis): every collective over
+        the data axes is the value itself, and none is emitted (XLA's SPMD partitioner refuses a
+        collective over a manual axis of one device whose operand an automatic axis splits). The
+        step's ``shard_map`` then does not type values per replica (``check_vma=False``)."""
+        return self.n == 1
+
+    def index(self):
+        return jnp.zeros((), jnp.int32) if self.one else lax.axis_index(self.axes)
+
+    def vary(self, x):
+        """``x`` typed as differing per replica (binding a primitive directly needs equal types)."""
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if self.one:
+            return x
+        have = _vma(x)
+        missing = tuple(a for a in self.axes if a not in have)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    def slice_rows(self, x, dim: int):
+        """A whole value's block of ``dim`` on this replica (no communication)."""
+        return self.convert(x, REPLICATED, Split(dim))
+
+    def _slice_rows(self, x, dim: int):
+        size = x.shape[dim] // self.n
+        return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
+
+    def whole(self, x, layout: Layout):
+        """The whole value, the same on every replica."""
+        return self.convert(x, layout, REPLICATED)
+
+    def wide_bind(self, eqn, vals, **changes) -> list[Any]:
+        """``eqn`` (a reduction: ``dot_general``, a convolution, ``scatter-add``) on ``vals``,
+        accumulated and returned in float32 where its result is a narrow float type."""
+        name = eqn.primitive.name
+        if name in ("scatter-add", "scatter_add"):
+            operand, idx, upd = vals
+            if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+                operand, idx, upd = (self.vary(v) for v in (operand, idx, upd))
+            prm = eqn.params
+            out = lax.scatter_add(
+                operand.astype(WIDE),
+                idx,
+                upd.astype(WIDE),
+                prm["dimension_numbers"],
+                indices_are_sorted=prm["indices_are_sorted"],
+                unique_indices=prm["unique_indices"],
+                mode=prm["mode"],
+            )
+            return [out]
+        dtypes = {np.dtype(v.dtype) for v in vals if hasattr(v, "dtype")}
+        if self.upcast_dots or WIDE in dtypes:  # a wide operand beside a 16-bit one: one type for both
+            vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+        return self.bind(eqn, vals, **changes, preferred_element_type=WIDE)
+
+    def narrow_type(self, x):
+        """The program's type of ``x`` where ``x`` is a partial sum held in float32 for a narrow
+        float type, else ``None``."""
+        hit = self._wide.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else None
+
+    def hold(self, x, layout: Layout, dtype=None):
+        """``x`` as the partitioner holds a value of the program's type ``dtype`` (``x``'s own
+        where not given) in ``layout``: a partial sum of a narrow float type in float32."""
+        dtype = getattr(x, "dtype", None) if dtype is None else dtype
+        if layout is not PARTIAL or not _narrow_float(dtype) or not hasattr(x, "dtype"):
+            return x
+        if self.narrow_type(x) is not None:
+            return x
+        if np.dtype(x.dtype) != WIDE:
+            x = x.astype(WIDE)  # a partial that no reduction made (a value on replica 0): exact
+        self._wide[id(x)] = (x, np.dtype(dtype))
+        return x
+
+    def _whole(self, x, layout: Layout):
+        if layout is REPLICATED:
+            return x
+        if self.one:  # one replica: its value is the whole value
+            narrow = self.narrow_type(x) if layout is PARTIAL else None
+            x = one_replica_sum(x)  # marks where the sum would be, for forward_used
+            return x if narrow is None else x.astype(narrow)
+        if layout is GROUP:  # the groups' values averaged (their running statistics, say)
+            self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
+            return lax.pmean(x, self.axes)
+        if layout is PARTIAL:
+            narrow = self.narrow_type(x)
+            total = lax.psum(x, self.axes)
+            return total if narrow is None else total.astype(narrow)  # rounded once, after the sum
+        out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
+        self.record("all-gather", self.axes, x, "rows made whole")
+        return out
+
+    def record(self, kind: str, axes, buffer, why: str) -> None:
+        nbytes = math.prod(np.shape(buffer)) * np.dtype(buffer.dtype).itemsize
+        self.collectives.append((kind, tuple(axes), int(nbytes), why))
+
+    def convert(self, x, src: Layout, dst: Layout):
+        if src == dst:
+            return x
+        key = (id(x), src, dst)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = self._convert(x, src, dst)
+        self._memo[key] = (x, out)  # holds x, so its id is not reused
+        return out
+
+    def _convert(self, x, src: Layout, dst: Layout):
+        if dst is GROUP:
+            return x if src is REPLICATED else self.whole(x, src)
+        if src is GROUP and dst is REPLICATED:
+            return self._whole(x, src)
+        if src is GROUP:
+            src = REPLICATED  # a group's whole value: sliced or masked like a replicated one
+        if dst is REPLICATED:
+            return self._whole(x, src)
+        if src is not REPLICATED:
+            x = self.whole(x, src)
+        if dst is PARTIAL and id(x) in self._group_values:
+            raise NotImplementedError(
+                "a batch-norm group statistic (bn_group_size) meets a sum over the whole batch in an op podscale "
+                "cannot yet compute per group. Drop bn_group_size, or report the step."
+            )
+        if dst is PARTIAL:  # the whole value on replica 0, zeros elsewhere: it sums to itself
+            return jnp.where(self.index() == 0, x, jnp.zeros_like(x))
+        return self._slice_rows(x, dst.dim)
+
+    def splittable(self, shape, dim: int) -> bool:
+        return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] > 0
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """The body of a loop, a branch or a remat is a new trace: conversions made outside it
+        are not reused inside, nor the other way round."""
+        saved, self._memo = self._memo, {}
+        try:
+            yield
+        finally:
+            self._memo = saved
+
+    def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
+        env: dict[Any, tuple[Any, Layout]] = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = (c, REPLICATED)
+        for v, (a, lay) in zip(jaxpr.invars, args, strict=True):
+            env[v] = (self.hold(a, lay, _dtype(v)), lay)
+
+        def read(var):
+            if isinstance(var, core.Literal):
+                return (var.val, REPLICATED)
+            return env[var]
+
+        if self.group_axis is not None:
+            self._feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
+                self._zeros.add(eqn.outvars[0])
+            ins = [read(v) for v in eqn.invars]
+            with _interpret.source(eqn):
+                outs = self.equation(eqn, ins)
+            for var, (out, lay) in zip(eqn.outvars, outs, strict=True):
+                env[var] = (self.hold(out, lay, _dtype(var)), lay)
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
+        name = eqn.primitive.name
+        if name not in _CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
+            out = self.wide_rule(eqn, ins)
+            if out is not None:
+                return out
+            # Anything else reads the sum, rounded to the program's type.
+            ins = [(self.whole(v, lay), REPLICATED) if self.narrow_type(v) is not None else (v, lay) for v, lay in ins]
+        layouts = [lay for _, lay in ins]
+        if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
+            return [self.group_sum(v, lay) for v, lay in ins]
+        if GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts):
+            # A partial sum times a group's value: the group's share of the sum over the groups
+            # of (group sum x group value), as batch norm over each group's rows gives.
+            return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
+        if GROUP in layouts and name not in _CONTROL:
+            # Computes like a replicated value; what comes out whole is the group's.
+            group_ids = {id(v) for v, lay in ins if lay is GROUP}
+            self._group_values |= group_ids
+            try:
+                outs = self.equation(eqn, [(v, REPLICATED if lay is GROUP else lay) for v, lay in ins])
+            finally:
+                self._group_values -= group_ids
+            return [(v, GROUP if lay is REPLICATED else lay) for v, lay in outs]
+        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
+            # On its way to the model's group sum: linear ops keep the partial sum.
+            scaled = name in ("div", "mul") and layouts[1] is REPLICATED
+            scaled |= name == "mul" and layouts[0] is REPLICATED
+            joined = name in ("stack", "concatenate") and all(lay is PARTIAL for lay in layouts)
+            if scaled or joined:
+                return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
+        if name in _CONTROL:
+            return _CONTROL[name](self, eqn, ins)
+        if name == "random_bits" and layouts == [REPLICATED]:
+            out = _random_bits_rows(self, eqn, ins[0][0])
+            if out is not None:
+                return out
+        if all(lay is REPLICATED for lay in layouts):
+            return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
+        if name in _IDENTITY and len(ins) == 1:
+            return [ins[0]]
+        if PARTIAL in layouts:
+            out = self.partial_rule(eqn, ins)
+            if out is not None:
+                return out
+            ins = [
+                (
+                    self.whole(v, lay) if lay is PARTIAL else v,
+                    REPLICATED if lay is PARTIAL else lay,
+                )
+                for v, lay in ins
+            ]
+            if all(lay is REPLICATED for _, lay in ins):
+                return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
+        rule = _RULES.get(name)
+        if name in ELEMENTWISE:
+            rule = _elementwise
+        out = rule(self, eqn, ins) if rule is not None else None
+        if out is not None:
+            return out
+        return self.fallback(eqn, ins)
+
+    def group_sum(self, v, lay):
+        """The model's sum over its batch-norm group, in a program traced with the group axis of
+        size 1: a partial sum (the replica's share of a statistic over the whole batch, divided by
+        the whole batch's count) summed over the group, times the number of groups, is the
+        statistic over the group's rows."""
+        if lay is PARTIAL:
+            groups, narrow = self.n // self.group_size, self.narrow_type(v)
+            total = one_replica_sum(v) if self.one else lax.psum(v, self.group_axis)
+            if not self.one:
+                self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
+            total = total * jnp.asarray(groups, total.dtype)
+            return (total if narrow is None else total.astype(narrow), GROUP)
+        return (v, lay)  # already whole: a sum over one member
+
+    def fallback(self, eqn, ins):
+        shapes = [list(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
+        where = _source(eqn)
+        if any(isinstance(lay, Split) for _, lay in ins) and any(id(v) in self._group_values for v, _ in ins):
+            # Whole rows of every group with this group's statistics would be wrong for the others.
+            raise NotImplementedError(
+                f"{eqn.primitive.name}{shapes}{where} combines batch-norm group statistics (bn_group_size) with "
+                "the whole batch, which podscale cannot yet compute per group. Drop bn_group_size, or move that "
+                "op out of the path of the group statistics."
+            )
+        self.whole_ops.append(f"{eqn.primitive.name}{shapes}{where}")
+        vals = [self.whole(v, lay) for v, lay in ins]
+        return [(o, REPLICATED) for o in self.bind(eqn, vals)]
+
+    def bind(self, eqn, vals, **changes) -> list[Any]:
+        """Binds ``eqn``'s primitive on ``vals``, with the params in ``changes`` that it has."""
+        params = dict(eqn.params, **{k: v for k, v in changes.items() if k in eqn.params})
+        params = eqn.primitive.get_bind_params(params)
+        if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+            vals = [self.vary(v) for v in vals]
+        # Not under ``eqn.ctx``: that context is the global trace's, outside the shard_map.
+        outs = eqn.primitive.bind(*vals, **params)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    # -- partial sums ----------------------------------------------------------------------------
+    def wide_rule(self, eqn, ins):
+        """Equations through which a partial sum held in float32 stays partial (and in float32:
+        the ops a partial sum stays partial through are sums and shape ops, so no rounding is
+        skipped that one device would make before the sum), or ``None``."""
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
+            return [self.group_sum(v, lay) for v, lay in ins]
+        if name in _IDENTITY and len(ins) == 1:
+            return [ins[0]]
+        keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
+            name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
+        )
+        keeps |= name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1])
+        keeps |= name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:])
+        keeps |= GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts)
+        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
+            keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
+            keeps |= name == "mul" and layouts[0] is REPLICATED
+        vals = [v for v, _ in ins]
+        if name == "convert_element_type" and len(ins) == 1:
+            new = np.dtype(eqn.params["new_dtype"])
+            if jnp.issubdtype(new, jnp.floating) and new.itemsize >= WIDE.itemsize:
+                # Widened by the program (a 16-bit gradient cast to a float32 master weight's type):
+                # it stays a partial sum, now of the wide type, with no rounding to 16 bits before
+                # the sum. One device's XLA drops that round trip too where it may keep excess
+                # precision (xla_allow_excess_precision, on by default). A copy, so that the
+                # 16-bit value (if read elsewhere) keeps its own rounding.
+                out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
+                return [(out, PARTIAL)]
+        if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
+            vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
+            keeps = True
+        if not keeps:
+            return None
+        if name in ("scatter-add", "scatter_add", "dot_general", "conv_general_dilated"):
+            return [(o, PARTIAL) for o in self.wide_bind(eqn, vals)]
+        vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+        return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+
+    def partial_rule(self, eqn, ins):
+        """Equations through which a partial sum stays partial, or ``None``."""
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        vals = [v for v, _ in ins]
+        if name in _LINEAR_UNARY and len(ins) == 1:
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name in _LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "convert_element_type" and _is_float(eqn.params["new_dtype"]) and _is_float(vals[0].dtype):
+            if np.dtype(eqn.params["new_dtype"]).itemsize >= np.dtype(vals[0].dtype).itemsize:
+                return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+            return None
+        if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name in ("concatenate", "stack") and all(lay is PARTIAL for lay in layouts):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "scatter-add" and layouts[1] is REPLICATED:
+            operand = self.convert(vals[0], layouts[0], PARTIAL)
+            updates = self.convert(vals[2], layouts[2], PARTIAL)
+            return [(o, PARTIAL) for o in self.bind(eqn, [operand, vals[1], updates])]
+        return None

@@ -1,0 +1,40 @@
+"""Small readers of a jaxpr's variables and equations (and of a value's varying axes), shared by
+the partitioner, its rules and its control flow."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend import core
+
+from podscale._jax import source_info_util
+from podscale.parallel._interpret import varying_axes
+
+
+def _vma(x) -> frozenset:
+    try:
+        return varying_axes(jax.typeof(x))
+    except TypeError:
+        return frozenset()
+
+
+def _is_zero(var) -> bool:
+    return isinstance(var, core.Literal) and np.all(np.asarray(var.val) == 0)
+
+
+def _source(eqn) -> str:
+    try:
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        return f" at {frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
+    except Exception:  # source info is a courtesy; never fail the plan over it
+        return ""
+
+
+def _dtype(var):
+    """The program's type of ``var`` (``None`` for a token or a key)."""
+    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
+
+
+def _global_shape(var) -> tuple[int, ...]:
+    return tuple(var.aval.shape)

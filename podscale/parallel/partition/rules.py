@@ -1,0 +1,210 @@
+"""The rules for split values: elementwise ops, reductions, ops along one dimension, pooling
+windows, and the table (``_RULES``) of every op's rule, with the shape ops' of :mod:`.shape_rules`
+and the contractions' and indexing ops' of :mod:`.contract_rules`. A rule runs an equation on the
+local pieces and gives its output layouts, or returns ``None`` (the equation is then computed on
+whole values)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+from jax import lax
+
+from podscale.parallel.partition.contract_rules import _conv, _dot_general, _gather, _scatter
+from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
+from podscale.parallel.partition.shape_rules import (
+    _broadcast_in_dim,
+    _concatenate,
+    _dynamic_slice,
+    _dynamic_update_slice,
+    _pad,
+    _reshape,
+    _rev,
+    _slice,
+    _split_op,
+    _squeeze,
+    _stack,
+    _transpose,
+)
+from podscale.parallel.partition.sums import WIDE, _narrow_float
+
+if TYPE_CHECKING:
+    from podscale.parallel.partition.core import Partitioner
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count
+    pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
+    sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
+    random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
+    stop_gradient bitcast_convert_type erf_inv""".split()
+)
+"""Ops whose outputs are computed position by position from their operands' positions (with the
+operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
+
+_KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
+
+
+def _elementwise(p: Partitioner, eqn, ins):
+    name = eqn.primitive.name
+    shape = _global_shape(eqn.outvars[0])
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    if name in _KEY_OPS and name != "random_fold_in" and dim >= len(eqn.invars[0].aval.shape):
+        return None  # random-key ops extend their key's shape; only the key's dimensions split
+    # (fold_in broadcasts a key against its data, position by position: it extends nothing.)
+    if name == "bitcast_convert_type" and dim >= min(len(shape), len(eqn.invars[0].aval.shape)) - (
+        len(shape) != len(eqn.invars[0].aval.shape)
+    ):
+        return None  # a change of width adds or drops the last dimension
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        vshape = tuple(getattr(var.aval, "shape", ()))
+        if isinstance(lay, Split):
+            vals.append(v)
+        elif vshape == ():
+            vals.append(v)
+        elif len(vshape) > dim and vshape[dim] == 1:
+            vals.append(v)  # a size-1 dimension broadcasts (jaxprs allow it in elementwise ops)
+        elif len(vshape) > dim and vshape[dim] == shape[dim] and p.splittable(vshape, dim):
+            vals.append(p.slice_rows(v, dim))
+        else:
+            return None
+    return [(o, Split(dim)) for o in p.bind(eqn, vals)]
+
+
+def _reduce(p: Partitioner, eqn, ins):
+    ((v, lay),) = ins
+    axes = tuple(eqn.params["axes"])
+    name = eqn.primitive.name
+    local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
+    if lay.dim not in axes:
+        return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if name == "reduce_sum":
+        if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
+            local = p.bind(eqn, [v.astype(WIDE)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
+        return [(local, PARTIAL)]
+    collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
+    if collective is None:
+        return None
+    if p.one:
+        return [(local, REPLICATED)]
+    p.record("all-reduce", p.axes, local, f"{name} over the rows")
+    return [(collective(local, p.axes), REPLICATED)]
+
+
+def _reduce_or_and(p: Partitioner, eqn, ins):
+    ((v, lay),) = ins
+    axes = tuple(eqn.params["axes"])
+    local = p.bind(eqn, [v])[0]
+    if lay.dim not in axes:
+        return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if p.one:
+        return [(local, REPLICATED)]
+    as_int = local.astype(jnp.int32)
+    combined = lax.pmax(as_int, p.axes) if eqn.primitive.name == "reduce_or" else lax.pmin(as_int, p.axes)
+    p.record("all-reduce", p.axes, combined, f"{eqn.primitive.name} over the rows")
+    return [(combined.astype(local.dtype), REPLICATED)]
+
+
+def _along_other_dim(param: str):
+    """Ops along one dimension (``argmax``, ``cumsum``, ``sort``...): split elsewhere, they run
+    on the local rows."""
+
+    def rule(p: Partitioner, eqn, ins):
+        dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+        if len(dims) != 1:
+            return None
+        (dim,) = dims
+        value = eqn.params[param]
+        along = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        rank = len(_global_shape(eqn.invars[0]))
+        if dim in tuple(a % rank for a in along):
+            return None
+        vals = [v if isinstance(lay, Split) else p.slice_rows(v, dim) for v, lay in ins]
+        out_dim = dim
+        if eqn.primitive.name in ("argmax", "argmin"):
+            out_dim = dim - sum(a < dim for a in along)
+        return [(o, Split(out_dim)) for o in p.bind(eqn, vals)]
+
+    return rule
+
+
+def _windowed(p: Partitioner, eqn, ins):
+    """Pooling (``reduce_window_*``, and ``select_and_scatter_add``/``select_and_gather_add`` of
+    its derivative): a window of size 1, stride 1, no padding along the split dimension runs on
+    the local rows."""
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    prm = eqn.params
+    if prm["window_dimensions"][dim] != 1 or prm["window_strides"][dim] != 1 or tuple(prm["padding"][dim]) != (0, 0):
+        return None
+    for key in ("base_dilation", "window_dilation"):
+        if key in prm and prm[key][dim] != 1:
+            return None
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        shape = _global_shape(var)
+        if shape == ():
+            vals.append(v)  # an init value
+        elif isinstance(lay, Split) or p.splittable(shape, dim):
+            vals.append(p.convert(v, lay, Split(dim)))
+        else:
+            return None
+    return [(o, Split(dim)) for o in p.bind(eqn, vals)]
+
+
+def _optimization_barrier(p: Partitioner, eqn, ins):
+    outs = p.bind(eqn, [v for v, _ in ins])
+    return list(zip(outs, [lay for _, lay in ins], strict=True))
+
+
+_RULES = {
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "transpose": _transpose,
+    "squeeze": _squeeze,
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_prod": _reduce,
+    "reduce_or": _reduce_or_and,
+    "reduce_and": _reduce_or_and,
+    "argmax": _along_other_dim("axes"),
+    "argmin": _along_other_dim("axes"),
+    "cumsum": _along_other_dim("axis"),
+    "cumprod": _along_other_dim("axis"),
+    "cummax": _along_other_dim("axis"),
+    "cummin": _along_other_dim("axis"),
+    "cumlogsumexp": _along_other_dim("axis"),
+    "sort": _along_other_dim("dimension"),
+    "top_k": _along_other_dim("axis"),
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "gather": _gather,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter": _scatter,
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
+    "pad": _pad,
+    "concatenate": _concatenate,
+    "rev": _rev,
+    "stack": _stack,
+    "split": _split_op,
+    "optimization_barrier": _optimization_barrier,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
+    "reduce_window_sum": _windowed,
+    "reduce_window": _windowed,
+    "select_and_scatter_add": _windowed,
+    "select_and_gather_add": _windowed,
+}
