@@ -575,7 +575,7 @@ def _parse_list(flag: str, text: str, example: str) -> list[str]:
 
 
 def project_strategies() -> tuple[str, ...]:
-    from podscale.perf.project import DEFAULT_STRATEGIES
+    from podscale.perf.project_mesh import DEFAULT_STRATEGIES
 
     return DEFAULT_STRATEGIES
 
@@ -638,7 +638,7 @@ def _check_project_flags(args, given: list[str]) -> None:
 
 
 def _strategy_names() -> tuple[str, ...]:
-    from podscale.perf.project import STRATEGIES
+    from podscale.perf.project_mesh import STRATEGIES
 
     return tuple(STRATEGIES)
 
@@ -667,22 +667,22 @@ def _run_project(args) -> int:
     if args.list_systems:
         return _dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
     from podscale.perf import project as proj
-    from podscale.perf import systems
+    from podscale.perf import project_mesh, project_rows, systems
 
     system = systems.get(args.system)
     chips = _parse_chips(args.chips)
     names = None if args.strategies is None else _parse_list("--strategies", args.strategies, "replicated,sharded")
-    effective = names or list(proj.DEFAULT_STRATEGIES)
+    effective = names or list(project_mesh.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
 
     if args.axis_costs is not None:  # the 2-D strategies' knob: each strategy sets grad_sum itself
         args.grad_sum = "2d"
     strategy = with_model_rules(from_flags(args), args.model)
-    unknown = [s for s in effective if s not in proj.STRATEGIES]
+    unknown = [s for s in effective if s not in project_mesh.STRATEGIES]
     if unknown:
-        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(proj.STRATEGIES)}")
-    two_d = [s for s in effective if proj.STRATEGIES[s]["grad_sum"] == "2d"]
-    sharded = [s for s in effective if proj.STRATEGIES[s]["weight_update"] == "sharded"]
+        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(project_mesh.STRATEGIES)}")
+    two_d = [s for s in effective if project_mesh.STRATEGIES[s]["grad_sum"] == "2d"]
+    sharded = [s for s in effective if project_mesh.STRATEGIES[s]["weight_update"] == "sharded"]
     for dest, needed, kind in (
         ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
         ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
@@ -699,10 +699,10 @@ def _run_project(args) -> int:
             "for the target mesh's axes (x, y), or leave it out"
         )
     if args.plot is not None:
-        proj.check_plot_path(args.plot)
+        project_rows.check_plot_path(args.plot)
     # Every mesh, strategy and chip count: refused, or a strategy that does not apply at a chip
     # count noted (a row saying why), before anything is built or compiled.
-    reasons = proj.applicability(system, chips, names, strategy, args.multi_axis, what="--strategies")
+    reasons = project_mesh.applicability(system, chips, names, strategy, args.multi_axis, what="--strategies")
     k = strategy.spatial or strategy.model_parallel or 1
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
@@ -764,10 +764,10 @@ def _run_project(args) -> int:
     if args.json:
         print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)
     else:
-        proj.render(rows, system, f"{args.model} ({args.config or 'default'})")
+        project_rows.render(rows, system, f"{args.model} ({args.config or 'default'})")
     if args.plot is not None:
         try:
-            proj.plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
+            project_rows.plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
         except Exception as e:  # the table is out already: say what failed, keep it
             print(
                 f"podscale: error: --plot {args.plot!r}: could not write the plot ({type(e).__name__}: {e}); "

@@ -15,7 +15,7 @@ import pytest
 from helpers import podscale_main
 
 from podscale import Strategy, data_parallel
-from podscale.perf import hlo, network, project, systems, validate
+from podscale.perf import hlo, hlo_cost, network, project, project_cost, project_mesh, project_rows, systems, validate
 from podscale.perf.network import Topology, ring_time
 
 W, A = 1e11, 1e-6  # one-way bytes/s per link, seconds per hop
@@ -155,7 +155,7 @@ def test_a_bf16_product_is_costed_in_bf16_though_this_cpu_computes_it_in_f32():
     assert mm.matmul_dtype == "bf16" and mm.matmul_flops == 2 * 256 * 512 * 256
     upcasts = [o for o in module.ops if o.upcast]
     assert upcasts and all(o.opcode in ("convert", "fusion") for o in upcasts)
-    assert all(project.op_time(systems.get("h100"), o) == 0 for o in upcasts)
+    assert all(project_cost.op_time(systems.get("h100"), o) == 0 for o in upcasts)
 
 
 def test_a_product_with_a_float32_operand_stays_float32():
@@ -192,9 +192,13 @@ def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(stra
     """XLA:CPU's module (XLA:TPU's: tests/test_tpu_project.py)."""
     step, state, batch = _mlp()
     (row,) = project.project(step, state, batch, system="tpu-v5e", chips=[8], strategies=[strategy], compiler="cpu")
-    target = project.target_shape(Topology(systems.get("tpu-v5e"), 8), Strategy(**project.STRATEGIES[strategy]))
+    target = project_mesh.target_shape(
+        Topology(systems.get("tpu-v5e"), 8), Strategy(**project_mesh.STRATEGIES[strategy])
+    )
     assert row.mesh == row.compiled_mesh == target
-    dp = data_parallel(step, project.make_mesh(target), Strategy(**project.STRATEGIES[strategy]), donate_state=False)
+    dp = data_parallel(
+        step, project_mesh.make_mesh(target), Strategy(**project_mesh.STRATEGIES[strategy]), donate_state=False
+    )
     global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4 * 8, *x.shape[1:]), x.dtype), batch)
     plan = dp.plan(state, global_batch, compile=True)
     compiled = {(c["kind"], tuple(c["axes"])): (c["runs"], c["buffer_bytes"]) for c in plan.compiled["collectives"]}
@@ -218,10 +222,10 @@ def test_the_sharded_update_costs_less_per_device_as_the_pod_grows():
 
 
 def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
-    assert project.compile_shape({"data": 16}, 8) == ({"data": 8}, "data", 2)
-    assert project.compile_shape({"x": 8, "y": 4}, 8) == ({"x": 2, "y": 4}, "x", 4)
+    assert project_mesh.compile_shape({"data": 16}, 8) == ({"data": 8}, "data", 2)
+    assert project_mesh.compile_shape({"x": 8, "y": 4}, 8) == ({"x": 2, "y": 4}, "x", 4)
     with pytest.raises(ValueError, match="cannot be halved"):
-        project.compile_shape({"x": 3, "y": 4}, 8)
+        project_mesh.compile_shape({"x": 3, "y": 4}, 8)
     g = 1 << 20
     module = hlo.Module(
         [
@@ -233,7 +237,7 @@ def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
         {},
     )
     topo = Topology(systems.get("tpu-v5e"), 16)
-    _, rows, _, _ = project.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2)
+    _, rows, _, _ = project_cost.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2)
     by = {r["kind"]: r for r in rows}
     assert by["reduce-scatter"]["buffer_bytes"] == g and by["reduce-scatter"]["group_size"] == 16
     assert by["all-gather"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
@@ -247,15 +251,15 @@ def test_overlap_hides_gradient_sums_but_the_last_behind_the_backward_pass():
     ]
     # A norm's partial sums (LAMB, clipping) are the update's too, but nothing hides them.
     sums.append(hlo.Collective("all-reduce", "norm", ("data",), 8, "f32", 64, 1, "jit/podscale_update/psum"))
-    backward = hlo.Op("dot", "d", 1e15, 1e15, 0.0, "bf16", 1, "backward")
+    backward = hlo_cost.Op("dot", "d", 1e15, 1e15, 0.0, "bf16", 1, "backward")
     module = hlo.Module(sums, [], {}, [backward])
     topo = Topology(systems.get("tpu-v5e"), 8)
-    phases, _, exposed, hidden = project.cost(topo.system, topo, module, {"data": 8})
+    phases, _, exposed, hidden = project_cost.cost(topo.system, topo, module, {"data": 8})
     one = topo.time("all-reduce", [list(range(8))], 1 << 22)[0]
     norm = topo.time("all-reduce", [list(range(8))], 64)[0]
     assert hidden == pytest.approx(2 * one) and exposed == pytest.approx(one + norm)
     no_overlap = systems.System(**{**topo.system.__dict__, "overlaps": False})
-    _, _, exposed, hidden = project.cost(no_overlap, topo, module, {"data": 8})
+    _, _, exposed, hidden = project_cost.cost(no_overlap, topo, module, {"data": 8})
     assert hidden == 0 and exposed == pytest.approx(3 * one + norm)
 
 
@@ -264,7 +268,7 @@ def test_the_measured_cpu_predicts_a_step():
     assert measured.matmul_flops["f32"] > 0 and measured.bandwidth > 0 and measured.overhead > 0
     assert set(measured.collectives) == set(network.KINDS)
     step, state, batch = _mlp()
-    mesh = project.make_mesh({"data": 2})
+    mesh = project_mesh.make_mesh({"data": 2})
     dp = data_parallel(step, mesh, weight_update="sharded", donate_state=False)
     global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, *x.shape[1:]), x.dtype), batch)
     dp.prepare(state, global_batch)
@@ -330,7 +334,7 @@ def test_a_strategy_that_does_not_apply_at_a_chip_count_is_a_row_saying_why(tmp_
     step, state, batch = _mlp()
     rows = project.project(step, state, batch, system="tpu-v5e", chips=[2, 4])
     by = {(r.chips, r.strategy): r for r in rows}
-    assert set(by) == {(c, s) for c in (2, 4) for s in project.DEFAULT_STRATEGIES}
+    assert set(by) == {(c, s) for c in (2, 4) for s in project_mesh.DEFAULT_STRATEGIES}
     na = by[2, "sharded-2d"]
     assert not na.applicable and "needs two data axes of at least 2" in na.not_applicable
     assert na.step_s is None and na.collectives == [] and not na.fastest and na.to_dict()["not_applicable"]
@@ -339,17 +343,17 @@ def test_a_strategy_that_does_not_apply_at_a_chip_count_is_a_row_saying_why(tmp_
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    project.render(rows, systems.get("tpu-v5e"), "mlp", console)
+    project_rows.render(rows, systems.get("tpu-v5e"), "mlp", console)
     text = console.export_text()
     assert "n/a" in text and "2 chips, sharded-2d: not applicable: the 2-D gradient sum" in text
-    project.plot(rows, str(tmp_path / "p.png"))
+    project_rows.plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
     json.dumps([r.to_dict() for r in rows])  # n/a rows are plain JSON (null figures), no NaN
 
 
 def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_apply():
     v5e = systems.get("tpu-v5e")
-    reasons = project.applicability(v5e, [2, 4])  # the default strategies: n/a is a row
+    reasons = project_mesh.applicability(v5e, [2, 4])  # the default strategies: n/a is a row
     assert reasons[2, "sharded-2d"] and reasons[4, "sharded-2d"] is None and reasons[2, "replicated"] is None
     bad = [
         (dict(chips=[2], strategies=["replicated", "sharded-2d"]), "sharded-2d: applies at none of the chip counts 2"),
@@ -366,12 +370,12 @@ def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
-            project.applicability(v5e, **kw)
+            project_mesh.applicability(v5e, **kw)
     # The 2-D sum's own knobs go with the 2-D strategies only (a 1-D sum refuses chunks).
     base = Strategy(grad_sum_chunks=2, spatial=2)
-    assert project.strategy_for(base, "sharded").grad_sum_chunks is None
-    assert project.strategy_for(base, "sharded-2d").grad_sum_chunks == 2
-    assert project.strategy_for(base, "replicated").spatial == 2
+    assert project_mesh.strategy_for(base, "sharded").grad_sum_chunks is None
+    assert project_mesh.strategy_for(base, "sharded-2d").grad_sum_chunks == 2
+    assert project_mesh.strategy_for(base, "replicated").spatial == 2
 
 
 def test_project_refuses_bad_replica_batches_before_compiling():
@@ -486,19 +490,19 @@ def test_the_plot_path_is_checked_before_any_work(capsys, tmp_path):
         code, out, err = _main(capsys, "--model", "mlp", "--chips", "16", "--plot", str(path))
         assert code == 2 and re.search(f"--plot '.*': {message}", err), (path, err)
     for name in ("p.png", "p.PDF", "p.svg"):
-        project.check_plot_path(str(tmp_path / name))
+        project_rows.check_plot_path(str(tmp_path / name))
     assert not list(tmp_path.glob(".podscale-plot-probe-*"))  # the probe cleans up after itself
 
 
 _STUB = """
 import sys
-from podscale.perf import project
+from podscale.perf import project, project_mesh, project_rows
 
 def one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy):
-    mesh = project.target_shape(topology, strategy)
+    mesh = project_mesh.target_shape(topology, strategy)
     k = strategy.spatial or strategy.model_parallel or 1
     step_s = 0.01 * (1 + (name == "replicated"))
-    return project.Row(
+    return project_rows.Row(
         chips=topology.chips, strategy=name, devices=topology.devices, topology=topology.describe(), mesh=mesh,
         global_batch=replica_batch * topology.devices // k, replica_batch=replica_batch, compute_s=step_s,
         update_s=0.0, communication_s=0.0, exposed_s=0.0, hidden_s=0.0, step_s=step_s,
@@ -511,7 +515,7 @@ project.use_tpu_compiler = lambda system, compiler="auto", say=None: False  # ev
 if sys.argv[1] == "plot-fails":
     def fail(*args, **kwargs):
         raise OSError("No space left on device")
-    project.plot = fail
+    project_rows.plot = fail
 from podscale.cli import main
 sys.exit(main(["project", *sys.argv[2:]]))
 """

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from podscale import Strategy, data_parallel
-from podscale.perf import hlo, project, systems, tpu
+from podscale.perf import hlo, hlo_cost, hlo_groups, project, project_cost, project_mesh, systems, tpu
 
 needs_libtpu = pytest.mark.skipif(not tpu.available(), reason="libtpu not installed (pip install 'podscale[tpu]')")
 
@@ -41,7 +41,7 @@ def _compiled(system: str, chips: int, strategy: Strategy, replica_batch: int = 
     """The step as the projection compiles it for ``chips`` chips: (compiled, mesh)."""
     s = systems.get(system)
     devices = tpu.devices(system, tpu.topology_name(s, chips))
-    mesh = project.make_mesh({"data": len(devices)}, devices)
+    mesh = project_mesh.make_mesh({"data": len(devices)}, devices)
     dp = data_parallel(_step, mesh, strategy, donate_state=False)
     batch = _batch(replica_batch * mesh.size)
     dp.prepare(_state(), batch)
@@ -157,11 +157,11 @@ def test_without_libtpu_a_tpu_system_falls_back_to_the_cpu_module_and_says_so(mo
 
 
 def test_xla_tpu_replica_groups_in_mesh_form():
-    groups = hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true")
+    groups = hlo_groups._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true")
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    groups = hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}")
+    groups = hlo_groups._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}")
     assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert hlo._groups("replica_groups=mesh['axis_0'=8] {'axis_0'}") == [list(range(8))]
+    assert hlo_groups._groups("replica_groups=mesh['axis_0'=8] {'axis_0'}") == [list(range(8))]
 
 
 def _module(schedule, ops, collectives):
@@ -169,20 +169,23 @@ def _module(schedule, ops, collectives):
 
 
 def test_the_schedule_decides_what_communication_hides():
-    op = hlo.Op("f", "fusion", 0.0, 0.0, 0.0, "", 1, "backward")
+    op = hlo_cost.Op("f", "fusion", 0.0, 0.0, 0.0, "", 1, "backward")
     c = hlo.Collective("all-reduce", "ar", ("data",), 4, "f32", 1024, 1)
     ops, seconds = [op, op, op], [1.0, 1.0, 1.0]
     # Synchronous: the ops wait for all of it.
-    assert project.timeline(_module({"main": [("op", 0), ("sync", (0,)), ("op", 1)]}, ops, [c]), seconds, [2.5]) == 2.5
+    assert (
+        project_cost.timeline(_module({"main": [("op", 0), ("sync", (0,)), ("op", 1)]}, ops, [c]), seconds, [2.5])
+        == 2.5
+    )
     # Asynchronous: the two ops between its start and done hide two of its 2.5 seconds.
     async_ = [("start", (0,)), ("op", 0), ("op", 1), ("done", (0,)), ("op", 2)]
-    assert project.timeline(_module({"main": async_}, ops, [c]), seconds, [2.5]) == pytest.approx(0.5)
+    assert project_cost.timeline(_module({"main": async_}, ops, [c]), seconds, [2.5]) == pytest.approx(0.5)
     # One link: a second collective started at once waits for the first.
     two = [("start", (0,)), ("start", (1,)), ("op", 0), ("done", (0,)), ("done", (1,))]
-    assert project.timeline(_module({"main": two}, ops, [c, c]), seconds, [1.0, 1.0]) == pytest.approx(1.0)
+    assert project_cost.timeline(_module({"main": two}, ops, [c, c]), seconds, [1.0, 1.0]) == pytest.approx(1.0)
     # A loop body counts its trip count times.
     loop = {"main": [("call", "body", 3)], "body": [("op", 0), ("sync", (0,))]}
-    assert project.timeline(_module(loop, ops, [c]), seconds, [0.5]) == pytest.approx(1.5)
+    assert project_cost.timeline(_module(loop, ops, [c]), seconds, [0.5]) == pytest.approx(1.5)
 
 
 @needs_libtpu
@@ -195,7 +198,7 @@ def test_scanned_loops_on_tpu_count_their_trip_counts():
 
         return jax.lax.scan(layer, x, None, length=5)[0]
 
-    mesh = project.make_mesh({"data": 1}, devices[:1])
+    mesh = project_mesh.make_mesh({"data": 1}, devices[:1])
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16, sharding=whole)
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=whole)
@@ -241,7 +244,7 @@ def test_an_all_reduce_each_device_keeps_a_share_of_is_a_reduce_scatter():
     from jax.sharding import NamedSharding, PartitionSpec
 
     devices = tpu.devices("tpu-v5e", "v5e:2x4")
-    mesh = project.make_mesh({"data": 8}, devices)
+    mesh = project_mesh.make_mesh({"data": 8}, devices)
     x = jax.ShapeDtypeStruct((8 * 4096,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def both(v):
@@ -321,13 +324,13 @@ def test_a_loop_without_a_recorded_trip_count_is_read_with_its_step():
 
 
 def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
-    assert hlo._groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
-    assert hlo._groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hlo_groups._groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
+    assert hlo_groups._groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     # XLA:CPU writes the device ids in iota form: 0..7 as 4x2, transposed: 0,2,4,6,1,3,5,7.
-    groups = hlo._groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}")
+    groups = hlo_groups._groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}")
     assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="mesh form"):
-        hlo._groups("replica_groups=mesh['x'=2] <unknown>")
+        hlo_groups._groups("replica_groups=mesh['x'=2] <unknown>")
 
 
 def test_the_host_s_tpu_check_reads_jax_s_own_without_importing_jax():

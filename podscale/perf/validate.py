@@ -28,9 +28,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import checks
-from podscale.perf import hlo
+from podscale.perf import hlo, hlo_cost
 from podscale.perf.network import Path
-from podscale.perf.project import cost, make_mesh
+from podscale.perf.project_cost import cost
+from podscale.perf.project_mesh import make_mesh
 from podscale.perf.systems import System
 
 COUNTS = (1, 2, 4, 8)
@@ -58,7 +59,7 @@ class Measured:
     collectives: dict[str, tuple[float, float]]
     """kind -> (seconds, seconds per buffer byte) over all ``devices``."""
 
-    def op_time(self, op: hlo.Op) -> float:
+    def op_time(self, op: hlo_cost.Op) -> float:
         def rate(table, dtype):
             return table["bf16" if dtype in ("bf16", "f16") else "f32"]
 

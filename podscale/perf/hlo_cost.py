@@ -1,0 +1,433 @@
+"""Costing the ops of a compiled module: what one HLO instruction, or one fusion, does per run.
+
+An op's FLOPs (dots and convolutions at 2 per multiply-add, counting only the window taps a
+convolution's input covers; one per element of elementwise arithmetic and reductions, summed over
+a fusion's body and the fusions nested in it) and bytes (operands read and the result written; a
+fusion's parameters as they are read, slices only where read through slices, an in-place
+dynamic-update-slice's update), the sizes of HLO types they are counted from, the :class:`Op`
+record that carries them, and XLA:CPU's converts around bf16 matrix products (``_mark_upcasts``).
+:mod:`podscale.perf.hlo` reads the module and calls these for each op that does work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def _bytes(type_text: str) -> tuple[int, str, list[int]]:
+    """Total bytes of an HLO type (array or tuple), the first array's dtype, and each array's bytes."""
+    sizes, first = [], ""
+    for dtype, dims in _ARRAY.findall(type_text):
+        first = first or dtype
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        sizes.append(int(n * _DTYPE_BYTES[dtype]))
+    return sum(sizes), first, sizes
+
+
+_NO_COST = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "conditional",
+        "call",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "async-update",
+        "iota",
+    }
+)
+_FLOP_PER_ELEMENT = frozenset(
+    {
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "maximum",
+        "minimum",
+        "negate",
+        "abs",
+        "exponential",
+        "exponential-minus-one",
+        "log",
+        "log-plus-one",
+        "tanh",
+        "logistic",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "power",
+        "remainder",
+        "atan2",
+        "sine",
+        "cosine",
+        "erf",
+        "compare",
+        "select",
+        "clamp",
+        "floor",
+        "ceil",
+        "round-nearest-even",
+        "round-nearest-afz",
+        "sign",
+        "and",
+        "or",
+        "xor",
+        "not",
+    }
+)
+_TRANSCENDENTAL = frozenset(
+    {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt", "power"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op of the compiled module that does work: a fusion, a dot, a convolution, a copy, ...
+    (collectives are :class:`~podscale.perf.hlo.Collective`). Figures are per device per run."""
+
+    name: str
+    opcode: str
+    flops: float
+    """Dot and convolution FLOPs (2 per multiply-add) plus one per element of elementwise
+    arithmetic, reductions and transcendentals, summed over a fusion's body."""
+    matmul_flops: float
+    """The part of ``flops`` in dots and convolutions (the part a matrix unit runs)."""
+    bytes: float
+    """Operands read plus the result written (a fusion: its parameters and its result; a parameter
+    read only through slices counts the slices; an in-place dynamic-update-slice counts the update)."""
+    matmul_dtype: str
+    """The operand dtype of its (first) dot or convolution; ``""`` without one."""
+    count: int
+    """Runs per step (the trip counts of the loops around it)."""
+    phase: str
+    """``forward``, ``backward`` (a ``transpose(...)`` in its ``op_name``) or ``update`` (podscale's
+    update scope: the gradient sums' consumers, the optimizer, the weight gather)."""
+    op_name: str = ""
+    dtype: str = ""
+    """The dtype of its (first) result."""
+    upcast: bool = False
+    """A convert XLA:CPU adds around a bf16 matrix product (which it computes in f32); an
+    accelerator runs the product in bf16 and has no such op (see ``_mark_upcasts``)."""
+    conv_flops: float = 0.0
+    """The part of ``matmul_flops`` in convolutions."""
+    conv_channels: int = 0
+    """The smaller of its (first) convolution's input and output feature counts."""
+
+
+def _elements(type_text: str) -> int:
+    m = _ARRAY.search(type_text)
+    if not m:
+        return 0
+    return math.prod(int(d) for d in m.group(2).split(",") if d) if m.group(2) else 1
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _ARRAY.search(type_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m and m.group(2) else []
+
+
+def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: str) -> tuple[float, float, str]:
+    """(FLOPs, matmul FLOPs, matmul operand dtype) of one instruction."""
+    out = _elements(type_text)
+    if opcode == "dot":
+        lhs = _dims(operand_types[0]) if operand_types else []
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
+        f = 2.0 * out * k
+        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+    if opcode == "convolution":
+        f = _conv_instr_flops(type_text, operand_types, attrs)
+        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+    if opcode in ("reduce", "reduce-window"):
+        return float(sum(_elements(t) for t in operand_types[: max(1, len(operand_types) // 2)])), 0.0, ""
+    if opcode in _FLOP_PER_ELEMENT:
+        return float(out), 0.0, ""
+    return 0.0, 0.0, ""
+
+
+def _window(attrs: str) -> dict[str, list[str]]:
+    m = re.search(r"window=\{([^}]*)\}", attrs)
+    return {k: v.split("x") for k, v in re.findall(r"(\w+)=(\S+)", m.group(1))} if m else {}
+
+
+def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> float:
+    """2 x multiply-adds of a convolution, counting only the window taps that fall on the input
+    (not on padding), as XLA's cost analysis does: XLA:TPU writes some matrix products as
+    convolutions whose padded window touches one input position (heads as a spatial dimension)."""
+    out = _elements(type_text)
+    lhs = _dims(operand_types[0]) if operand_types else []
+    kernel = _dims(operand_types[1]) if len(operand_types) > 1 else []
+    m = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", attrs)
+    if not m or not kernel or not lhs:
+        return 2.0 * out * (math.prod(kernel[:-1]) if kernel else 1)
+    lhs_l, rhs_l, out_l = m.groups()
+    outs = _dims(type_text)
+    taps = float(kernel[rhs_l.index("i")]) if "i" in rhs_l else 1.0
+    per_out = out / max(1, math.prod(outs[out_l.index(d)] for d in out_l if d.isdigit()))
+    window = _window(attrs)
+    spatial = sorted(d for d in rhs_l if d.isdigit())
+    for n, d in enumerate(spatial):
+        size, in_size, out_size = kernel[rhs_l.index(d)], lhs[lhs_l.index(d)], outs[out_l.index(d)]
+
+        def field(key, default, n=n):
+            v = window.get(key)
+            return v[n] if v and n < len(v) else default
+
+        stride, lo = int(field("stride", 1)), int(field("pad", "0_0").split("_")[0])
+        lhs_dil, rhs_dil = int(field("lhs_dilate", 1)), int(field("rhs_dilate", 1))
+        o = np.arange(out_size)[:, None]
+        w = np.arange(size)[None, :]
+        pos = o * stride + w * rhs_dil - lo  # in the (lhs-dilated) input
+        valid = (pos >= 0) & (pos % lhs_dil == 0) & (pos // lhs_dil < in_size)
+        taps *= float(valid.sum())
+    return 2.0 * per_out * taps
+
+
+def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
+    """(FLOPs in convolutions, the smaller feature count of the first) of a top-level op."""
+    if opcode == "convolution":
+        convs = [(type_text, operand_types, attrs)]
+    elif opcode == "fusion":
+        convs = _body_convs(comps, types, attrs)
+    else:
+        return 0.0, 0
+    flops = sum(_instr_flops("convolution", t, ots, a)[1] for t, ots, a in convs)
+    channels = 0
+    if convs:
+        _, ots, a = convs[0]
+        kernel = _dims(ots[1]) if len(ots) > 1 else []
+        m = re.search(r"dim_labels=[^_]+_([^-]+)->", a)
+        if kernel and m and "i" in m.group(1) and "o" in m.group(1):
+            channels = min(kernel[m.group(1).index("i")], kernel[m.group(1).index("o")])
+    return flops, channels
+
+
+_NARROW = ("bf16", "f16")
+_SHAPE_ONLY = frozenset({"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"})
+
+
+def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
+    """The dtype a convert-only op (a ``convert``, or a fusion of a convert and shape-only ops)
+    converts from, when it changes bf16/f16 to f32 or back; else ``None``."""
+    if opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", attrs)
+        body = comps.get(m.group(1), []) if m else []
+        if not body or any(ins[2] not in _SHAPE_ONLY for ins in body) or not any(ins[2] == "convert" for ins in body):
+            return None
+    elif opcode != "convert":
+        return None
+    if len(operand_types) != 1:
+        return None
+    source = _bytes(operand_types[0])[1]
+    if (source in _NARROW and out_dtype == "f32") or (source == "f32" and out_dtype in _NARROW):
+        return source
+    return None
+
+
+@dataclasses.dataclass
+class _Draft:
+    """An op while its module is read: what :func:`_mark_upcasts` needs beside it."""
+
+    op: Op
+    operands: list[str]
+    operand_types: list[str]
+    converts_from: str | None
+    """The dtype it converts from, when it is a convert-only op (see :func:`_converts`)."""
+
+
+def _mark_upcasts(raw: dict[str, _Draft]) -> None:
+    """XLA:CPU has no bf16 matrix products: it converts their operands to f32 and the result back.
+    A matmul op all of whose float32 operands are such converts (from bf16 or f16) is marked with
+    the program's dtype and its bytes at that width, and the converts around it as ``upcast``
+    (ops an accelerator does not run). A product with a genuine float32 operand keeps float32."""
+    narrow: set[str] = set()
+    for name, r in raw.items():
+        if not r.op.matmul_flops:
+            continue
+        wide = [(o, t) for o, t in zip(r.operands, r.operand_types, strict=False) if _bytes(t)[1] == "f32"]
+        if not wide or any(o not in raw or raw[o].converts_from not in _NARROW for o, _ in wide):
+            continue
+        saved = sum(_bytes(t)[0] / 2 for _, t in wide)
+        for o, _ in wide:
+            raw[o].op = dataclasses.replace(raw[o].op, upcast=True)
+        r.op = dataclasses.replace(r.op, matmul_dtype=raw[wide[0][0]].converts_from, bytes=max(0.0, r.op.bytes - saved))
+        narrow.add(name)
+    for r in raw.values():
+        if r.converts_from == "f32" and r.operands and r.operands[0] in narrow:
+            r.op = dataclasses.replace(r.op, upcast=True)
+            mm = raw[r.operands[0]]
+            mm.op = dataclasses.replace(mm.op, bytes=max(0.0, mm.op.bytes - _bytes(r.operand_types[0])[0] / 2))
+
+
+def _nested_flops(comps, types, attrs: str, depth: int = 0) -> tuple[float, float, str]:
+    """(FLOPs, matmul FLOPs, matmul dtype) of a fusion nested in a fusion's body."""
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    if not m or depth > 16:
+        return 0.0, 0.0, ""
+    btypes = types.get(m.group(1), {})
+    flops = mm = 0.0
+    dtype = ""
+    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
+        if opc == "fusion":
+            f, g, d = _nested_flops(comps, types, a, depth + 1)
+        else:
+            f, g, d = _instr_flops(opc, t, [btypes.get(o, "") for o in operands], a)
+        flops, mm, dtype = flops + f, mm + g, dtype or d
+    return flops, mm, dtype
+
+
+def _body_convs(comps, types, attrs: str, depth: int = 0) -> list[tuple]:
+    """(result type, operand types, attributes) of each convolution in a fusion's body, nested
+    fusions included."""
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    if not m or depth > 16:
+        return []
+    btypes = types.get(m.group(1), {})
+    out = []
+    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
+        if opc == "convolution":
+            out.append((t, [btypes.get(o, "") for o in operands], a))
+        elif opc == "fusion":
+            out += _body_convs(comps, types, a, depth + 1)
+    return out
+
+
+def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
+    """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
+    if opcode != "fusion":
+        flops, mm, dtype = _instr_flops(opcode, type_text, operand_types, attrs)
+        if opcode in ("slice", "dynamic-slice"):
+            return flops, mm, dtype, 2.0 * _bytes(type_text)[0]
+        if opcode == "dynamic-update-slice":
+            return flops, mm, dtype, 2.0 * _bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
+        return flops, mm, dtype, float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    body = comps.get(m.group(1), []) if m else []
+    btypes = types.get(m.group(1), {}) if m else {}
+    flops = mm = 0.0
+    dtype = ""
+    converts: dict[str, str] = {}  # a convert's name -> its operand's dtype
+    for name, _, opc, operands, a, _ in body:
+        if opc == "parameter":
+            continue
+        if opc == "fusion":  # XLA:TPU nests fusions (a matmul's operand fusion): their work counts here
+            f, g, d = _nested_flops(comps, types, a)
+        else:
+            f, g, d = _instr_flops(opc, btypes.get(name, ""), [btypes.get(o, "") for o in operands], a)
+        if g and operands and operands[0] in converts:
+            d = converts[operands[0]]  # XLA:CPU computes a bf16 product in f32: the program's dtype is the input's
+        if opc == "convert" and operands:
+            converts[name] = _bytes(btypes.get(operands[0], ""))[1]
+        flops, mm, dtype = flops + f, mm + g, dtype or d
+    return flops, mm, dtype, _fusion_bytes(comps, types, m.group(1) if m else "", type_text, operand_types)
+
+
+_SHAPE = frozenset({"bitcast", "get-tuple-element"})
+
+
+def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: list[str], depth: int = 0) -> float:
+    """Bytes a fusion moves to and from memory: each parameter as it is read (only the slices a
+    parameter read through slices or dynamic slices, in nested fusions too; nothing of the buffer a
+    dynamic-update-slice updates in place), and each result as written (an in-place update: the
+    update, read and written)."""
+    body = comps.get(body_name, [])
+    if not body:
+        return float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+    by_name = {ins[0]: ins for ins in body}
+    params: dict[int, str] = {}
+    for ins in body:
+        if ins[2] == "parameter":
+            m = re.match(r"(\d+)", ins[5])
+            params[int(m.group(1)) if m else len(params)] = ins[0]
+    root = body[-1]
+
+    def through(name: str) -> tuple | None:  # the instruction behind bitcasts
+        ins = by_name.get(name)
+        while ins is not None and ins[2] == "bitcast" and ins[3]:
+            ins = by_name.get(ins[3][0])
+        return ins
+
+    in_place: set[str] = set()
+    nbytes = 0.0
+    for e in root[3] if root[2] == "tuple" else [root[0]]:
+        ins = through(e)
+        if ins is not None and ins[2] == "dynamic-update-slice" and len(ins[3]) > 1:
+            target = through(ins[3][0])
+            if target is not None and target[2] == "parameter":
+                in_place.add(target[0])
+            nbytes += 2.0 * _bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
+        else:
+            nbytes += _bytes(by_name[e][1] if e in by_name else "")[0]
+
+    read = _fusion_reader(comps, types, body_name)
+    for index, pname in params.items():
+        if pname in in_place:
+            continue
+        nbytes += read(pname, depth) if pname in by_name else _bytes(operand_types[index])[0]
+    return nbytes
+
+
+def _fusion_reader(comps, types, body_name: str):
+    """The ``read`` of :func:`_fusion_bytes` for a nested fusion's body."""
+    body = comps.get(body_name, [])
+    by_name = {ins[0]: ins for ins in body}
+    readers: dict[str, list[tuple[tuple, int]]] = defaultdict(list)
+    for ins in body:
+        for pos, o in enumerate(ins[3]):
+            readers[o].append((ins, pos))
+
+    def read(name: str, level: int) -> float:
+        full = float(_bytes(by_name[name][1])[0])
+        total = 0.0
+        for ins, pos in readers.get(name, []):
+            if ins[2] in ("slice", "dynamic-slice") and pos == 0:
+                total += _bytes(ins[1])[0]
+            elif ins[2] == "dynamic-update-slice" and pos == 0:
+                continue  # updated in place: its update is counted with the result
+            elif ins[2] in _SHAPE:
+                total += read(ins[0], level)
+            elif ins[2] == "fusion" and level < 8:
+                m = re.search(r"calls=%?([\w.\-]+)", ins[4])
+                inner = comps.get(m.group(1) if m else "", [])
+                names = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
+                total += _fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else full
+            else:
+                return full
+        return min(full, total)
+
+    return read

@@ -1,0 +1,295 @@
+"""A projection's results: a :class:`Row` per chip count and strategy (its figures gathered and
+built into the row: step time, examples/s, MFU, memory per chip), the fastest marked, and their
+table and plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from podscale.parallel.strategy import Strategy
+from podscale.perf.systems import System
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One chip count and strategy, projected; or, with ``not_applicable`` set, a strategy that
+    does not apply at that chip count (its mesh cannot be made there): the reason, and the
+    figures ``None``."""
+
+    chips: int
+    strategy: str
+    devices: int
+    topology: str
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    global_batch: int | None = None
+    replica_batch: int | None = None
+    compute_s: float | None = None
+    update_s: float | None = None
+    communication_s: float | None = None
+    """Every collective's time, hidden or not."""
+    exposed_s: float | None = None
+    hidden_s: float | None = None
+    step_s: float | None = None
+    examples_per_s: float | None = None
+    mfu: float | None = None
+    memory_per_chip: float | None = None
+    hbm_per_chip: float | None = None
+    fits: bool | None = None
+    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Per (kind, axes, update or model): runs, buffer bytes, seconds per step, the path."""
+    flops_per_device: float | None = None
+    compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
+    with a smaller first axis, scaled as :func:`~podscale.perf.project_cost.cost` says."""
+    compiler: str = ""
+    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for) or ``XLA:CPU``."""
+    compile_s: float | None = None
+    """Seconds the compile of :attr:`compiled_mesh` took (``None``: reused from another row)."""
+    does_not_fit: str | None = None
+    """The TPU compiler's refusal when the program does not fit the chip's memory (the row's
+    figures are then ``None`` but for memory)."""
+    fastest: bool = False
+    not_applicable: str | None = None
+    """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
+
+    @property
+    def applicable(self) -> bool:
+        return self.not_applicable is None
+
+    @property
+    def costed(self) -> bool:
+        """Whether the row has a step time (it applies, and its program fits the chip)."""
+        return self.applicable and self.does_not_fit is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
+    k = strategy.spatial or strategy.model_parallel or 1
+    replicas = topology.devices // k if topology.devices % k == 0 else None
+    return Row(
+        chips=topology.chips,
+        strategy=name,
+        devices=topology.devices,
+        topology=topology.describe(),
+        global_batch=replica_batch * replicas if replicas else None,
+        replica_batch=replica_batch,
+        hbm_per_chip=float(topology.system.hbm_bytes),
+        not_applicable=reason,
+    )
+
+
+class _Draft(dict):
+    """A row's figures while they are gathered (see :func:`_row`)."""
+
+    def _replace(self, **fields):
+        self.update(fields)
+        return self
+
+    def build(self) -> Row:
+        system, topology, module, dp = self["system"], self["topology"], self["module"], self["dp"]
+        phases, factor = self["phases"], self["factor"]
+        compute = phases["forward"] + phases["backward"]
+        step_s = compute + phases["update"] + self["exposed"]
+        model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
+        per_device = module.memory.get("peak", 0)
+        if factor > 1 and self["strategy"].weight_update == "sharded":
+            # the sharded state's shards are ``factor`` times smaller at the target
+            shards = sum(leaf.bytes_per_device() for leaf in dp.layout.leaves if leaf.sharded)
+            per_device -= shards * (1 - 1 / factor)
+        memory = per_device * system.devices_per_chip
+        global_batch = self["replica_batch"] * self["replicas"]
+        return Row(
+            chips=topology.chips,
+            strategy=self["name"],
+            devices=topology.devices,
+            mesh=self["target"],
+            topology=topology.describe(),
+            global_batch=global_batch,
+            replica_batch=self["replica_batch"],
+            compute_s=compute,
+            update_s=phases["update"],
+            communication_s=sum(c["seconds"] for c in self["collectives"]),
+            exposed_s=self["exposed"],
+            hidden_s=self["hidden"],
+            step_s=step_s,
+            examples_per_s=global_batch / step_s if step_s else 0.0,
+            mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
+            memory_per_chip=float(memory),
+            hbm_per_chip=float(system.hbm_bytes),
+            fits=memory <= system.hbm_bytes,
+            collectives=self["collectives"],
+            flops_per_device=module.flops(),
+            compiled_mesh=self["compiled_shape"],
+            compiler=self["compiler"],
+            compile_s=self.get("compile_s"),
+        )
+
+
+def _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module) -> _Draft:
+    k = strategy.spatial or strategy.model_parallel or 1
+    return _Draft(
+        system=system,
+        topology=topology,
+        name=name,
+        strategy=strategy,
+        replica_batch=replica_batch,
+        replicas=topology.devices // k,
+        target=target,
+        compiled_shape=compiled_shape,
+        factor=factor,
+        dp=dp,
+        module=module,
+    )
+
+
+def mark_fastest(rows: list[Row]) -> list[Row]:
+    """The rows, with ``fastest`` set on the quickest strategy that fits at each chip count (rows
+    that do not apply are never the fastest)."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.costed and r.fits and (r.chips not in best or r.step_s < best[r.chips].step_s):
+            best[r.chips] = r
+    return [dataclasses.replace(r, fastest=best.get(r.chips) is r) for r in rows]
+
+
+def render(rows: list[Row], system: System, what: str, console=None) -> None:
+    from rich.console import Console
+
+    from podscale import report
+
+    console = console or Console()
+    numbers = ("compute ms", "update ms", "comm ms (hidden)", "step ms", "examples/s", "MFU", "GiB/chip")
+    table = report.table(
+        "chips",
+        "strategy",
+        *numbers,
+        "fits",
+        "compiled (mesh, seconds)",
+        title=f"{what} projected to {system.name} (per step; * fastest that fits; n/a: does not apply, see below)",
+        numbers=("chips", *numbers),
+    )
+    for r in rows:
+        if not r.costed:
+            memory = f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}" if r.memory_per_chip else "-"
+            fits = "n/a" if not r.applicable else "NO"
+            table.add_row(str(r.chips), r.strategy, *(["-"] * (len(numbers) - 1)), memory, fits, compiled_text(r))
+            continue
+        table.add_row(
+            str(r.chips),
+            r.strategy + (" *" if r.fastest else ""),
+            f"{r.compute_s * 1e3:.3f}",
+            f"{r.update_s * 1e3:.3f}",
+            f"{r.exposed_s * 1e3:.3f} ({r.hidden_s * 1e3:.3f})",
+            f"{r.step_s * 1e3:.3f}",
+            f"{r.examples_per_s:,.0f}",
+            f"{r.mfu:.1%}",
+            f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}",
+            "yes" if r.fits else "NO",
+            compiled_text(r),
+        )
+    report.show(table, console)
+    seen = set()
+    for r in rows:
+        if r.chips in seen:
+            continue
+        seen.add(r.chips)
+        batch = next((x for x in rows if x.chips == r.chips and x.global_batch is not None), r)
+        console.print(
+            f"{r.chips} chips: {r.topology}; global batch {batch.global_batch} ({batch.replica_batch} per replica)"
+        )
+    for r in rows:
+        if not r.applicable:
+            console.print(f"  {r.chips} chips, {r.strategy}: not applicable: {r.not_applicable}", markup=False)
+        elif r.does_not_fit:
+            console.print(f"  {r.chips} chips, {r.strategy}: does not fit: {r.does_not_fit}", markup=False)
+        elif r.compiled_mesh != r.mesh:
+            console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
+    console.print(
+        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
+        "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
+        "backward pass). "
+        "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
+    )
+
+
+def compiled_text(row: Row) -> str:
+    """Which compiler made a row's module, for which mesh, and how long it took:
+    ``XLA:TPU v3:4x4 32 (74 s)``; ``(reused)`` when another row's compile is costed again."""
+    if not row.compiler:
+        return "-"
+    mesh = "x".join(map(str, row.compiled_mesh.values()))
+    took = "reused" if row.compile_s is None else f"{row.compile_s:.0f} s"
+    return f"{row.compiler} {mesh} ({took})"
+
+
+def plot_formats() -> dict[str, str]:
+    """The file suffixes (without the dot) matplotlib writes here -> their description."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure().canvas.get_supported_filetypes()
+
+
+def check_plot_path(path: str, what: str = "--plot") -> None:
+    """Refuses, before any work, a plot path that cannot be written: a suffix matplotlib does not
+    write, a folder that does not exist or is not writable (probed by creating a file there, as
+    permission bits say nothing to root), a folder given as the file. ``what`` names it."""
+    import os
+    import tempfile
+
+    formats = plot_formats()
+    choices = ", ".join(f".{f}" for f in sorted(formats))
+    if not path or not path.strip():
+        raise ValueError(f"{what} {path!r}: give a file name, e.g. scaling.png")
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r}: a folder; give a file name in it, e.g. {os.path.join(path, 'scaling.png')}")
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in formats:
+        said = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise ValueError(f"{what} {path!r}: {said}; name a file matplotlib can write: {choices}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{what} {path!r}: {folder} is a file, not a folder; write elsewhere")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what} {path!r}: the folder {folder} does not exist; create it or write elsewhere")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".podscale-plot-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path!r}: cannot write in {folder} ({e.strerror or e}); write elsewhere") from None
+
+
+def plot(rows: list[Row], path: str, title: str = "") -> None:
+    """Step time and throughput against chips, a line per strategy (rows that do not apply are
+    left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    applicable = [r for r in rows if r.costed]
+    for name in dict.fromkeys(r.strategy for r in applicable):
+        mine = sorted((r for r in applicable if r.strategy == name), key=lambda r: r.chips)
+        chips = [r.chips for r in mine]
+        left.plot(chips, [r.step_s * 1e3 for r in mine], marker="o", label=name)
+        right.plot(chips, [r.examples_per_s for r in mine], marker="o", label=name)
+    for ax, label in ((left, "step time (ms)"), (right, "examples / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chips")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    right.set_yscale("log")
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
