@@ -1,6 +1,10 @@
 """Axis roles composed on one mesh: data x space x model, each image's height split over the space
-axis and the weights the rules name over the model axis, in one step. Refused for now: XLA's
-partitioner gets a convolution's gradient wrong there (the last test holds that in plain JAX)."""
+axis and the weights the rules name over the model axis, in one step, held to one device. XLA's
+partitioner alone gets a convolution's gradient wrong there (the last test holds that in plain JAX);
+podscale splits every convolution's input and result over both axes, by height and width, which
+makes it exact (``partition.contract_rules.split_spatially``)."""
+
+import warnings
 
 import flax.linen as nn
 import jax
@@ -8,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import relative_error, run_parallel, run_single
 
 from podscale import Strategy, data_parallel
-from podscale.parallel.tensor import Rules
+from podscale.parallel.tensor import Rules, RuleWarning
 
 
 class ConvStemTransformer(nn.Module):
@@ -42,11 +47,40 @@ RULES = Rules(
 )
 
 
-def _setup():
-    model, tx = ConvStemTransformer(), optax.adam(1e-2)
+class ConvAfterSplitLayers(nn.Module):
+    """A strided convolutional stem, an MLP split by rules, then a convolution whose kernel the
+    rules split too (by its output or its input features): a convolution after split layers, on a
+    feature map whose width the model axis does not divide for an odd image width."""
+
+    @nn.compact
+    def __call__(self, images):
+        x = jnp.tanh(nn.Conv(8, (3, 3), strides=(2, 2), padding="SAME", name="stem")(images))
+        x = jnp.tanh(nn.Dense(8, name="down")(nn.gelu(nn.Dense(16, name="up")(x))))
+        x = jnp.tanh(nn.Conv(8, (3, 3), padding="SAME", name="after")(x))
+        return nn.Dense(10, name="head")(nn.avg_pool(x, (2, 2), (2, 2)).mean(axis=(1, 2)))
+
+
+def _after_rules(dim: int) -> Rules:
+    return Rules(
+        ((r"up/kernel$", 1), (r"up/bias$", 0), (r"down/kernel$", 0), (r"after/kernel$", dim)),
+        name=f"conv after split layers (its kernel by dim {dim})",
+    )
+
+
+CASES = {
+    # name: (model, rules, image shape (rows, height, width, channels))
+    "conv-stem-transformer": (ConvStemTransformer(), RULES, (8, 8, 8, 3)),
+    "conv-after-split-layers-by-output": (ConvAfterSplitLayers(), _after_rules(3), (8, 8, 8, 3)),
+    "conv-after-split-layers-by-input-odd-width": (ConvAfterSplitLayers(), _after_rules(2), (8, 8, 5, 3)),
+}
+TOL = 1e-6  # relative, each leaf by its largest magnitude; measured 1e-8 (parameters), 6e-9 (moments)
+
+
+def _setup(model=None, shape=(8, 8, 8, 3)):
+    model, tx = model or ConvStemTransformer(), optax.adam(1e-2)
     rng = np.random.default_rng(0)
     batches = [
-        {"image": rng.normal(size=(8, 8, 8, 3)).astype(np.float32), "label": rng.integers(0, 10, 8)} for _ in range(3)
+        {"image": rng.normal(size=shape).astype(np.float32), "label": rng.integers(0, 10, shape[0])} for _ in range(3)
     ]
     params = model.init(jax.random.key(0), batches[0]["image"])["params"]
 
@@ -64,19 +98,25 @@ def _setup():
     return step, (params, tx.init(params)), batches
 
 
-def test_data_space_and_model_on_one_3d_mesh_are_refused_before_any_work():
-    """Both roles on one mesh are not yet exact (the test below says why). Measured with this
-    step on 2 x 2 x 2 before the refusal: the stem's kernel gradient was twice one device's
-    (Adam's moments 2x and 4x; with SGD the parameters up to 1% off). Splitting the images' width
-    over the model axis as well makes this step exact, but not a convolution after a split layer
-    (its input is no longer split over the model axis), so podscale refuses the composition,
-    whichever update, naming both axes."""
-    step, _, _ = _setup()
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_data_space_and_model_on_one_3d_mesh_equal_one_device(case, weight_update):
+    """A 2 x 2 x 2 mesh from ``jax.make_mesh`` (Explicit axes), named by role: 3 Adam steps, the
+    parameters and both moments within TOL of one device's. Without the split of every
+    convolution over both axes the stems' kernel gradients were 2x and 4x one device's (Adam's
+    moments 1% off; the parameters after ``after`` 2x with SGD)."""
+    model, rules, shape = CASES[case]
+    step, state, batches = _setup(model, shape)
+    want, _ = run_single(step, state, batches)
     mesh = jax.make_mesh((2, 2, 2), ("data", "space", "model"))
-    for update in ("replicated", "sharded"):
-        strategy = Strategy(space_axis="space", model_axis="model", rules=RULES, weight_update=update)
-        with pytest.raises(ValueError, match=r"a space axis \('space'\) and a model axis \('model'\) in one step"):
-            data_parallel(step, mesh, strategy)
+    strategy = Strategy(space_axis="space", model_axis="model", rules=rules, weight_update=weight_update)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleWarning)  # the biases and the head stay whole
+        dp = data_parallel(step, mesh, strategy)
+        got, _ = run_parallel(dp, state, batches)
+    assert (dp.replicas, dp.partitions) == (2, ("space", "model"))
+    assert relative_error(got, want) <= TOL
+    assert relative_error(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"
 
 
 @pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
@@ -84,9 +124,10 @@ def test_the_xla_gap_behind_the_refusal_is_still_there(partitioner):
     """Plain JAX, no podscale: ``jax.grad`` of a convolution whose images are split over
     ("data", "space") on a mesh with one more axis ("model", which nothing is split over) gives
     the kernel's gradient times that axis's size (2), with either partitioner; on the same mesh
-    without the extra axis it is one device's. This is why data x space x model is refused
-    (``DataParallelStep``). When a JAX upgrade fixes this, this test fails: then lift the refusal
-    and hold the composition to one device, with convolutions before and after split layers."""
+    without the extra axis it is one device's. This is why podscale splits every convolution over
+    all the axes it leaves to XLA (``partition.contract_rules.split_spatially``). When a JAX
+    upgrade fixes this, this test fails: then drop that constraint, and the tests above still
+    hold the composition to one device."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

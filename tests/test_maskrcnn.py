@@ -267,12 +267,12 @@ def test_reordering_rows_on_one_device_moves_the_parameters_as_far(x64):
 
 @pytest.mark.parametrize(
     ("replicas", "k", "weight_update"),
-    [(8, 1, "replicated"), (2, 4, "sharded"), (1, 4, "sharded")],
-    ids=["8-replicas-replicated", "2x4-sharded", "one-replica-1x4-sharded"],
+    [(8, 1, "replicated"), (2, 4, "sharded"), (1, 8, "sharded")],
+    ids=["8-replicas-replicated", "2x4-sharded", "one-replica-1x8-sharded"],
 )
 def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update, x64):
     """k partitions per canvas on a replicas x k mesh (one replica: spatial partitioning alone,
-    on 4 of the devices; k = 1: plain data parallelism over 8 replicas): the whole model
+    on all 8 devices; k = 1: plain data parallelism over 8 replicas): the whole model
     (backbone, RPN, anchor matching, proposals, RoIAlign, heads) on the partitions, STEPS chained
     steps against one device's on whole canvases: every step's loss within LOSS_RTOL relative,
     the parameters and optimizer state within PARAMS_TOLERANCE."""

@@ -142,14 +142,6 @@ class DataParallelStep:
         """The model axis the sharding rules split weights over (``model_axis`` or ``model_parallel``)."""
         self.partitions = tuple(a for a in (self.space, self.model) if a)
         """The axes left to XLA's partitioner (space, model): every axis but the data axes."""
-        if len(self.partitions) == 2:
-            raise ValueError(
-                f"a space axis ({self.space!r}) and a model axis ({self.model!r}) in one step (data x space x "
-                "model) are not yet exact, so podscale refuses them: XLA's partitioner (JAX 0.10.2, Shardy and "
-                "GSPMD alike) returns a convolution's kernel gradient times the size of a mesh axis its input "
-                "is not split over (tests/test_compose.py); split images (space_axis) or weights (model_axis), "
-                "not both"
-            )
         if self.model and self.strategy.rules is None:
             raise ValueError(
                 f"the model axis {self.model!r} needs sharding rules: pass rules=Rules(...) or a "
@@ -326,6 +318,7 @@ class DataParallelStep:
             rows,
             independent_rng=self.strategy.rng == "independent",
             platform=self.mesh.devices.flat[0].platform,
+            conv_axes=self.partitions if len(self.partitions) > 1 else (),
         )
 
         def local(state_leaves, batch_leaves):

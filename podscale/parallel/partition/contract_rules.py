@@ -6,14 +6,41 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import jax
 from jax.extend import core
+from jax.sharding import PartitionSpec as P
 
-from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.jaxprs import _global_shape, _source
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
 from podscale.parallel.partition.sums import _narrow_float
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
+
+
+def split_spatially(eqn, x, spec, axes: tuple[str, ...]):
+    """``x``, an operand or the result of the convolution ``eqn`` with dimension spec ``spec``
+    (batch, feature, spatial...), constrained to be split over ``axes``, the mesh axes left to
+    XLA's partitioner, by its spatial dimensions in order (the height over the first, the width
+    over the second). XLA's partitioner (JAX 0.10.2, Shardy and GSPMD alike) returns a
+    convolution's kernel gradient times the size of an auto axis its input is not split over
+    (tests/test_compose.py holds the gap in plain JAX). With the input, the kernel (or, in a
+    kernel's gradient, the output's cotangent) and the result all split by every axis, each
+    convolution is one device's up to summation order, whatever the rules split the kernel by and
+    whether or not the axes divide the map (XLA pads an uneven split). Measured, the input alone
+    was not enough once a rule split a kernel by its input features, nor input and kernel for a
+    convolution after a strided stem."""
+    spatial = spec[2:]
+    if len(spatial) < len(axes):
+        raise ValueError(
+            f"conv_general_dilated{_source(eqn)}: a convolution with {len(spatial)} spatial dimension(s) cannot be split over "
+            f"the {len(axes)} mesh axes {axes} podscale leaves to XLA (one per spatial dimension); split "
+            "images (space_axis) or weights (model_axis), not both"
+        )
+    dims: list[str | None] = [None] * len(spec)
+    for d, axis in zip(spatial, axes, strict=False):
+        dims[d] = axis
+    return jax.lax.with_sharding_constraint(x, P(*dims))
 
 
 def _dot_general(p: Partitioner, eqn, ins):

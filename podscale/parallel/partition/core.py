@@ -17,6 +17,7 @@ from jax.extend import core
 
 from podscale._jax import all_gather_invariant
 from podscale.parallel import _interpret
+from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import _CONTROL
 from podscale.parallel.partition.draws import _random_bits_rows
 from podscale.parallel.partition.jaxprs import _dtype, _is_zero, _source, _vma
@@ -47,8 +48,13 @@ class Partitioner:
         batch_rows: int | None = None,
         independent_rng: bool = False,
         platform: str = "cpu",
+        conv_axes: Sequence[str] = (),
     ):
         self.axes, self.n = tuple(axes), n
+        self.conv_axes = tuple(conv_axes)
+        """The mesh axes left to XLA that every convolution's operands and result are split over, by
+        their spatial dimensions (``contract_rules.split_spatially``): with two of them (data x
+        space x model), where XLA's partitioner is otherwise off by an axis's size."""
         self.upcast_dots = platform == "cpu"
         """How a 16-bit ``dot_general`` or convolution accumulates in float32: on GPUs and TPUs, as
         the op itself (``preferred_element_type=float32``); XLA:CPU has no such kernel for every
@@ -341,8 +347,15 @@ class Partitioner:
         params = eqn.primitive.get_bind_params(params)
         if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
             vals = [self.vary(v) for v in vals]
+        conv = eqn.primitive.name == "conv_general_dilated" and self.conv_axes
+        if conv:
+            dn = params["dimension_numbers"]
+            lhs, rhs = (split_spatially(eqn, v, spec, self.conv_axes) for v, spec in zip(vals, dn[:2], strict=False))
+            vals = [lhs, rhs, *vals[2:]]
         # Not under ``eqn.ctx``: that context is the global trace's, outside the shard_map.
         outs = eqn.primitive.bind(*vals, **params)
+        if conv:
+            outs = split_spatially(eqn, outs, dn.out_spec, self.conv_axes)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
     # -- partial sums ----------------------------------------------------------------------------
