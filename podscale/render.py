@@ -1,5 +1,8 @@
-"""What ``podscale plan`` prints: a step's plan as tables, readable at 80 columns on a terminal or
-piped. The plan itself (:mod:`podscale.parallel.plan`) is data; this is its one rendering."""
+"""What podscale's commands print as tables, readable at 80 columns on a terminal or piped: a
+step's plan (``podscale plan``; the plan itself, :mod:`podscale.parallel.plan`, is data and this is
+its one rendering), the workloads (``podscale models``), the systems (``podscale project
+--list-systems``) and the benchmarks' results (``podscale bench``). Under ``--json`` the commands
+print the same data as JSON instead."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from podscale import report
+from podscale.perf import systems
 from podscale.report import show, size
 
 if TYPE_CHECKING:
@@ -140,3 +145,180 @@ def _per_layer(title: str, rows: list[dict[str, Any]], console: Console) -> None
     for c in rows:
         table.add_row(c["layer"] or "?", c["kind"], str(c["runs"]), size(c["bytes_per_device"]))
     show(table, console)
+
+
+def models(rows: list[dict[str, Any]]) -> None:
+    """What ``podscale models`` prints: the workloads (rows as ``--json`` gives them) and their sources."""
+    numbers = ("params (full)", "published", "diff", "params (tiny)", "batch (per core)")
+    table = report.table(
+        "model",
+        *numbers,
+        "metric",
+        title="MLPerf reference workloads (podscale train --model NAME --config full|tiny)",
+        numbers=numbers,
+    )
+    for r in rows:
+        table.add_row(
+            r["name"],
+            f"{r['params_full']:,}",
+            f"{r['reference_params']:,}",
+            f"{r['relative_difference']:+.1%}",
+            f"{r['params_tiny']:,}",
+            f"{r['global_batch']:,} ({r['per_core_batch']})",
+            r["eval_metric"],
+        )
+    console = Console()
+    report.show(table, console)
+    for r in rows:
+        console.print(
+            f"[bold]{r['name']}[/]: {r['description']}\n  parameters: {r['reference_source']}\n  recipe: {r['hyperparameters_source']}"
+        )
+
+
+def list_systems() -> None:
+    """What ``podscale project --list-systems`` prints: each system's figures per chip, and their sources."""
+    numbers = ("bf16 TFLOP/s", "HBM GiB", "HBM GB/s", "link GB/s", "max chips")
+    table = report.table("system", *numbers, title="systems (per chip; links one way)", numbers=numbers)
+    for s in systems.SYSTEMS.values():
+        link = s.link_bandwidth or s.nvlink_bandwidth
+        table.add_row(
+            s.name,
+            f"{s.peak_flops / 1e12:g}",
+            f"{s.hbm_bytes / 2**30:.0f}",
+            f"{s.hbm_bandwidth / 1e9:g}",
+            f"{link / 1e9:g}",
+            str(s.max_chips),
+        )
+    console = Console()
+    report.show(table, console)
+    for s in systems.SYSTEMS.values():
+        console.print(f"[bold]{s.name}[/]: {s.description}\n  " + "; ".join(s.sources))
+
+
+def bench_wus(result: dict[str, Any]) -> None:
+    """What ``podscale bench wus`` prints: each optimizer's variants, and their collectives."""
+    cfg = result.pop("config")
+    numbers = ("step s", "update s", "peak MiB", "bytes/limit", "max|dp|")
+    table = report.table(
+        "optimizer",
+        "variant",
+        *numbers,
+        title=f"weight update, {cfg['model']}, {cfg['parameters'] / 1e6:.1f}M parameters, {cfg['replicas']} replicas",
+        numbers=numbers,
+    )
+    lines = []
+    for opt, per in result.items():
+        for variant, r in per.items():
+            peak = r["peak_bytes_per_device"]
+            table.add_row(
+                opt,
+                variant,
+                f"{r['step_s']:.3f}",
+                f"{r['update_s']:.3f}",
+                f"{peak / 2**20:.1f}" if peak else "-",
+                f"{r['bytes_vs_limit']:.3f}",
+                f"{r['max_abs_param_diff']:.1e}",
+            )
+            coll = ", ".join(f"{k} {v / 1024:,.0f}" for k, v in sorted(r["collectives"].items()))
+            lines.append(f"{opt} {variant}: {coll or 'none'}")
+    console = Console()
+    report.show(table, console)
+    console.print("collectives, KiB per device per step:")
+    for line in lines:
+        console.print("  " + line)
+
+
+def bench_spatial(result: dict[str, Any]) -> None:
+    """What ``podscale bench spatial`` prints: one replica's images over k devices."""
+    cfg = result.pop("config")
+    numbers = ("temporaries", "vs k=1", "halo/step", "halo/temps", "step s")
+    table = report.table(
+        "k",
+        *numbers,
+        title=f"spatial: {cfg['batch']} images {cfg['image']}x{cfg['image']}, one replica over k devices",
+        numbers=("k", *numbers),
+    )
+    for k, r in result.items():
+        temps = r["temporaries_bytes_per_device"]  # None where the backend has no memory_analysis
+        table.add_row(
+            k,
+            report.size(temps) if temps is not None else "-",
+            f"{r['temporaries_vs_k1']:.2f}x" if r["temporaries_vs_k1"] is not None else "-",
+            report.size(r["halo_bytes_per_device"]),
+            f"{r['halo_vs_temporaries']:.3f}" if r["halo_vs_temporaries"] is not None else "-",
+            f"{r['step_s']:.4f}",
+        )
+    console = Console()
+    report.show(table, console)
+    console.print(
+        "temporaries: activations, their gradients and workspace per device (memory_analysis); halo: "
+        "collective-permute bytes per device per step. CPU devices share one memory: a halo is a copy "
+        "here, a torus link hop on a TPU."
+    )
+
+
+def bench_tp(result: dict[str, Any]) -> None:
+    """What ``podscale bench tp`` prints: a Transformer's weights split k ways."""
+    cfg = result.pop("config")
+    numbers = ("GFLOP/device", "vs 1 device", "weights", "opt state", "data axis", "model axis", "other", "step s")
+    table = report.table(
+        "k",
+        "mesh",
+        *numbers,
+        title=(
+            f"tp: transformer width {cfg['width']}, {cfg['heads']} heads, {cfg['depth']} layers, batch {cfg['batch']} "
+            f"x {cfg['seq']} tokens on {cfg['devices']} devices"
+        ),
+        numbers=("k", *numbers),
+    )
+    for k, r in result.items():
+        data_axis, model_axis = r["mesh"]
+        axes = r["collective_bytes_per_axis"]
+        other = sum(v for a, v in axes.items() if a not in (data_axis, model_axis))
+        table.add_row(
+            k,
+            "x".join(str(v) for v in r["mesh"].values()),
+            f"{r['flops_per_device'] / 1e9:.3f}",
+            f"{r['flops_vs_replica_on_one_device']:.3f}",
+            report.size(r["weight_bytes_per_device"]),
+            report.size(r["optimizer_bytes_per_device"]),
+            report.size(axes.get(data_axis, 0)),
+            report.size(axes.get(model_axis, 0)),
+            report.size(other),
+            f"{r['step_s']:.4f}",
+        )
+    console = Console()
+    report.show(table, console)
+    console.print(
+        "vs 1 device: a replica's batch on its k devices against that batch on one device (about 1/k when the work "
+        "is split). Axes: bytes each device's collectives move per step (data: the gradient sum; model: the "
+        "layers' all-reduces; other: collectives over both axes). CPU devices share one memory: a collective is "
+        "a copy here, link hops on a TPU."
+    )
+
+
+def bench_gradsum(result: dict[str, Any]) -> None:
+    """What ``podscale bench gradsum`` prints: each gradient size's variants."""
+    table = report.table(
+        "gradient",
+        "variant",
+        "median s",
+        "vs 1d",
+        "sent per device, per axis (ring)",
+        "max |error|",
+        title="gradient summation on 8 CPU devices",
+        numbers=("median s", "vs 1d", "max |error|"),
+    )
+    for gradient, per in result.items():
+        base = per.get("1d", {}).get("median_s")
+        for name, r in per.items():
+            axes = ", ".join(f"{a}: {b / 2**20:,.2f} MiB" for a, b in r["bytes_per_axis"].items())
+            table.add_row(
+                gradient,
+                name,
+                f"{r['median_s']:.4f}",
+                f"{r['median_s'] / base:.2f}x" if base else "-",
+                axes,
+                f"{r['max_abs_error']:.1e}",
+            )
+    report.show(table)

@@ -89,7 +89,7 @@ def test_bad_checkpoint_and_eval_settings_name_the_flag(tmp_path):
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_never_saves_it(tmp_path):
     from podscale.train.checkpoint import Checkpointer
-    from podscale.train.trainer import NonFiniteError
+    from podscale.train.saving import NonFiniteError
 
     # SGD at 1e4 on the small MLP overflows within a few steps.
     config = _config(tmp_path / "run", optimizer="sgd", learning_rate=1e4, steps=40, checkpoint_every=1)
@@ -102,7 +102,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_never_saves_it(tmp_
     assert f"the last checkpoint, step {max(saved)}, is kept" in str(err.value)
     import jax
 
-    from podscale.train.trainer import _all_finite
+    from podscale.train.saving import _all_finite
 
     restored = ckpt._manager.restore(max(saved))  # what --resume would load: every value finite
     assert bool(_all_finite(jax.tree.map(np.asarray, restored)))

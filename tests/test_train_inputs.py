@@ -13,16 +13,10 @@ from helpers import podscale_main
 
 from podscale import cli
 from podscale.train import distributed
+from podscale.train.config import OUTPUT_PATHS, RUN_CONFIG, TrainConfig, make_output_folders
+from podscale.train.resume import FIXED_ON_RESUME, _check_run_config
 from podscale.train.supervise import EXIT_PEER_LOST
 from podscale.train.tasks import make_task
-from podscale.train.trainer import (
-    FIXED_ON_RESUME,
-    OUTPUT_PATHS,
-    RUN_CONFIG,
-    TrainConfig,
-    _check_run_config,
-    make_output_folders,
-)
 
 PODSCALE = [sys.executable, "-m", "podscale.cli"]
 FLAGS = [name for name, _ in OUTPUT_PATHS]  # workdir, metrics_file, mllog, export

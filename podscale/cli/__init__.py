@@ -1,0 +1,100 @@
+"""podscale's command line, ``podscale train | launch | plan | models | bench | project``: here the
+command line is read and dispatched (:func:`main`, the console script), with one error path.
+
+Each idea has a module: :mod:`~podscale.cli.flags` (the parsers), :mod:`~podscale.cli.messages`
+(refusals and warnings in flags, dry runs), :mod:`~podscale.cli.processes` (``podscale launch``
+and each process's supervisor), and a module per command: :mod:`~podscale.cli.train`,
+:mod:`~podscale.cli.plan`, :mod:`~podscale.cli.models`, :mod:`~podscale.cli.project`,
+:mod:`~podscale.cli.bench`. Tables are drawn by :mod:`podscale.render`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+from podscale.cli.bench import _run_bench
+from podscale.cli.flags import (
+    DESCRIPTION,
+    _bench_parser,
+    _launch_parser,
+    _models_parser,
+    _Parser,
+    _plan_parser,
+    _project_parser,
+    _train_parser,
+    parse_shape,
+)
+from podscale.cli.messages import _JSON_OUT, _as_flags, _refusals, _show_warning
+from podscale.cli.models import _run_models
+from podscale.cli.plan import _run_plan
+from podscale.cli.processes import _dry_run_launch, _run_supervised, _supervise_before_jax
+from podscale.cli.project import _run_project
+from podscale.cli.train import _run_train
+from podscale.train import distributed, supervise
+from podscale.train.interrupt import Interrupted
+
+# The modules that load JAX (the parallel layer, checkpoints, the trainer) are imported where a
+# command needs them: ``podscale launch`` and the supervisor of each process of a multi-process
+# run (``_supervise_before_jax``) start without loading JAX.
+
+__all__ = ["main", "parse_shape"]
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    supervised = _supervise_before_jax(_Parser.argv)
+    if supervised is not None:
+        return supervised
+    parser = _Parser(prog="podscale", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    if _Parser.argv[:1] != ["launch"]:  # the launcher reads its own flags only, without loading JAX
+        _train_parser(sub)
+        _plan_parser(sub)
+        _bench_parser(sub)
+        _project_parser(sub)
+        _models_parser(sub)
+    _launch_parser(sub)
+    args = parser.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _dispatch(args, argv)
+
+
+def _dispatch(args, argv) -> int:  # noqa: C901
+    try:
+        if args.command == "launch":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if args.dry_run:
+                return _dry_run_launch(args, cmd)
+            return distributed.launch(args.processes, cmd, grace_s=args.grace)
+        if args.command == "models":
+            return _run_models(args)
+        if args.command == "bench":
+            return _run_bench(args)
+        if args.command == "plan":
+            return _run_plan(args)
+        if args.command == "project":
+            return _run_project(args)
+        supervised = None if args.dry_run else _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
+        if supervised is not None:
+            return supervised
+        try:
+            return _run_train(args)
+        except Exception as e:
+            # A collective whose peer went away: the distributed service names the lost process
+            # shortly (see podscale.train.supervise); wait for it rather than print this.
+            if os.environ.get(supervise.ENV_SUPERVISED) and "gloo" in str(e).lower():
+                supervise.wait_for_verdict(e, args.heartbeat_timeout, _JSON_OUT[0] if args.json else None)
+            raise
+    except Interrupted as e:
+        print(f"podscale: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except _refusals() as e:
+        message = _as_flags(str(e))
+        print(f"podscale: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):  # scripts read one JSON object either way
+            print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+        return 2

@@ -1,0 +1,247 @@
+"""``podscale project``: a model's compiled step costed on 16-4096 chips of a TPU or GPU system,
+per strategy, every flag and chip count checked before anything is compiled; ``--validate``
+(predicted over measured on this CPU) and ``--list-systems`` are modes of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+
+from podscale.cli.messages import _dry_run_result
+from podscale.train import distributed
+
+_VALIDATE_ONLY = ("validate_models", "steps")
+_PROJECT_MODES = ("json", "validate", "list_systems", "dry_run")
+
+
+def _project_given(args) -> list[str]:
+    """The ``project`` flags given (as dests, in the parser's order); the others get their defaults."""
+    given = []
+    for dest, default in args.project_defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        else:
+            given.append(dest)
+    return given
+
+
+def _parse_list(flag: str, text: str, example: str) -> list[str]:
+    """A comma-separated flag's items: none empty, none twice."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(f"{flag} {text!r}: an empty item; give comma-separated items, e.g. {example}")
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+        raise ValueError(f"{flag} {text!r}: {', '.join(twice)} given twice; give each once")
+    return items
+
+
+def _parse_chips(text: str) -> list[int]:
+    example = "16,64,256,1024"
+    try:
+        chips = [int(c) for c in _parse_list("--chips", text, example)]
+    except ValueError as e:
+        if str(e).startswith("--chips"):
+            raise
+        raise ValueError(f"--chips {text!r}: comma-separated whole numbers, e.g. {example}") from None
+    if any(c < 1 for c in chips):
+        raise ValueError(f"--chips {text!r}: chip counts are whole numbers of at least 1, e.g. {example}")
+    return chips
+
+
+def _check_project_flags(args, given: list[str]) -> None:
+    """Refuses, before any work, flags the chosen mode would ignore and numbers out of range."""
+    flags = {dest: "--" + dest.replace("_", "-") for dest in given}
+    if args.validate and args.list_systems:
+        raise ValueError("--validate and --list-systems: give one (each is a command of its own)")
+    mode = "--validate" if args.validate else "--list-systems" if args.list_systems else None
+    if mode:
+        does = {
+            "--validate": "measures this CPU and runs fixed tiny workloads (choose them with --validate-models)",
+            "--list-systems": "prints the systems and their sources",
+        }[mode]
+        allowed = {*_PROJECT_MODES, *(_VALIDATE_ONLY if mode == "--validate" else ())}
+        ignored = [flags[d] for d in given if d not in allowed]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} with {mode}: {mode} {does}, so {'they' if len(ignored) > 1 else 'it'} would "
+                f"be ignored; drop {'them' if len(ignored) > 1 else 'it'}, or drop {mode} to project a model"
+            )
+        if args.validate and args.steps < 1:
+            raise ValueError(f"--steps {args.steps}: timed steps per run, a whole number of at least 1")
+        return
+    ignored = [flags[d] for d in given if d in _VALIDATE_ONLY]
+    if ignored:
+        raise ValueError(
+            f"{', '.join(ignored)}: only with --validate (measuring this CPU); add --validate, or drop "
+            f"{'them' if len(ignored) > 1 else 'it'} to project a model"
+        )
+    for dest in ("weight_update", "grad_sum"):
+        if dest in given:
+            raise ValueError(
+                f"{flags[dest]} {getattr(args, dest)}: podscale project sets the weight update and the gradient sum per "
+                f"strategy; drop it and list the strategies with --strategies (of {', '.join(_strategy_names())})"
+            )
+    for dest in ("per_chip_batch", "global_batch"):
+        if dest in given and getattr(args, dest) < 1:
+            raise ValueError(f"{flags[dest]} {getattr(args, dest)}: examples, a whole number of at least 1")
+        if dest in given and getattr(args, dest) >= 2**31:
+            raise ValueError(
+                f"{flags[dest]} {getattr(args, dest)}: a batch dimension must be below 2**31 (XLA's 32-bit dimensions)"
+            )
+    if "learning_rate" in given and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ValueError(f"--learning-rate {args.learning_rate}: a positive number, e.g. 1e-3")
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from podscale.perf.project_mesh import STRATEGIES
+
+    return tuple(STRATEGIES)
+
+
+def _run_project(args) -> int:
+    from podscale.parallel.mesh import MAX_CPU_DEVICES
+    from podscale.parallel.strategy import from_flags
+
+    given = _project_given(args)
+    _check_project_flags(args, given)
+
+    def progress(message: str) -> None:  # stderr, also under --json: stdout keeps the one result
+        print(f"podscale project: {message}", file=sys.stderr, flush=True)
+
+    if args.validate:
+        models = args.validate_models
+        models = None if models is None else _parse_list("--validate-models", models, "gnmt,ssd")
+        distributed.setup(8, distributed.ClusterSpec())
+        from podscale.perf.validate import check, print_validation, validate
+
+        if args.dry_run:
+            return _dry_run_result(args, {"validate": ",".join(check(models, args.steps)), "steps": args.steps})
+        result = validate(models=models, steps=args.steps, progress=True)
+        print(json.dumps(result)) if args.json else print_validation(result)
+        return 0
+    if args.list_systems:
+        return _dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
+    from podscale.perf import project as proj
+    from podscale.perf import project_mesh, project_rows, systems
+
+    system = systems.get(args.system)
+    chips = _parse_chips(args.chips)
+    names = None if args.strategies is None else _parse_list("--strategies", args.strategies, "replicated,sharded")
+    effective = names or list(project_mesh.DEFAULT_STRATEGIES)
+    from podscale.parallel.tensor import with_model_rules
+
+    if args.axis_costs is not None:  # the 2-D strategies' knob: each strategy sets grad_sum itself
+        args.grad_sum = "2d"
+    strategy = with_model_rules(from_flags(args), args.model)
+    unknown = [s for s in effective if s not in project_mesh.STRATEGIES]
+    if unknown:
+        raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(project_mesh.STRATEGIES)}")
+    two_d = [s for s in effective if project_mesh.STRATEGIES[s]["grad_sum"] == "2d"]
+    sharded = [s for s in effective if project_mesh.STRATEGIES[s]["weight_update"] == "sharded"]
+    for dest, needed, kind in (
+        ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
+        ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
+        ("min_shard_size", sharded, "sharded (sharded, sharded-2d)"),
+    ):
+        if dest in given and not needed:
+            raise ValueError(
+                f"--{dest.replace('_', '-')} applies to the {kind} strategies, and --strategies {','.join(effective)} "
+                "has none: it would be ignored; drop it or add such a strategy"
+            )
+    if args.axis_costs == "calibrate":
+        raise ValueError(
+            "--axis-costs calibrate measures this machine's links, not the target's: give AXIS=BYTES_PER_S:LATENCY_S "
+            "for the target mesh's axes (x, y), or leave it out"
+        )
+    if args.plot is not None:
+        project_rows.check_plot_path(args.plot)
+    # Every mesh, strategy and chip count: refused, or a strategy that does not apply at a chip
+    # count noted (a row saying why), before anything is built or compiled.
+    reasons = project_mesh.applicability(system, chips, names, strategy, args.multi_axis, what="--strategies")
+    k = strategy.spatial or strategy.model_parallel or 1
+    live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
+    import jax
+
+    on_tpu = proj.use_tpu_compiler(system, args.compiler, progress)
+    devices = 0 if on_tpu else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
+    if not args.dry_run and not on_tpu:  # a dry run compiles nothing: it leaves the devices as they are
+        jax.config.update("jax_num_cpu_devices", devices)
+    from podscale import workloads
+    from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
+
+    task = make_task(args.model, args.data, config=args.config, with_data=args.model not in workloads.NAMES)
+    steps = task.config.train_steps if task.workload else 100
+    tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=steps)
+    per_device = task.config.per_core_batch if task.workload else 32
+    replica_batches = {c: per_device * k for c in chips}
+    for c in live:  # every batch is checked before anything is compiled
+        devices_c = c * system.devices_per_chip
+        replicas = devices_c // k
+        if args.global_batch is not None:
+            if args.global_batch % replicas:
+                raise ValueError(
+                    f"--global-batch {args.global_batch}: the {replicas} replicas of {c} chips "
+                    f"({devices_c} devices / {k}) do not divide it; use a multiple of {replicas}"
+                )
+            replica_batches[c] = args.global_batch // replicas
+        elif args.per_chip_batch is not None:
+            total = args.per_chip_batch * c
+            if total % replicas:
+                raise ValueError(
+                    f"--per-chip-batch {args.per_chip_batch}: {c} chips x {args.per_chip_batch} = {total} examples "
+                    f"do not split over {replicas} replicas; use a multiple of {replicas // math.gcd(replicas, c)}"
+                )
+            replica_batches[c] = total // replicas
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
+    if args.dry_run:
+        rows = [
+            f"{c} chips: {s} " + (f"n/a ({reasons[c, s]})" if reasons[c, s] else "would compile")
+            for c in chips
+            for s in effective
+        ]
+        compiler = "XLA:TPU (libtpu, compile-only)" if on_tpu else "XLA:CPU"
+        return _dry_run_result(
+            args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows}
+        )
+    rows = proj.project(
+        make_train_step(task, tx),
+        state,
+        task.batch_shapes,
+        system=system,
+        chips=chips,
+        strategies=names,
+        base=strategy,
+        replica_batch=replica_batches,
+        multi_axis=args.multi_axis,
+        progress=progress,
+        compiler="tpu" if on_tpu else "cpu",
+    )
+    if args.json:
+        print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)
+    else:
+        project_rows.render(rows, system, f"{args.model} ({args.config or 'default'})")
+    if args.plot is not None:
+        try:
+            project_rows.plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")
+        except Exception as e:  # the table is out already: say what failed, keep it
+            print(
+                f"podscale: error: --plot {args.plot!r}: could not write the plot ({type(e).__name__}: {e}); "
+                "the projection above is complete",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def _print_systems(as_json: bool) -> int:
+    from podscale import render
+    from podscale.perf import systems
+
+    if as_json:
+        print(json.dumps([dataclasses.asdict(s) for s in systems.SYSTEMS.values()]))
+        return 0
+    render.list_systems()
+    return 0

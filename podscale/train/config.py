@@ -1,0 +1,224 @@
+"""What ``podscale train`` runs (:class:`TrainConfig`, a flag per field, checked as it is made),
+and the paths a run writes (:data:`OUTPUT_PATHS`), checked before any work and made at its start."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+
+from podscale.parallel.strategy import Strategy
+from podscale.train.distributed import ENV_PROCESS_ID
+
+DEFAULT_CHECKPOINT_EVERY = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What ``podscale train`` runs. Every field is a command-line flag of the same name.
+
+    Example: ``podscale train --model resnet --data digits --steps 600 --target 0.97``
+    reaches 97% held-out accuracy on 8 CPU replicas in well under a minute of training.
+    """
+
+    model: str = "mlp"
+    """``mlp``, ``cnn`` (residual CNN without batch norm), ``resnet`` or ``transformer``; or an
+    MLPerf workload: ``resnet50``, ``transformer-big``, ``bert-large``, ``gnmt`` (with ``config``)."""
+    config: str | None = None
+    """For an MLPerf workload: ``tiny`` (trains here) or ``full`` (the MLPerf-size model)."""
+    data: str | None = None
+    """``digits`` (scikit-learn's handwritten digits, image models) or ``synthetic`` (any small
+    model; the default). MLPerf workloads bring their own data."""
+    optimizer: str | None = None
+    """An optax optimizer by name (sgd, momentum, adam, adamw, lamb, lars, ...; default adam). MLPerf
+    workloads use their recipe (optimizer, schedule, weight-decay masks) unless this is given."""
+    learning_rate: float | None = None
+    """Default 1e-3; for MLPerf workloads the recipe's peak learning rate."""
+    batch_size: int | None = None
+    """Global batch size, over all replicas; the replica count must divide it. Default 64, or the
+    workload config's ``global_batch``."""
+    steps: int = 100
+    """Number of training steps (the run stops earlier when ``target`` is reached)."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every this many steps; 0 evaluates only at the end."""
+    eval_batch_size: int | None = None
+    """Global eval batch size (default: ``batch_size``); the last batch is padded and masked."""
+    checkpoint_every: int | None = None
+    """Save a checkpoint every this many steps (needs ``workdir``; default 100 with it)."""
+    workdir: str | None = None
+    """Where checkpoints and ``metrics.jsonl`` go; without it nothing is saved."""
+    resume: bool = False
+    resume_fallback: bool = False
+    """With ``resume``: a damaged or unreadable latest checkpoint is set aside (``STEP.damaged``,
+    with a warning naming it) and the newest intact one restored, instead of refused."""
+    seed: int = 0
+    target: float | None = None
+    """Held-out accuracy at which to stop and report the time to target."""
+    mesh: tuple[int, ...] | None = None
+    """Mesh shape; default a 1-D mesh over all devices."""
+    strategy: Strategy = dataclasses.field(default_factory=Strategy)
+    """How the step is spread over the mesh (weight update, gradient summation); see
+    :class:`podscale.Strategy`. ``podscale train`` makes its flags from the strategy's fields."""
+    precision: str = "bf16"
+    """MLPerf workloads: ``bf16`` (bfloat16 convolutions and matrix products, float32 state) or
+    ``float32``."""
+    bn_group_size: int = 1
+    """Batch-norm statistics over groups of this many neighbouring replicas (1: per replica)."""
+    mllog: str | None = None
+    """Write an MLPerf-format log (mlperf-logging's ``mllog``) here (default: WORKDIR/mllog.txt)."""
+    metrics_file: str | None = None
+    """JSON-lines metrics (default: WORKDIR/metrics.jsonl), appended to."""
+    export: str | None = None
+    """Write the final parameters to this ``.npz`` file (process 0)."""
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("batch_size", "steps", "bn_group_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
+        if self.checkpoint_every is not None and not self.workdir:
+            raise ValueError("--checkpoint-every needs --workdir, the directory the checkpoints go to")
+        if self.learning_rate is not None and not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"--learning-rate must be a finite number > 0, got {self.learning_rate}")
+        if self.seed >= 2**63:
+            raise ValueError(
+                f"--seed must be below 2**63 (JAX's and NumPy's generators take a 64-bit seed), got {self.seed}"
+            )
+        for name in ("batch_size", "eval_batch_size"):
+            if (getattr(self, name) or 0) >= 2**31:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: a batch dimension must be below 2**31 (XLA's "
+                    "32-bit dimensions); give a smaller batch"
+                )
+        if self.seed < 0:
+            raise ValueError(f"--seed must be 0 or more (it seeds JAX's and NumPy's generators), got {self.seed}")
+        if self.target is not None and not 0 <= self.target <= 1:
+            raise ValueError(
+                f"--target {self.target}: the held-out metric it is compared with (accuracy, exact match, "
+                "masked-LM accuracy) is a fraction; give a value in [0, 1]"
+            )
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
+        if self.resume and not self.workdir:
+            raise ValueError("--resume needs --workdir, the directory of the run to continue")
+        if self.resume_fallback and not self.resume:
+            raise ValueError("--resume-fallback goes with --resume: add --resume to continue the run in --workdir")
+        # Process 0 alone writes the files; every process writes its part of --workdir's checkpoints.
+        check_output_paths(self, files=os.environ.get(ENV_PROCESS_ID, "0") == "0")
+
+
+OUTPUT_PATHS = (
+    ("workdir", None),
+    ("metrics_file", "metrics.jsonl"),
+    ("mllog", "mllog.txt"),
+    ("export", "params.npz"),
+)
+"""Every path a run writes: the ``--workdir`` directory, and files with an example name."""
+
+
+def check_output_paths(config: TrainConfig, files: bool = True) -> None:
+    """Checks every path the run writes (:data:`OUTPUT_PATHS`), once, before any work.
+
+    ``--workdir`` is a directory, made with its missing parents. A file (``--metrics-file``,
+    ``--mllog``, ``--export``) must not be a directory, and its folder must exist or lie inside
+    ``--workdir`` (made with it; :func:`make_output_folders`). Nothing on the way may be a file;
+    the nearest existing folder must take a new file, and an existing output file must open for
+    writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
+    ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
+    workdir = os.path.abspath(config.workdir) if config.workdir else None
+    if config.export is not None and not str(config.export).endswith(".npz") and not os.path.isdir(config.export):
+        raise ValueError(
+            f"--export {config.export}: the parameters are written as a NumPy .npz archive; give a name ending in "
+            f".npz, e.g. {os.path.splitext(config.export)[0] or 'params'}.npz"
+        )
+    written: dict[str, str] = {}  # each file once: two outputs on one path would interleave
+    if workdir:
+        written[os.path.join(workdir, RUN_CONFIG)] = f"podscale's own {RUN_CONFIG} in --workdir"
+    for name, example in OUTPUT_PATHS:
+        path = getattr(config, name)
+        flag = "--" + name.replace("_", "-")
+        if path is None and workdir and name in ("metrics_file", "mllog"):  # their defaults live in --workdir
+            path, flag = os.path.join(workdir, example), f"--workdir's {example}"
+        if path is None or (example is not None and not files):
+            continue
+        if example is not None:
+            full = os.path.abspath(path)
+            if full in written or (workdir and _inside(full, os.path.join(workdir, "checkpoints"))):
+                other = written.get(full, "--workdir's checkpoints")
+                raise ValueError(f"{flag} {path}: {other} is written there too; give each output a path of its own")
+            written[full] = flag
+        if not str(path).strip():
+            raise ValueError(f"{flag}: the path is empty; give a {'directory' if example is None else 'file name'}")
+        full = os.path.abspath(path)
+        if example is None:
+            if os.path.lexists(full) and not os.path.isdir(full):
+                raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
+            folder = full
+        else:
+            if os.path.isdir(full):
+                raise ValueError(
+                    f"{flag} {path}: is a directory; give a file name such as {os.path.join(path, example)}"
+                )
+            folder = os.path.dirname(full)
+        existing = folder
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(
+                f"{flag} {path}: {existing} is a file, not a folder, so nothing can be written under it; choose "
+                "another path"
+            )
+        if not _can_create_file_in(existing):
+            made = "" if existing == folder else f" (the nearest existing folder on the way to {folder})"
+            raise ValueError(
+                f"{flag} {path}: cannot write in {existing}{made}: a file cannot be created there (a read-only "
+                "or system folder); choose a writable place"
+            )
+        if existing != folder and example is not None and not (workdir and _inside(folder, workdir)):
+            raise ValueError(
+                f"{flag} {path}: the folder {folder} does not exist; create it first (podscale makes missing "
+                "folders only inside --workdir)"
+            )
+        if example is not None and os.path.lexists(full) and (problem := _cannot_open_to_write(full)):
+            raise ValueError(f"{flag} {path}: the file cannot be written ({problem}); choose another path")
+
+
+def make_output_folders(config: TrainConfig) -> None:
+    """Makes ``--workdir`` and the missing folders of the files it holds (checked already)."""
+    for name, example in OUTPUT_PATHS:
+        path = getattr(config, name)
+        if path is not None:
+            os.makedirs(path if example is None else os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _can_create_file_in(folder: str) -> bool:
+    """Creates and removes a file in ``folder``: whether this process can write there."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".podscale-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(probe)
+    return True
+
+
+def _cannot_open_to_write(path: str) -> str | None:
+    """Why an existing file cannot be opened to append to (without changing it), or ``None``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    return None
+
+
+RUN_CONFIG = "run_config.json"

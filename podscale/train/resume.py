@@ -1,0 +1,126 @@
+"""A run continued with ``--resume``: what a fresh run records in ``WORKDIR/run_config.json``
+(:func:`resolved_run_config`) and what a resumed one must repeat (:data:`FIXED_ON_RESUME`), and
+the checkpoints in ``--workdir`` checked against ``--resume`` and ``--steps``; all before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from podscale.train.checkpoint import Checkpointer, CheckpointError
+from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, RUN_CONFIG, TrainConfig
+from podscale.train.tasks import recipe_config
+
+FIXED_ON_RESUME = (
+    "model",
+    "config",
+    "data",
+    "optimizer",
+    "learning_rate",
+    "batch_size",
+    "seed",
+    "precision",
+    "bn_group_size",
+)
+"""What a resumed run must repeat: the model, its data and their order, the optimizer and its
+state. The rest may change on resume: ``--steps``, ``--mesh`` / ``--replicas`` / the process
+count (checkpoints hold whole tensors), ``--eval-every``, ``--eval-batch-size``,
+``--checkpoint-every``, ``--target``, the strategy (every strategy computes the same step) and
+where logs and exports go."""
+
+
+def resolved_run_config(config: TrainConfig, task, values: dict | None = None) -> dict[str, Any]:
+    """The ``FIXED_ON_RESUME`` values a run uses (``values``, default ``config``'s), with every
+    default filled in as ``task`` resolves it: the data set (``synthetic``; an MLPerf workload's
+    own is ``None``), the optimizer (``adam``; ``recipe`` for an MLPerf workload's own), its peak
+    learning rate (1e-3, or the recipe's) and the global batch (64, or the workload config's).
+    ``None`` always means the default, so a ``run_config.json`` of an older podscale, which held
+    the flags as given, resolves the same way."""
+    v = {k: getattr(config, k) for k in FIXED_ON_RESUME} | dict(values or {})
+    workload = task.workload
+    if v["data"] is None and not workload:
+        v["data"] = "synthetic"
+    if v["optimizer"] is None:
+        v["optimizer"] = "recipe" if workload else "adam"
+    if v["learning_rate"] is None:
+        v["learning_rate"] = (
+            recipe_config(task, None).learning_rate if workload and v["optimizer"] == "recipe" else 1e-3
+        )
+    if v["batch_size"] is None:
+        v["batch_size"] = task.config.global_batch if workload else 64
+    for key, default in (("seed", 0), ("precision", "bf16"), ("bn_group_size", 1)):
+        if v[key] is None:
+            v[key] = default
+    return v
+
+
+def _check_run_config(config: TrainConfig, task, write: bool) -> None:
+    """A fresh run records the resolved ``FIXED_ON_RESUME`` values (:func:`resolved_run_config`:
+    what it used, not the flags as typed) in ``WORKDIR/run_config.json``; ``--resume`` refuses,
+    before any work, a run that resolves to another value of one of them, naming the flag."""
+    path = os.path.join(config.workdir, RUN_CONFIG)
+    mine = resolved_run_config(config, task)
+    if not config.resume:
+        if write and not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
+            os.makedirs(config.workdir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(mine, f, indent=1)
+            os.replace(path + ".tmp", path)
+        return
+    if not os.path.exists(path):
+        if not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
+            return  # nothing to resume: the checkpoint restore says so
+        raise ValueError(
+            f"--resume: {path} is missing, so podscale cannot check that this run continues the one in "
+            f"--workdir {config.workdir}; start a new --workdir"
+        )
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise ValueError(
+            f"--resume: {path} cannot be read ({e}), so podscale cannot check that this run continues the one "
+            f"in --workdir {config.workdir}; start a new --workdir"
+        ) from None
+    theirs = resolved_run_config(config, task, {k: saved[k] for k in FIXED_ON_RESUME if k in saved})
+    for key in FIXED_ON_RESUME:
+        if theirs[key] != mine[key]:
+            flag = "--" + key.replace("_", "-")
+            hint = " (an MLPerf workload's own recipe: leave --optimizer out)" if theirs[key] == "recipe" else ""
+            raise ValueError(
+                f"--resume: the run in {config.workdir} was started with {flag} {theirs[key]}{hint}, this one asks "
+                f"for {mine[key]}; resume with the same {flag} (or start a new --workdir). What may change on "
+                "resume: --steps, --mesh/--replicas, --eval-every, --checkpoint-every, --target, the strategy"
+            )
+
+
+def _check_checkpoints(config: TrainConfig) -> int | None:
+    """The latest checkpoint step in ``--workdir`` (``None``: none), checked against ``--resume``
+    and ``--steps`` before any work; nothing is created."""
+    folder = os.path.join(config.workdir, "checkpoints") if config.workdir else None
+    latest = None
+    if folder and os.path.isdir(folder):
+        found = Checkpointer(folder, config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
+        try:
+            latest = found.latest_step()
+        finally:
+            found.close()
+    if config.resume and latest is None:
+        raise CheckpointError(
+            f"--resume: no complete checkpoint in {folder}. Start without --resume, or point --workdir at the "
+            "directory of the run to continue."
+        )
+    if not config.resume and latest is not None:
+        raise ValueError(
+            f"--workdir {config.workdir} already holds checkpoints (latest step {latest}); pass --resume "
+            "to continue that run, or choose a new --workdir"
+        )
+    if config.resume and latest >= config.steps and not config.resume_fallback:
+        raise ValueError(
+            f"the run in {config.workdir} is already at step {latest}, and --steps is {config.steps}; "
+            f"pass a larger --steps to train further"
+        )
+    return latest
