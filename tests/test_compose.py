@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import relative_error, run_parallel, run_single
+from helpers import leaf_relative_error, relative_error, run_parallel, run_single
 
 from podscale import Strategy, data_parallel
 from podscale.parallel.tensor import Rules, RuleWarning
@@ -73,7 +73,10 @@ CASES = {
     "conv-after-split-layers-by-output": (ConvAfterSplitLayers(), _after_rules(3), (8, 8, 8, 3)),
     "conv-after-split-layers-by-input-odd-width": (ConvAfterSplitLayers(), _after_rules(2), (8, 8, 5, 3)),
 }
-TOL = 1e-6  # relative, each leaf by its largest magnitude; measured 1e-8 (parameters), 6e-9 (moments)
+TOL = 1e-6
+"""Relative, each leaf by its 2-norm; or 4 times one device's own distance when the batch's rows are
+permuted (the same sum in another order), if that is more: Adam moves a bias whose gradient is near
+zero by its last bits (measured: the stem's bias 1.4e-6 off here, 1.1e-6 on one device permuted)."""
 
 
 def _setup(model=None, shape=(8, 8, 8, 3)):
@@ -102,12 +105,15 @@ def _setup(model=None, shape=(8, 8, 8, 3)):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_data_space_and_model_on_one_3d_mesh_equal_one_device(case, weight_update):
     """A 2 x 2 x 2 mesh from ``jax.make_mesh`` (Explicit axes), named by role: 3 Adam steps, the
-    parameters and both moments within TOL of one device's. Without the split of every
+    parameters and both moments within TOL of one device's (see TOL). Without the split of every
     convolution over both axes the stems' kernel gradients were 2x and 4x one device's (Adam's
     moments 1% off; the parameters after ``after`` 2x with SGD)."""
     model, rules, shape = CASES[case]
     step, state, batches = _setup(model, shape)
     want, _ = run_single(step, state, batches)
+    perm = np.random.default_rng(1).permutation(shape[0])
+    permuted, _ = run_single(step, state, [jax.tree.map(lambda x: x[perm], b) for b in batches])
+    bound = max(TOL, 4 * leaf_relative_error(permuted, want))
     mesh = jax.make_mesh((2, 2, 2), ("data", "space", "model"))
     strategy = Strategy(space_axis="space", model_axis="model", rules=rules, weight_update=weight_update)
     with warnings.catch_warnings():
@@ -115,7 +121,7 @@ def test_data_space_and_model_on_one_3d_mesh_equal_one_device(case, weight_updat
         dp = data_parallel(step, mesh, strategy)
         got, _ = run_parallel(dp, state, batches)
     assert (dp.replicas, dp.partitions) == (2, ("space", "model"))
-    assert relative_error(got, want) <= TOL
+    assert leaf_relative_error(got, want) <= bound
     assert relative_error(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"
 
 

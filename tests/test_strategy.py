@@ -206,7 +206,9 @@ def test_a_named_role_that_does_not_fit_the_mesh_is_refused_naming_the_axis(stra
 
 
 def test_space_and_model_by_count_are_refused_before_any_mesh():
-    with pytest.raises(ValueError, match=r"spatial=2 and model_parallel=2: podscale does not yet split images and"):
+    with pytest.raises(
+        ValueError, match=r"spatial=2 and model_parallel=2 would both take the mesh.s last axis: to split images and"
+    ):
         Strategy(spatial=2, model_parallel=2)
 
 

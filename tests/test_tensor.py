@@ -200,9 +200,7 @@ def test_strategy_errors_name_the_mesh_axis_or_the_rule():
         data_parallel(step, make_mesh((2, 4)), model_parallel=2, rules="transformer")
     with pytest.raises(ValueError, match="needs sharding rules"):
         data_parallel(step, make_mesh((4, 2)), model_parallel=2)
-    with pytest.raises(
-        ValueError, match="spatial=2 and model_parallel=2: podscale does not yet split images and weights"
-    ):
+    with pytest.raises(ValueError, match="spatial=2 and model_parallel=2 would both take the mesh.s last axis"):
         Strategy(model_parallel=2, spatial=2)
     with pytest.raises(ValueError, match="no built-in sharding rules of that name"):
         Strategy(model_parallel=2, rules="resnet")

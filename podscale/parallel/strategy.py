@@ -213,9 +213,10 @@ class Strategy:
             raise ValueError(f"space_axis and model_axis are both {self.space_axis!r}: one axis has one role")
         if self.spatial not in (None, 1) and self.model_parallel is not None:
             raise ValueError(
-                f"spatial={self.spatial} and model_parallel={self.model_parallel}: podscale does not yet split "
-                "images and weights in one step (data x space x model: XLA's partitioner gets a convolution's "
-                "gradient wrong there); choose one"
+                f"spatial={self.spatial} and model_parallel={self.model_parallel} would both take the mesh's "
+                "last axis: to split images and weights in one step (data x space x model), name the axes, "
+                "e.g. jax.make_mesh((2, 2, 2), ('data', 'space', 'model')) with space_axis='space', "
+                "model_axis='model', rules=...; or choose one"
             )
         if self.spatial == 1 and self.space_axis is None:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
