@@ -311,8 +311,8 @@ def _check_no_feature_map_is_gathered(dp, batch):
     regions (RoIAlign's gathers, each partition reading its own rows) and the per-anchor values
     the proposals rank; no all-gather over the space axis is as large as one replica's P2 map
     (what gathering the maps RoIAlign reads would take)."""
-    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), dp.mesh)
-    plan = make_plan(dp, module).spatial
+    module = hlo.read(dp.lower(dp.placement.stored_shapes(), batch).compile(), dp.mesh)
+    plan = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy, module).spatial
     assert plan["halo_exchanges"] > 0 and plan["halo_bytes_per_device"] > 0
     layers = " ".join(g["layer"] for g in plan["gathers"])
     assert "roi_align_7x7" in layers and "roi_align_14x14" in layers and "proposals" in layers

@@ -20,7 +20,6 @@ weights are all-gathered.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import _interpret, spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
-from podscale.parallel.mesh import BN_GROUP, auto_axes, replica_count
+from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
+from podscale.parallel.placement import BatchPlacement, Placement, Roles, batch_sharding, batch_shardings
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
     Collective,
@@ -135,13 +135,8 @@ class DataParallelStep:
         self.step, self.mesh = step, auto_axes(mesh)  # a jax.make_mesh mesh's Explicit axes are taken as Auto
         self.strategy = strategy or Strategy()
         self.donate_state = donate_state
-        self.axes = self.strategy.axes(mesh)
-        self.space = self.strategy.space_of(mesh)
-        """The space axis each image's height is split over (``space_axis`` or ``spatial``), or None."""
-        self.model = self.strategy.model_of(mesh)
-        """The model axis the sharding rules split weights over (``model_axis`` or ``model_parallel``)."""
-        self.partitions = tuple(a for a in (self.space, self.model) if a)
-        """The axes left to XLA's partitioner (space, model): every axis but the data axes."""
+        self.roles = Roles.of(self.strategy, mesh)
+        """Each mesh axis's role, by name (:class:`~podscale.parallel.placement.Roles`)."""
         if self.model and self.strategy.rules is None:
             raise ValueError(
                 f"the model axis {self.model!r} needs sharding rules: pass rules=Rules(...) or a "
@@ -157,79 +152,110 @@ class DataParallelStep:
             nbytes=st.bucket_bytes,
             axes=self.axes,
         )
-        self.layout: state_layout.StateLayout | None = None
-        self.images: list[bool] | None = None
-        """With ``spatial``: which batch leaves are images (their height is split)."""
-        self.windows: list = []
-        """With ``spatial``: the step's convolutions and pooling windows (``spatial.Window``)."""
-        self.uneven: list[str] = []
-        """With ``spatial``: the layers whose height the space axis does not divide."""
-        self.rule_notes: list[str] = []
-        """With ``model_parallel``: what the sharding rules left undone (``tensor.assign``)."""
-        self.model_dims: tuple[int | None, ...] | None = None
-        """With ``model_parallel``: per state leaf, the dimension split over the model axis."""
-        self.trace: Trace | None = None
-        """What the step last traced did (collectives, gathered ops), for the plan."""
+        # Caches, by signature; none of them changes what a call computes.
+        self._placement: Placement | None = None
+        """The placement: made once, by the first :meth:`prepare` (or placed state), never changed."""
+        self._batches: dict[tuple, BatchPlacement] = {}
+        """Each batch signature's placement (its images and windows), as the step traced it."""
         self._global: tuple | None = None
         self._jitted: dict[tuple, Any] = {}
         """One jitted program per batch signature (tree, shapes, dtypes), as ``jax.jit`` retraces."""
         self._traces: dict[tuple, Trace] = {}
+        """What each signature's traced program does (collectives, gathered ops), for the plan."""
+        self._last: tuple | None = None
 
-    # The strategy's fields, as the rest of the step reads them.
+    # The strategy's fields and the roles, as the rest of the step reads them.
     weight_update = property(lambda self: self.strategy.weight_update)
     min_shard_size = property(lambda self: self.strategy.min_shard_size)
     bucket_bytes = property(lambda self: self.strategy.bucket_bytes)
     strict = property(lambda self: self.strategy.strict)
     sharded = property(lambda self: self.strategy.sharded)
+    axes = property(lambda self: self.roles.data, doc="The data axes (the batch's rows), mesh order.")
+    space = property(lambda self: self.roles.space, doc="The space axis (each image's height), or None.")
+    model = property(lambda self: self.roles.model, doc="The model axis (the rules' split weights), or None.")
+    partitions = property(lambda self: self.roles.partitions, doc="The axes left to XLA (space, model).")
+    group_axis = property(lambda self: self.roles.group, doc="The batch-norm group axis, or None.")
 
     @property
     def replicas(self) -> int:
         """Data-parallel replicas: the devices of the data axes (a space axis splits images)."""
-        return replica_count(self.mesh) // self.split
+        return self.roles.replicas(self.mesh)
 
     @property
     def split(self) -> int:
         """Devices each replica is split over: the space and model axes' (1 for neither)."""
-        return math.prod(self.mesh.shape[a] for a in self.partitions)
+        return self.roles.split(self.mesh)
+
+    # The placement's parts, read-only (``None`` or empty before :meth:`prepare`).
+    @property
+    def placement(self) -> Placement:
+        """The step's :class:`~podscale.parallel.placement.Placement` (after :meth:`prepare` or
+        :meth:`place_state`)."""
+        if self._placement is None:
+            raise ValueError(
+                "the step has no placement yet: call dp.place_state(state, batch) or dp.prepare(state, batch)"
+            )
+        return self._placement
+
+    layout = property(lambda self: self._placement and self._placement.state, doc="The state's layout, or None.")
+    model_dims = property(lambda self: self._placement and self._placement.model_dims)
+    rule_notes = property(lambda self: list(self._placement.rule_notes) if self._placement else [])
 
     @property
-    def group_axis(self) -> str | None:
-        """The mesh axis of batch-norm groups, when ``make_mesh(bn_group_size=k)`` made one."""
-        return BN_GROUP if BN_GROUP in self.mesh.axis_names else None
+    def images(self) -> list[bool] | None:
+        """With a space axis: which leaves of the last batch signature called are images."""
+        found = self._batch_placement()
+        return None if found is None or found.images is None else list(found.images)
+
+    @property
+    def windows(self) -> list:
+        """With a space axis: the step's convolutions and pooling windows, over every signature."""
+        seen: list = []
+        for b in self._batches.values():
+            seen += [w for w in b.windows if w not in seen]
+        return seen
+
+    @property
+    def uneven(self) -> list[str]:
+        """With a space axis: the layers whose height it does not divide (last signature called)."""
+        found = self._batch_placement()
+        return [] if found is None else list(found.uneven)
+
+    @property
+    def trace(self) -> Trace | None:
+        """What the last signature compiled or called does (collectives, gathered ops), for the plan."""
+        return self._traces.get(self._last)
 
     @property
     def batch_sharding(self) -> NamedSharding:
         """How the batch's rows are split (over the data axes)."""
-        return NamedSharding(self.mesh, P(self.axes))
+        return batch_sharding(self.mesh, self.roles)
 
     def batch_shardings(self, batch):
         """Each batch leaf's sharding: rows over the data axes and, with ``spatial``, the height of
         every image (a rank-4 NHWC leaf) over the space axis, which XLA's SPMD partitioner then
         keeps through convolutions and pooling, exchanging halos between neighbours."""
-        if self.space is None:
-            return jax.tree.map(lambda _: self.batch_sharding, batch)
-        if self.images is None:
+        if self.space is not None and self._placement is None:
             raise ValueError("place the state with dp.place_state(state, batch) before placing batches")
-        image = NamedSharding(self.mesh, P(self.axes, self.space))
-        return jax.tree.map(
-            lambda x: image if spatial.is_image(np.shape(x), self.windows) else self.batch_sharding, batch
-        )
+        return batch_shardings(self.mesh, self.roles, batch, tuple(self.windows))
 
-    # -- preparing the layout ---------------------------------------------------------------
-    def prepare(self, state, batch=None) -> state_layout.StateLayout:
-        """Traces the step at the global shapes and decides each state leaf's layout. Needs a
-        (global) batch example (arrays or ``jax.ShapeDtypeStruct``) for the sharded update;
-        idempotent."""
+    # -- the placement ----------------------------------------------------------------------
+    def prepare(self, state, batch=None) -> Placement:
+        """The step's placement: traces the step at the global shapes and decides each state and
+        batch leaf's layout. Needs a (global) batch example (arrays or ``jax.ShapeDtypeStruct``)
+        for the sharded update and a space axis. The first placement made is the step's, and it
+        never changes: a later call returns it, after checking ``state`` has its shapes."""
         abstract = _shapes(state)
-        if self.layout is not None:
-            self.layout.check_user(abstract)
-            return self.layout
+        if self._placement is not None:
+            self._placement.state.check_user(abstract)
+            if batch is not None:
+                self.check_batch(batch)
+                self._batch_placement(batch, abstract)
+            return self._placement
         forward = None
         if batch is not None:
             self.check_batch(batch)
             forward = self._forward_inputs(abstract, batch)
-            if self.space:
-                self._check_spatial(abstract, batch)
         elif self.space:
             raise ValueError(
                 f"the space axis {self.space!r} needs an example global batch to find the images and check "
@@ -240,6 +266,7 @@ class DataParallelStep:
                 "weight_update='sharded' needs an example global batch to decide which state "
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
+        model_dims, notes = None, ()
         if self.model:
             assignment = tensor.assign(
                 self.strategy.rules,
@@ -249,8 +276,8 @@ class DataParallelStep:
                 weights=forward,
                 strict=self.strict,
             )
-            self.model_dims, self.rule_notes = assignment.dims, list(assignment.notes)
-        self.layout = state_layout.decide(
+            model_dims, notes = assignment.dims, tuple(assignment.notes)
+        layout = state_layout.decide(
             abstract,
             self.mesh,
             forward,
@@ -259,9 +286,11 @@ class DataParallelStep:
             order=self.grad_sum.order,
             parts=self.partitions,
             model=self.model,
-            model_dims=self.model_dims,
+            model_dims=model_dims,
         )
-        return self.layout
+        example = self._batch_placement(batch, abstract) if batch is not None else BatchPlacement()
+        self._placement = Placement(self.mesh, self.roles, layout, example, model_dims, notes)
+        return self._placement
 
     def plan(self, state=None, batch=None, *, compile: bool = False):
         """What the step does, before running it: see :class:`podscale.parallel.plan.Plan`.
@@ -279,20 +308,30 @@ class DataParallelStep:
         if self.trace is None or compile:
             if batch is None:
                 raise ValueError("plan() needs an example global batch the first time, and to compile")
-            lowered = self.lower(self.layout.stored_shapes(), _shapes(batch))
+            lowered = self.lower(self.placement.stored_shapes(), _shapes(batch))
         module = hlo.read(lowered.compile(), self.mesh) if compile else None
-        return make_plan(self, module)
+        return make_plan(self.placement, self.trace, self.grad_sum, self.strategy, module, self._batch_placement())
 
-    def _check_spatial(self, abstract_state, batch) -> None:
-        """Finds the image leaves of ``batch`` and refuses heights the space axis does not divide.
-        Runs for every new batch signature: the windows of all of them are kept, so a batch of
-        either shape is recognised as images."""
-        found = list(spatial.windows(self.global_trace(abstract_state, batch).closed.jaxpr))
-        shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
-        self.images = spatial.image_leaves(shapes, found)
-        self.windows = [*self.windows, *(w for w in found if w not in self.windows)]
-        images = [s for s, im in zip(shapes, self.images, strict=True) if im]
-        self.uneven = spatial.check(found, self.mesh.shape[self.space], self.space, images, self.strict)
+    def _batch_placement(self, batch=None, abstract_state=None) -> BatchPlacement | None:
+        """The placement of ``batch``'s signature (the last one called without ``batch``): with a
+        space axis its image leaves, windows and the layers whose height the axis does not divide
+        (refused with ``strict``). Made once per signature."""
+        if batch is None:
+            return self._batches.get(self._last) or (self._placement and self._placement.batch)
+        key = _signature(batch)
+        if key not in self._batches:
+            if not self.space:
+                self._batches[key] = BatchPlacement()
+            else:
+                abstract_state = abstract_state if abstract_state is not None else self.layout_shapes()
+                found = tuple(spatial.windows(self.global_trace(abstract_state, batch).closed.jaxpr))
+                shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
+                images = spatial.image_leaves(shapes, list(found))
+                split = [s for s, im in zip(shapes, images, strict=True) if im]
+                uneven = spatial.check(list(found), self.mesh.shape[self.space], self.space, split, self.strict)
+                self._batches[key] = BatchPlacement(tuple(images), found, tuple(uneven))
+        self._last = key
+        return self._batches[key]
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
         key = (
@@ -393,7 +432,7 @@ class DataParallelStep:
                 jax.tree.structure(metrics, is_leaf=lambda x: isinstance(x, Sharded)),
                 self._finish_full(chunks, trace, pairs, "metrics"),
             )
-            self.trace = self._traces[key] = trace
+            self._traces[key] = trace
             if self.strict and (trace.gathered_ops or trace.whole_ops):
                 raise ValueError(
                     "strict=True: refused before running; these ops would run on whole (gathered) values, "
@@ -415,7 +454,10 @@ class DataParallelStep:
         )
         return jax.jit(
             mapped,
-            in_shardings=(layout.shardings(), self.batch_shardings(batch)),
+            in_shardings=(
+                layout.shardings(),
+                batch_shardings(self.mesh, self.roles, batch, self._batches[key].windows),
+            ),
             out_shardings=(layout.shardings(), NamedSharding(self.mesh, P())),
             donate_argnums=(0,) if self.donate_state else (),
         )
@@ -454,14 +496,12 @@ class DataParallelStep:
     def _compiled(self, state, batch):
         """The jitted program for ``batch``'s signature: a batch of another size (or structure,
         or dtypes) is traced and partitioned anew, as ``jax.jit`` retraces, and checked first."""
-        if self.layout is None:
+        if self._placement is None:
             self.prepare(state, batch)
         key = _signature(batch)
+        self._batch_placement(batch)
         if key not in self._jitted:
-            if self.space:
-                self._check_spatial(self.layout_shapes(), batch)
             self._jitted[key] = self._build(batch, key)
-        self.trace = self._traces.get(key, self.trace)
         return self._jitted[key]
 
     def layout_shapes(self):
@@ -528,7 +568,7 @@ class DataParallelStep:
         state = as_arrays(state)
         if self.layout is None:
             state_layout.refuse_stored(state, "state", "place")
-        return self.prepare(state, batch).place(state)
+        return self.prepare(state, batch).state.place(state)
 
     def gather_state(self, state):
         """Returns the state in the user layout as host numpy arrays, on every process. Refuses a

@@ -55,9 +55,14 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def make_plan(dp, compiled=None) -> Plan:
-    """``compiled``: the step's module as :func:`podscale.perf.hlo.read` gives it, or ``None``."""
-    layout, trace = dp.layout, dp.trace
+def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -> Plan:
+    """The plan of a step from what it reads and what its traced program did: its ``placement``
+    (:class:`~podscale.parallel.placement.Placement`), the ``trace`` of one batch signature
+    (``weight_update.Trace``), its ``grad_sum`` and ``strategy``, and that signature's
+    ``batch`` placement (the example batch's by default). ``compiled``: the step's module as
+    :func:`podscale.perf.hlo.read` gives it, or ``None``."""
+    layout = placement.state
+    batch = placement.batch if batch is None else batch
     leaves = [
         {
             "path": leaf.path,
@@ -88,7 +93,7 @@ def make_plan(dp, compiled=None) -> Plan:
     }
     if compiled is not None:
         memory.update(compiled.memory)
-    sizes = dict(dp.mesh.shape)
+    sizes = dict(placement.mesh.shape)
     update = model = 0.0
     for c in trace.collectives:
         n = math.prod(sizes[a] for a in c.axes)
@@ -97,8 +102,8 @@ def make_plan(dp, compiled=None) -> Plan:
             update += sent
         else:
             model += sent
-    summed = _gradient_bytes(weights, dp.grad_sum.dtype, per_device=False)  # as the sum sees them
-    limit = ring_bytes("all-reduce", dp.replicas, summed)
+    summed = _gradient_bytes(weights, grad_sum.dtype, per_device=False)  # as the sum sees them
+    limit = ring_bytes("all-reduce", placement.replicas, summed)
     traffic = {
         "gradient_bytes": summed,
         "all_reduce_bytes": limit,
@@ -107,15 +112,15 @@ def make_plan(dp, compiled=None) -> Plan:
         "ratio": update / limit if limit else 0.0,
     }
     return Plan(
-        weight_update=dp.weight_update,
-        replicas=dp.replicas,
-        mesh=dict(dp.mesh.shape),
+        weight_update=strategy.weight_update,
+        replicas=placement.replicas,
+        mesh=dict(placement.mesh.shape),
         grad_sum={
-            "mode": dp.grad_sum.mode,
-            "order": list(dp.grad_sum.order),
-            "chunks": dp.grad_sum.chunks,
-            "dtype": None if dp.grad_sum.dtype is None else str(dp.grad_sum.dtype),
-            "reason": dp.grad_sum.reason,
+            "mode": grad_sum.mode,
+            "order": list(grad_sum.order),
+            "chunks": grad_sum.chunks,
+            "dtype": None if grad_sum.dtype is None else str(grad_sum.dtype),
+            "reason": grad_sum.reason,
         },
         leaves=leaves,
         collectives=[dataclasses.asdict(c) for c in trace.collectives],
@@ -124,8 +129,8 @@ def make_plan(dp, compiled=None) -> Plan:
         memory=memory,
         traffic=traffic,
         compiled=None if compiled is None else compiled.to_dict(),
-        spatial=_spatial(dp, compiled),
-        tensor=_tensor(dp, compiled),
+        spatial=_spatial(placement, batch, compiled),
+        tensor=_tensor(placement, strategy, compiled),
     )
 
 
@@ -136,15 +141,16 @@ def _split_shape(leaf) -> list[int]:
     return shape
 
 
-def _tensor(dp, compiled) -> dict[str, Any] | None:
-    if not dp.model:
+def _tensor(placement, strategy, compiled) -> dict[str, Any] | None:
+    model = placement.roles.model
+    if not model:
         return None
-    split = [leaf for leaf in dp.layout.leaves if leaf.model_dim is not None]
+    split = [leaf for leaf in placement.state.leaves if leaf.model_dim is not None]
     out = {
-        "axis": dp.model,
-        "partitions": dp.mesh.shape[dp.model],
-        "rules": dp.strategy.rules.name,
-        "notes": list(dp.rule_notes),
+        "axis": model,
+        "partitions": placement.mesh.shape[model],
+        "rules": strategy.rules.name,
+        "notes": list(placement.rule_notes),
         "split_leaves": len(split),
         "split_bytes": sum(leaf.bytes for leaf in split),
         "split_bytes_per_device": sum(leaf.bytes_per_device() for leaf in split),
@@ -152,7 +158,7 @@ def _tensor(dp, compiled) -> dict[str, Any] | None:
     if compiled is not None:
         per: dict[tuple[str, str], dict[str, Any]] = {}
         for c in compiled.collectives:
-            if dp.model not in c.axes:
+            if model not in c.axes:
                 continue
             row = per.setdefault(
                 (c.layer, c.kind), {"layer": c.layer, "kind": c.kind, "runs": 0, "bytes_per_device": 0}
@@ -164,15 +170,16 @@ def _tensor(dp, compiled) -> dict[str, Any] | None:
     return out
 
 
-def _spatial(dp, compiled) -> dict[str, Any] | None:
-    if not dp.space:
+def _spatial(placement, batch, compiled) -> dict[str, Any] | None:
+    space = placement.roles.space
+    if not space:
         return None
     out = {
-        "axis": dp.space,
-        "partitions": dp.mesh.shape[dp.space],
-        "image_leaves": sum(dp.images or []),
-        "layers": len(spatial.summary(dp.windows)),
-        "uneven_layers": list(dp.uneven),
+        "axis": space,
+        "partitions": placement.mesh.shape[space],
+        "image_leaves": sum(batch.images or ()),
+        "layers": len(spatial.summary(list(batch.windows))),
+        "uneven_layers": list(batch.uneven),
     }
     if compiled is not None:
         halos = [c for c in compiled.collectives if c.kind == "collective-permute"]
@@ -182,7 +189,7 @@ def _spatial(dp, compiled) -> dict[str, Any] | None:
         # (a ranking over the whole image, pooled regions, the weights' gradients), per layer.
         per: dict[tuple[str, str], dict[str, Any]] = {}
         for c in compiled.collectives:
-            if c.kind == "collective-permute" or dp.space not in c.axes:
+            if c.kind == "collective-permute" or space not in c.axes:
                 continue
             layer = _layers(c.op_name)
             row = per.setdefault((layer, c.kind), {"layer": layer, "kind": c.kind, "runs": 0, "bytes_per_device": 0})

@@ -230,7 +230,7 @@ def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int
     batch = make_batch(replica_batch * (mesh.size // k))
     with accelerator_lowerings() if devices is None else _no_persistent_cache():
         dp.prepare(shapes, batch)
-        compiled = dp.lower(dp.layout.stored_shapes(), batch).compile()
+        compiled = dp.lower(dp.placement.stored_shapes(), batch).compile()
     return dp, hlo.read(compiled, mesh)
 
 

@@ -98,7 +98,7 @@ class _Draft(dict):
         per_device = module.memory.get("peak", 0)
         if factor > 1 and self["strategy"].weight_update == "sharded":
             # the sharded state's shards are ``factor`` times smaller at the target
-            shards = sum(leaf.bytes_per_device() for leaf in dp.layout.leaves if leaf.sharded)
+            shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded)
             per_device -= shards * (1 - 1 / factor)
         memory = per_device * system.devices_per_chip
         global_batch = self["replica_batch"] * self["replicas"]

@@ -33,7 +33,7 @@ class Prepared:
     init: Any
     latest_checkpoint: int | None
     layout: Any
-    """The state's stored layout (``dp.prepare``: the step traced at the global batch's shapes)."""
+    """The state's stored layout (``dp.prepare(...).state``: the step traced at the global batch's shapes)."""
 
     def dry_run_summary(self) -> dict[str, Any]:
         """What ``--dry-run`` prints: the run as it would start."""
@@ -102,5 +102,5 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         )
     with warnings.catch_warnings():  # the rules' notes (a RuleWarning) are printed once, by the run
         warnings.simplefilter("ignore", RuleWarning)
-        layout = dp.prepare(shapes, task.batch_shapes(batch_size))  # traces the step: its own checks
+        layout = dp.prepare(shapes, task.batch_shapes(batch_size)).state  # traces the step: its own checks
     return Prepared(mesh, task, optimizer, strategy, dp, batch_size, eval_batch, init, latest, layout)

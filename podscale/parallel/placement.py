@@ -1,0 +1,137 @@
+"""A step's placement: each mesh axis's role, and where every state leaf and batch leaf lives.
+
+A :class:`~podscale.Strategy` is resolved once, against the mesh (:meth:`Roles.of`), and then
+against the abstract state and an example global batch (``DataParallelStep.prepare``), into one
+immutable :class:`Placement`:
+
+- **roles**, by name: the data axes (the batch's rows; podscale's own partitioner is manual over
+  them), the space axis (each image's height), the model axis (the weights the sharding rules
+  name) and the batch-norm group axis. The space and model axes are left to XLA's partitioner
+  (``Roles.partitions``). A new role (an embedding table's axis, a pipeline stage) is one more
+  field here and its own rules, read where the placement is read;
+- **the state's layout** (:class:`~podscale.parallel.state_layout.StateLayout`): per leaf a
+  ``PartitionSpec`` over named axes (a rule's split over the model axis) and, with the sharded
+  update, its flat 1/N chunk;
+- **the batch's layout** (:class:`BatchPlacement`): which leaves are images, split by height over
+  the space axis, besides rows over the data axes; the step's windows and the layers a space axis
+  does not divide.
+
+The engine's partitioner, the weight-update replay, checkpoints (through the state layout), the
+plan and ``perf`` read the placement; nothing changes it once made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from podscale.parallel import spatial
+from podscale.parallel.mesh import BN_GROUP
+from podscale.parallel.state_layout import StateLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Each mesh axis's role, by name."""
+
+    data: tuple[str, ...]
+    """The axes the batch's rows are split over (mesh order), manual in podscale's partitioner."""
+    space: str | None = None
+    """The axis each image's height is split over, or ``None``."""
+    model: str | None = None
+    """The axis the sharding rules split weights over, or ``None``."""
+    group: str | None = None
+    """The batch-norm group axis (``make_mesh(bn_group_size=k)``), one of the data axes, or ``None``."""
+
+    @classmethod
+    def of(cls, strategy, mesh: Mesh) -> Roles:
+        """The roles ``strategy`` gives ``mesh``'s axes (refused, naming the axis, where they clash)."""
+        return cls(
+            data=strategy.axes(mesh),
+            space=strategy.space_of(mesh),
+            model=strategy.model_of(mesh),
+            group=BN_GROUP if BN_GROUP in mesh.axis_names else None,
+        )
+
+    @property
+    def partitions(self) -> tuple[str, ...]:
+        """The axes left to XLA's partitioner (space, model): every axis but the data axes."""
+        return tuple(a for a in (self.space, self.model) if a is not None)
+
+    def split(self, mesh: Mesh) -> int:
+        """Devices each replica is split over: the space and model axes' (1 for neither)."""
+        return math.prod(mesh.shape[a] for a in self.partitions)
+
+    def replicas(self, mesh: Mesh) -> int:
+        """Data-parallel replicas: the devices of the data axes."""
+        return math.prod(mesh.shape[a] for a in self.data)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlacement:
+    """How one batch signature (tree, shapes, dtypes) is split: rows over the data axes and, with a
+    space axis, each image's height over it."""
+
+    images: tuple[bool, ...] | None = None
+    """Per batch leaf, whether it is an image (its height and width are a window's input); ``None``
+    without a space axis."""
+    windows: tuple[spatial.Window, ...] = ()
+    """The step's convolutions and pooling windows at this signature."""
+    uneven: tuple[str, ...] = ()
+    """The layers whose height the space axis does not divide (XLA pads them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One step's placement on one mesh, for one state signature: see the module docstring."""
+
+    mesh: Mesh
+    roles: Roles
+    state: StateLayout
+    batch: BatchPlacement
+    """The example batch's (a batch of another signature gets its own, from the same step)."""
+    model_dims: tuple[int | None, ...] | None = None
+    """With a model axis: per state leaf, the dimension its rule splits (``tensor.assign``)."""
+    rule_notes: tuple[str, ...] = ()
+    """With a model axis: what the sharding rules left undone."""
+
+    @property
+    def replicas(self) -> int:
+        return self.roles.replicas(self.mesh)
+
+    @property
+    def split(self) -> int:
+        return self.roles.split(self.mesh)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """How the batch's rows are split (over the data axes)."""
+        return batch_sharding(self.mesh, self.roles)
+
+    def batch_shardings(self, batch, windows: tuple[spatial.Window, ...] | None = None):
+        """Each leaf of ``batch`` (global or one process's rows): rows over the data axes and, with
+        a space axis, the height of every image over it (a leaf shaped as a window's input of
+        ``windows``, the example batch's by default)."""
+        return batch_shardings(self.mesh, self.roles, batch, self.batch.windows if windows is None else windows)
+
+    def stored_shapes(self):
+        """The stored state as ``ShapeDtypeStruct`` leaves with their shardings (for lowering)."""
+        return self.state.stored_shapes()
+
+
+def batch_sharding(mesh: Mesh, roles: Roles) -> NamedSharding:
+    return NamedSharding(mesh, P(roles.data))
+
+
+def batch_shardings(mesh: Mesh, roles: Roles, batch, windows) -> Any:
+    rows = batch_sharding(mesh, roles)
+    if roles.space is None:
+        return jax.tree.map(lambda _: rows, batch)
+    image = NamedSharding(mesh, P(roles.data, roles.space))
+    return jax.tree.map(lambda x: image if spatial.is_image(np.shape(x), list(windows)) else rows, batch)
