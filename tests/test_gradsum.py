@@ -8,7 +8,10 @@ import pytest
 from helpers import max_abs_diff, relative_error, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
-from podscale.parallel.gradsum import AxisCost, calibrate, choose_order, make_grad_sum, parse_axis_costs
+from podscale.parallel import gradsum
+from podscale.parallel.gradsum import calibrate, make_grad_sum
+from podscale.perf import gradsum_cost
+from podscale.perf.gradsum_cost import AxisCost, choose_order, parse_axis_costs
 from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 5
@@ -90,6 +93,18 @@ def test_calibration_measures_every_axis():
     costs = calibrate(make_mesh((4, 2)), small=2**10, large=2**16, repeats=2)
     assert set(costs) == {"x", "y"}
     assert all(c.bandwidth > 0 and c.latency >= 0 for c in costs.values())
+    assert all(isinstance(c, gradsum_cost.AxisCost) for c in costs.values())
+
+
+def test_the_cost_model_lives_in_perf_and_stays_importable_from_gradsum():
+    for name in ("AxisCost", "modelled_seconds", "choose_order", "parse_axis_costs"):
+        assert getattr(gradsum, name) is getattr(gradsum_cost, name)
+        assert getattr(gradsum_cost, name).__module__ == "podscale.perf.gradsum_cost"
+    # x first: 2 reduce-scatter/all-gather rings of 4 on x, an all-reduce of 1/4 on y (one way).
+    costs = {"x": AxisCost(1e9, 1e-6), "y": AxisCost(2e9, 1e-5)}
+    rs_x = 3 / 4 * 2**20 / 1e9 + 3 * 1e-6
+    ar_y = 2 * (1 / 2 * 2**18 / 2e9) + 2 * 1 * 1e-5
+    assert gradsum_cost.modelled_seconds(("x", "y"), {"x": 4, "y": 2}, costs, 2**20) == pytest.approx(2 * rs_x + ar_y)
 
 
 def test_bfloat16_summation_is_opt_in_and_close(setup):

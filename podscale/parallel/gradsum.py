@@ -12,6 +12,10 @@ on one axis of chunk i can run while chunk i-1 is in its phase on the other axis
 XLA's; on CPU, collectives run one at a time). Results do not depend on ``chunks``: every element
 is summed in the same order whatever the chunking.
 
+The axis order's cost model (:class:`AxisCost`, :func:`choose_order`, :func:`parse_axis_costs`) is
+:mod:`podscale.perf.gradsum_cost`; :func:`calibrate`, which measures the figures by running
+collectives on the mesh, stays here.
+
 Row convention: a buffer of ``n`` rows has its rows ordered by ``lax.axis_index(order)``, i.e.
 row ``i_first * |second| + i_second``; the sharded update's chunk layout uses the same order.
 """
@@ -33,7 +37,12 @@ from jax.sharding import PartitionSpec as P
 
 from podscale._jax import all_gather_invariant
 from podscale.parallel.mesh import BN_GROUP
-from podscale.perf import network
+
+# The cost model is perf's (pure arithmetic, no collectives); its names stay importable from here.
+from podscale.perf.gradsum_cost import AxisCost as AxisCost
+from podscale.perf.gradsum_cost import choose_order as choose_order
+from podscale.perf.gradsum_cost import modelled_seconds as modelled_seconds
+from podscale.perf.gradsum_cost import parse_axis_costs as parse_axis_costs
 
 MODES = ("1d", "2d")
 DEFAULT_CHUNKS = 4
@@ -41,19 +50,6 @@ MAX_CHUNKS = 64
 """At most this many pipelined chunks per fused buffer: each chunk is a collective of its own that
 pays the links' latency, and each is traced and compiled; paper 1 pipelines a few per buffer."""
 """Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisCost:
-    """One mesh axis's links: one-way bandwidth per device (bytes/s) and latency per ring step (s)."""
-
-    bandwidth: float
-    latency: float
-
-    def ring(self, kind: str, size: int, nbytes: float) -> float:
-        """Seconds for a one-way ring ``reduce-scatter`` or ``all-reduce`` of ``nbytes`` per device
-        over ``size`` members (:func:`podscale.perf.network.ring_time`, the one ring formula)."""
-        return network.ring_time(kind, size, nbytes, self.bandwidth, self.latency, bidirectional=False)
 
 
 @dataclasses.dataclass
@@ -178,41 +174,6 @@ def _nbytes(x) -> int:
     return int(x.size) * x.dtype.itemsize
 
 
-def modelled_seconds(
-    order: tuple[str, str], sizes: Mapping[str, int], costs: Mapping[str, AxisCost], nbytes: float
-) -> float:
-    """Ring model of the 2-D sum of ``nbytes`` per device with ``order[0]`` first:
-    reduce-scatter along it, all-reduce along the other on 1/|first| pieces, all-gather back."""
-    first, second = order
-    scatter = costs[first].ring("reduce-scatter", sizes[first], nbytes)  # and the all-gather back: as long
-    return 2 * scatter + costs[second].ring("all-reduce", sizes[second], nbytes / sizes[first])
-
-
-def choose_order(
-    mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float, axes: tuple[str, ...] | None = None
-) -> tuple[tuple[str, str], str]:
-    """The 2-D order over ``axes`` (default the mesh's) with the lower modelled time for ``nbytes``
-    per device, and why."""
-    axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
-    sizes = dict(mesh.shape)
-    if costs is None:
-        return axes, "no per-axis costs given (pass axis_costs, or calibrate): mesh order"
-    missing = [a for a in axes if a not in costs]
-    if missing:
-        raise ValueError(f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of {axes}")
-    forward = modelled_seconds(axes, sizes, costs, nbytes)
-    backward = modelled_seconds(axes[::-1], sizes, costs, nbytes)
-    tied = math.isclose(forward, backward, rel_tol=1e-9)
-    order = axes if tied or forward < backward else axes[::-1]
-    best, other = sorted((forward, backward))
-    described = "; ".join(f"{a}: {costs[a].bandwidth:.3g} B/s, {costs[a].latency:.3g} s" for a in axes)
-    tie = " (a tie: mesh order)" if tied else ""
-    return order, (
-        f"{order[0]} first: a {nbytes / 2**20:.1f} MiB sum is modelled at {best * 1e3:.3g} ms against "
-        f"{other * 1e3:.3g} ms with {order[1]} first{tie} ({described})"
-    )
-
-
 def calibrate(mesh: Mesh, small: int = 2**12, large: int = 2**22, repeats: int = 5) -> dict[str, AxisCost]:
     """Measures each mesh axis: an all-reduce of a small and a large float32 buffer per device,
     fitted to the ring model (best of ``repeats``). All processes use process 0's figures."""
@@ -267,7 +228,8 @@ def make_grad_sum(
       mode: ``"1d"`` (one collective over all axes) or ``"2d"`` (needs a mesh with two axes).
       chunks: pipelined chunks per buffer (default :data:`DEFAULT_CHUNKS` for 2-D, 1 for 1-D).
       dtype: sum gradients in this dtype, e.g. ``jnp.bfloat16`` (opt-in; default their own).
-      axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``.
+      axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``
+        (:class:`podscale.perf.gradsum_cost.AxisCost`).
       nbytes: the buffer size the order is chosen for (the fusion bucket size).
       axes: the data axes the sum runs over (default every mesh axis; a spatial strategy's space
         axis is not one).
@@ -337,34 +299,6 @@ def make_grad_sum(
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
-
-
-def parse_axis_costs(text: str | None):
-    """``axis_costs`` as text: ``calibrate``, or ``AXIS=BANDWIDTH:LATENCY,...`` (bytes/s and seconds,
-    e.g. ``x=1e11:1e-6,y=4.5e10:1e-6``)."""
-    if text is None or text == "calibrate":
-        return text
-    costs = {}
-    for part in text.split(","):
-        try:
-            axis, figures = part.split("=")
-            bandwidth, latency = (float(f) for f in figures.split(":"))
-        except ValueError:
-            raise ValueError(
-                f"axis_costs={text!r}: write calibrate, or AXIS=BANDWIDTH:LATENCY per axis, e.g. x=1e11:1e-6,y=4.5e10:1e-6"
-            ) from None
-        if not (math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(latency) and latency >= 0):
-            raise ValueError(
-                f"axis_costs={part!r}: the bandwidth must be a finite number of bytes/s > 0 and the latency a finite "
-                "number of seconds >= 0"
-            )
-        axis = axis.strip()
-        if not axis or axis in costs:
-            raise ValueError(
-                f"axis_costs={text!r}: " + (f"axis {axis!r} given twice" if axis else "an axis without a name")
-            )
-        costs[axis] = AxisCost(bandwidth, latency)
-    return costs
 
 
 def _three_axis_example(n: int, k: int) -> str:

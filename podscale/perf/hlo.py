@@ -10,7 +10,7 @@ loop body once, which is why this reader does not use it for bytes.
 A collective's ``buffer_bytes`` is the buffer each device contributes, as in podscale's plan: an
 all-reduce's operand, a reduce-scatter's input, an all-gather's input shard, an all-to-all's or a
 collective-permute's operand. Bytes sent per device follow the ring algorithms (scaling-book,
-"All-reduce, all-gather, reduce-scatter"; the same formulas as ``podscale.parallel.gradsum``):
+"All-reduce, all-gather, reduce-scatter"; the same formulas as ``podscale.perf.gradsum_cost``):
 over a group of ``n`` devices, for an ``S``-byte buffer, all-reduce ``2 (n - 1) / n * S``,
 reduce-scatter and all-to-all ``(n - 1) / n * S``, all-gather ``(n - 1) * S``, collective-permute
 ``S``.
