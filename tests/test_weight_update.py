@@ -276,7 +276,8 @@ def test_fused_and_lone_gradient_chunks_match_the_stored_state_chunks(chunks, sp
     from jax.sharding import AbstractMesh
 
     from podscale.parallel import state_layout
-    from podscale.parallel.weight_update import Layout, Trace, _fuse_reduce_scatter
+    from podscale.parallel.weight_update import Layout, Trace
+    from podscale.parallel.weight_update.fusion import _fuse_reduce_scatter
 
     sizes = [189, 371, 4097, 745_983, 2_985_985, 65_537]
     leaves = [np.arange(s, dtype=np.float32).reshape(-1, 1) * 1e-3 + i for i, s in enumerate(sizes)]

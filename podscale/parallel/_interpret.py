@@ -1,7 +1,7 @@
 """Small helpers for walking jaxprs: sub-jaxprs, containment, the per-replica axes of a value.
 
 The per-replica program that :mod:`podscale.parallel.partition` traces is replayed by
-:mod:`podscale.parallel.weight_update`, which uses these; an equation holding a form neither
+:mod:`podscale.parallel.weight_update.replay`, which uses these; an equation holding a form neither
 knows is an error there, never a silent skip.
 """
 

@@ -14,10 +14,10 @@ An equation with a rule runs on the local pieces and says its output layout (an 
 split rows stays split, a ``dot_general`` contracting the split batch gives a partial sum, ...).
 A partial sum stays partial through sums and shape-only ops (so a weight used at every time step
 of a loop, or in two places, is summed once) and is resolved by one ``psum`` (bound as
-``psum_invariant``, which :mod:`podscale.weight_update` defers, fuses and, with the sharded update,
-turns into a reduce-scatter) when something nonlinear reads it. An equation without a rule gets its
-operands made whole (all-gathered or summed), which is always correct, and is listed in
-``Partitioner.whole_ops`` for the plan. Nothing is rescaled: a mean over the batch divides by the
+``psum_invariant``, which :mod:`podscale.parallel.weight_update` defers, fuses and, with the
+sharded update, turns into a reduce-scatter) when something nonlinear reads it. An equation
+without a rule gets its operands made whole (all-gathered or summed), which is always correct, and
+is listed in ``Partitioner.whole_ops`` for the plan. Nothing is rescaled: a mean over the batch divides by the
 global count because the program says so, and a sum, a weighted mean or a per-example gradient
 comes out as on one device.
 

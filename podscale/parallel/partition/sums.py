@@ -33,8 +33,8 @@ def _narrow_float(dtype) -> bool:
 @jax.jit
 def one_replica_sum(x):
     """The sum over one replica: ``x`` itself. A named call in the program, so that
-    ``weight_update.forward_used`` sees where a sum over the replicas would be (what is computed
-    after it is the same on every replica, as after a real sum)."""
+    ``weight_update.replay.forward_used`` sees where a sum over the replicas would be (what is
+    computed after it is the same on every replica, as after a real sum)."""
     return x
 
 

@@ -1,0 +1,278 @@
+"""The replay of a traced per-replica step with values in the sharded update's layouts.
+
+:class:`Rewriter` interprets the step's jaxpr equation by equation: a gradient sum (``psum``) is
+deferred to the fuser (:mod:`~podscale.parallel.weight_update.fusion`), a shape-only op on one is
+moved before it so that all sums stay fusable, an op that meets a shard runs on the shards where
+that is exact (elementwise ops, reshapes, reductions over a whole tensor) and on all-gathered
+values otherwise, and replicated work of the update on a large tensor runs on this replica's
+chunk (:mod:`~podscale.parallel.weight_update.chunks`). :func:`forward_used` finds the variables
+the forward pass (what differs per replica) is computed from: a sum it reads is all-reduced, never
+scattered, and no work it needs is cut into chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core
+
+from podscale.parallel import _interpret
+from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
+from podscale.parallel.weight_update.chunks import Layout, Sharded
+from podscale.parallel.weight_update.fusion import Collective, Trace, _Fuser, _Pending, gather
+from podscale.perf.hlo import UPDATE_SCOPE
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
+    reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
+)
+REDUCTIONS = {"reduce_sum": ("sum", 0), "reduce_max": ("max", -np.inf), "reduce_min": ("min", np.inf)}
+
+
+class Rewriter:
+    """Replays a traced step with sharded layouts; see :mod:`podscale.parallel.weight_update`."""
+
+    def __init__(self, layout: Layout, trace: Trace):
+        self.layout, self.trace = layout, trace
+        self.fuser = _Fuser(layout, trace)
+        self.forward: set | None = None  # variables the per-replica computation depends on
+        self._update: dict[int, Any] = {}  # values downstream of a gradient sum (id -> value, kept alive)
+
+    def run(self, closed, args) -> list:
+        """Evaluates a traced step (the top-level jaxpr)."""
+        self.forward = forward_used(closed.jaxpr)
+        return self.evaluate(closed.jaxpr, closed.consts, args)
+
+    # -- reading values -------------------------------------------------------------------
+    def resolve(self, v):
+        return v.get() if isinstance(v, _Pending) else v
+
+    def full(self, v, why: str):
+        v = self.resolve(v)
+        if isinstance(v, Sharded):
+            return gather(self.layout, [v], self.trace, why)[0]
+        return v
+
+    # -- the interpreter ------------------------------------------------------------------
+    def evaluate(self, jaxpr, consts, args) -> list:
+        env, read = _interpret.environment(jaxpr, consts, args)
+        # Equations run in order, except that one waiting on a deferred collective (and all that
+        # depend on it) waits until nothing else can run; then every deferred collective is sent,
+        # fused. The jaxpr is a dataflow graph, so this order computes the same values; effectful
+        # equations keep their relative order.
+        todo = list(jaxpr.eqns)
+        while todo:
+            blocked, blocked_vars = [], set()
+            for eqn in todo:
+                deps = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+                if any(v in blocked_vars for v in deps) or (_ordered(eqn) and blocked):
+                    wait = True
+                else:
+                    invals = [read(v) for v in eqn.invars]
+                    wait = self._waits(eqn, invals)
+                if wait:
+                    blocked.append(eqn)
+                    blocked_vars.update(eqn.outvars)
+                    continue
+                if self._in_update(invals):
+                    with jax.named_scope(UPDATE_SCOPE), _interpret.source(eqn):
+                        outs = self.equation(eqn, invals)
+                    self._update.update((id(o), o) for o in outs)
+                else:
+                    with _interpret.source(eqn):
+                        outs = self.equation(eqn, invals)
+                for var, val in zip(eqn.outvars, outs, strict=True):
+                    env[var] = val
+            if blocked:
+                self.fuser.flush()
+            todo = blocked
+        return [read(v) for v in jaxpr.outvars]
+
+    def _in_update(self, invals) -> bool:
+        """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
+        the forward pass reads, such as a batch statistic, is not the update's)."""
+        for v in invals:
+            if isinstance(v, _Pending):
+                if v.kind != "grad" or v.scatter:
+                    return True
+            elif isinstance(v, Sharded) or id(v) in self._update:
+                return True
+        return False
+
+    def _waits(self, eqn, invals) -> bool:
+        unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
+        return unresolved and not self._movable(eqn, invals) and not is_grad_sum(eqn, self.layout.axes)
+
+    def equation(self, eqn, invals) -> list:
+        name = eqn.primitive.name
+        if is_grad_sum(eqn, self.layout.axes):
+            # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
+            scatter = not any(v in self.forward for v in eqn.outvars)
+            return [self.fuser.add(v, scatter=scatter) for v in invals]
+        if self._movable(eqn, invals):
+            moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])
+            return [self.fuser.move(invals[0], moved[0])]
+        vals = [self.resolve(v) for v in invals]
+        has_shard = any(isinstance(v, Sharded) for v in vals)
+        if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
+            has_shard or _interpret.contains_any(eqn, {GRAD_SUM})
+        ):
+            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
+            extra = len(vals) - len(inner_jaxpr.invars)
+            return self.evaluate(inner_jaxpr, consts, vals[extra:])
+        if not has_shard and self._redundant(eqn, vals):
+            # Replicated work of the update on a large whole tensor (LAMB's weight norm, a weight
+            # decay term): every replica would repeat it, so each does its chunk instead.
+            big = [i for i, v in enumerate(vals) if self._sliceable(v)]
+            sliced = list(vals)
+            for i in big:
+                sliced[i] = self.layout.slice(vals[i])
+            result = self.on_shards(eqn, sliced)
+            if result is not None:
+                return result
+        if has_shard:
+            sharded = self.on_shards(eqn, vals)
+            if sharded is not None:
+                return sharded
+            self.trace.gathered_ops.append(f"{name}{[list(getattr(v, 'shape', ())) for v in vals]}")
+            vals = [self.full(v, f"operand of {name}") for v in vals]
+            # A gathered value is the same on every replica; type it as the program had it.
+            vals = [
+                self.varying(v) if isinstance(var, core.Var) and _varying(var.aval) else v
+                for var, v in zip(eqn.invars, vals, strict=True)
+            ]
+        return self.bind(eqn, vals)
+
+    def _sliceable(self, v) -> bool:
+        return isinstance(v, jax.Array) and self.layout.shards(np.shape(v), v.dtype) and not _varying(jax.typeof(v))
+
+    def _redundant(self, eqn, vals) -> bool:
+        """An update-region equation (nothing per-replica depends on it) on a large whole tensor,
+        of a kind that runs on chunks; only with the sharded update."""
+        if not self.layout.scatter or self.forward is None or any(v in self.forward for v in eqn.outvars):
+            return False
+        if self.layout.n == 1:  # no replica repeats it (and no value is typed per replica to tell the forward pass)
+            return False
+        if any(_varying(v.aval) for v in eqn.outvars) or not any(self._sliceable(v) for v in vals):
+            return False
+        name = eqn.primitive.name
+        if name in ELEMENTWISE:
+            shapes = {tuple(np.shape(v)) for v in vals if np.shape(v) != ()}
+            return len(shapes) == 1
+        return name in REDUCTIONS and len(vals) == 1 and len(eqn.params["axes"]) == np.ndim(vals[0])
+
+    @staticmethod
+    def _movable(eqn, invals) -> bool:
+        """A shape-only op on a deferred gradient sum (the bias gradient's reshape and unit-axis
+        reduce_sum in the backward pass): moving it before the sum keeps all sums fusable."""
+        if not invals or not isinstance(invals[0], _Pending) or invals[0].result is not None:
+            return False
+        name, p = eqn.primitive.name, eqn.params
+        if name == "pad":  # the transpose of a slice: zeros sum to zeros
+            return isinstance(eqn.invars[1], core.Literal) and eqn.invars[1].val == 0
+        if len(invals) != 1:
+            return False
+        if name in ("reshape", "squeeze", "expand_dims", "transpose", "reshard"):
+            return True
+        if name == "broadcast_in_dim":
+            return math.prod(p["shape"]) == invals[0].value.size
+        if name == "reduce_sum":
+            return all(invals[0].value.shape[a] == 1 for a in p["axes"])
+        return False
+
+    def bind(self, eqn, vals) -> list:
+        if _interpret.contains_any(eqn, {GRAD_SUM}):
+            # Control flow that resolves a partial sum inside (a value that each iteration needs
+            # whole): those sums stay all-reduces in the loop, the results are full values.
+            self.trace.collectives.append(
+                Collective("all-reduce", self.layout.axes, 0, 0, f"sum inside {eqn.primitive.name}", update=True)
+            )
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    def varying(self, x):
+        """``x`` typed as differing per replica (primitives bound directly get no implicit cast)."""
+        missing = tuple(a for a in self.layout.axes if not _varying(jax.typeof(x), a))
+        return lax.pcast(x, missing, to="varying") if missing and self.layout.n > 1 else x
+
+    def on_shards(self, eqn, vals) -> list | None:
+        """The equation computed on shards, or ``None`` when it cannot be."""
+        name, p = eqn.primitive.name, eqn.params
+        shards = [v for v in vals if isinstance(v, Sharded)]
+        shape = shards[0].shape
+        if name in ELEMENTWISE:
+            if any(s.shape != shape for s in shards):
+                return None
+            args = []
+            for v in vals:
+                if isinstance(v, Sharded):
+                    args.append(v.shard)
+                elif np.shape(v) == ():
+                    args.append(v)
+                elif tuple(np.shape(v)) == shape:
+                    args.append(self.layout.slice(v).shard)
+                else:
+                    return None
+            out = eqn.primitive.bind(*[self.varying(a) for a in args], **p)
+            outs = out if eqn.primitive.multiple_results else [out]
+            return [Sharded(o, shape) for o in outs]
+        if name == "pvary" and len(vals) == 1 and set(p["axes"]) <= set(self.layout.axes):
+            return [Sharded(self.varying(vals[0].shard), vals[0].shape)]  # a shard varies already
+        if name == "reshard" and len(vals) == 1:  # a sharding annotation; shards are manual already
+            return [vals[0]]
+        if name == "reshape" and len(vals) == 1:
+            return [Sharded(vals[0].shard, tuple(p["new_sizes"]))]
+        if name == "broadcast_in_dim" and len(vals) == 1 and math.prod(p["shape"]) == vals[0].size:
+            return [Sharded(vals[0].shard, tuple(p["shape"]))]  # only inserts unit dimensions
+        if name == "squeeze" and len(vals) == 1:
+            return [Sharded(vals[0].shard, tuple(d for i, d in enumerate(shape) if i not in p["dimensions"]))]
+        if name in REDUCTIONS and len(vals) == 1 and tuple(sorted(p["axes"])) == tuple(range(len(shape))):
+            kind, identity = REDUCTIONS[name]
+            s = vals[0]
+            local = s.shard
+            if self.layout.padding(s.size):
+                local = jnp.where(self.layout.valid(s), local, jnp.asarray(identity, local.dtype))
+            partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
+            return [self.fuser.add(partial, kind)]  # fused with the other partials when read
+        return None
+
+
+def _ordered(eqn) -> bool:
+    """Whether ``eqn`` has an effect that fixes its order (a callback, a print); a collective's
+    named-axis effect does not."""
+    return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
+
+
+def forward_used(jaxpr, seeds=None) -> set:
+    """Variables that a value differing per replica (the forward pass) is computed from. Each
+    value's type says whether it differs per replica; with one replica, whose values are not typed
+    so, ``seeds`` (the batch's variables) say, and what is computed from them differs."""
+    if seeds is None:
+        differs = lambda v: _varying(v.aval)  # noqa: E731
+    else:
+        varying = set(seeds)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "one_replica_sum":
+                continue  # where the sum over the replicas would be: the same on every replica after it
+            if any(v in varying for v in eqn.invars if not isinstance(v, core.Literal)):
+                varying.update(eqn.outvars)
+        differs = varying.__contains__
+    needed = set()
+    for eqn in reversed(jaxpr.eqns):
+        if any(differs(v) or v in needed for v in eqn.outvars):
+            needed.update(v for v in eqn.invars if not isinstance(v, core.Literal))
+    return needed
+
+
+def _varying(aval, axis=None) -> bool:
+    names = _interpret.varying_axes(aval)
+    return bool(names) if axis is None else axis in names
