@@ -205,7 +205,7 @@ class DataParallelStep:
     def images(self) -> list[bool] | None:
         """With a space axis: which leaves of the last batch signature called are images."""
         found = self._batch_placement()
-        return None if found is None or found.images is None else list(found.images)
+        return None if found is None or not self.space else list(found.images)
 
     @property
     def windows(self) -> list:
@@ -321,7 +321,7 @@ class DataParallelStep:
         key = _signature(batch)
         if key not in self._batches:
             if not self.space:
-                self._batches[key] = BatchPlacement()
+                self._batches[key] = BatchPlacement(tuple(False for _ in jax.tree.leaves(batch)))
             else:
                 abstract_state = abstract_state if abstract_state is not None else self.layout_shapes()
                 found = tuple(spatial.windows(self.global_trace(abstract_state, batch).closed.jaxpr))

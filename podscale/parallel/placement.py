@@ -78,9 +78,9 @@ class BatchPlacement:
     """How one batch signature (tree, shapes, dtypes) is split: rows over the data axes and, with a
     space axis, each image's height over it."""
 
-    images: tuple[bool, ...] | None = None
-    """Per batch leaf, whether it is an image (its height and width are a window's input); ``None``
-    without a space axis."""
+    images: tuple[bool, ...] = ()
+    """Per batch leaf, whether it is an image whose height the space axis splits (its height and
+    width are a window's input); all ``False`` without a space axis."""
     windows: tuple[spatial.Window, ...] = ()
     """The step's convolutions and pooling windows at this signature."""
     uneven: tuple[str, ...] = ()
@@ -119,6 +119,13 @@ class Placement:
         a space axis, the height of every image over it (a leaf shaped as a window's input of
         ``windows``, the example batch's by default)."""
         return batch_shardings(self.mesh, self.roles, batch, self.batch.windows if windows is None else windows)
+
+    def batch_specs(self, batch: BatchPlacement | None = None) -> tuple[P, ...]:
+        """Per leaf of a batch signature (the example batch's by default), its ``PartitionSpec``:
+        rows over the data axes, and an image's height over the space axis."""
+        batch = self.batch if batch is None else batch
+        image = P(self.roles.data, self.roles.space)
+        return tuple(image if im else P(self.roles.data) for im in batch.images)
 
     def stored_shapes(self):
         """The stored state as ``ShapeDtypeStruct`` leaves with their shardings (for lowering)."""
