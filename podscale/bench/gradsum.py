@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.bench import DEFAULT_SIZES, check_sizes
 from podscale.parallel import checks
-from podscale.parallel.gradsum import GradSum, PhaseRecord, make_grad_sum
+from podscale.parallel.collectives import Collective
+from podscale.parallel.gradsum import GradSum, make_grad_sum
 from podscale.parallel.mesh import make_mesh
 from podscale.perf import hlo
 
@@ -47,7 +48,7 @@ VARIANTS = {
 }
 
 
-def ring_bytes(phases: list[PhaseRecord], sizes: dict[str, int]) -> dict[str, int]:
+def ring_bytes(phases: list[Collective], sizes: dict[str, int]) -> dict[str, int]:
     """Bytes sent per device along each axis by ring collectives of the recorded phases."""
     out: dict[str, int] = {}
     for ph in phases:
@@ -58,7 +59,7 @@ def ring_bytes(phases: list[PhaseRecord], sizes: dict[str, int]) -> dict[str, in
 
 
 def _program(grad_sum: GradSum, mesh, per_device: int):
-    phases: list[PhaseRecord] = []
+    phases: list[Collective] = []
     spec = P(tuple(mesh.axis_names))
 
     def body(x):

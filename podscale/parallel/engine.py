@@ -36,7 +36,6 @@ from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.placement import BatchPlacement, Placement, Roles, batch_sharding, batch_shardings
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
-    Collective,
     Layout,
     Rewriter,
     Sharded,
@@ -423,9 +422,7 @@ class DataParallelStep:
             layout.check(new_state, "the step's new_state")
             _check_kept_shapes(new_state, layout)
             trace.whole_ops = list(part.whole_ops)
-            trace.collectives[:0] = [
-                Collective(kind, axes, nbytes, 1, why) for kind, axes, nbytes, why in part.collectives
-            ]
+            trace.collectives[:0] = part.collectives
             new_state = self._finish_state(chunks, trace, new_state)
             pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))
             metrics = jax.tree.unflatten(

@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from podscale._jax import all_gather_invariant
+from podscale.parallel.collectives import Collective
 from podscale.parallel.mesh import BN_GROUP
 
 # The cost model is perf's (pure arithmetic, no collectives); its names stay importable from here.
@@ -50,16 +51,6 @@ MAX_CHUNKS = 64
 """At most this many pipelined chunks per fused buffer: each chunk is a collective of its own that
 pays the links' latency, and each is traced and compiled; paper 1 pipelines a few per buffer."""
 """Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
-
-
-@dataclasses.dataclass
-class PhaseRecord:
-    """One phase of a summation, for the plan: a collective kind on one or more mesh axes."""
-
-    kind: str  # reduce-scatter | all-reduce | all-gather
-    axes: tuple[str, ...]
-    bytes_per_device: int
-    chunks: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +71,14 @@ class GradSum:
         return math.prod(self.sizes[a] for a in self.order)
 
     # -- the three collectives, on values typed as differing per replica -------------------
-    def all_reduce(self, x, phases: list[PhaseRecord]) -> jax.Array:
+    def all_reduce(self, x, phases: list[Collective]) -> jax.Array:
         """The sum over every replica of ``x`` (any shape); the result is the same everywhere."""
         if self.n == 1:  # one replica (a 1xk mesh): its value is the sum; no collective
             return x
         shape, dtype = x.shape, x.dtype
         x = self._to_sum_dtype(x)
         if self.mode == "1d":
-            phases.append(PhaseRecord("all-reduce", self.order, _nbytes(x), 1))
+            phases.append(Collective("all-reduce", self.order, _nbytes(x), chunks=1))
             return lax.psum(x, self.order).astype(dtype).reshape(shape)
         if x.size == 0:
             return x.astype(dtype)
@@ -104,20 +95,20 @@ class GradSum:
         total = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
         nbytes = _nbytes(rows)
         phases += [
-            PhaseRecord("reduce-scatter", (first,), nbytes, len(outs)),
-            PhaseRecord("all-reduce", (second,), nbytes // nx, len(outs)),
-            PhaseRecord("all-gather", (first,), nbytes // nx, len(outs)),
+            Collective("reduce-scatter", (first,), nbytes, chunks=len(outs)),
+            Collective("all-reduce", (second,), nbytes // nx, chunks=len(outs)),
+            Collective("all-gather", (first,), nbytes // nx, chunks=len(outs)),
         ]
         return total.reshape(-1)[: math.prod(shape)].astype(dtype).reshape(shape)
 
-    def reduce_scatter(self, rows, phases: list[PhaseRecord]) -> jax.Array:
+    def reduce_scatter(self, rows, phases: list[Collective]) -> jax.Array:
         """``rows``: ``[n, m]``; returns this replica's row of the sum, ``[m]``."""
         if self.n == 1:
             return rows[0]
         dtype = rows.dtype
         rows = self._to_sum_dtype(rows)
         if self.mode == "1d":
-            phases.append(PhaseRecord("reduce-scatter", self.order, _nbytes(rows), 1))
+            phases.append(Collective("reduce-scatter", self.order, _nbytes(rows), chunks=1))
             return lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0].astype(dtype)
         if rows.shape[1] == 0:
             return rows[0].astype(dtype)
@@ -132,18 +123,18 @@ class GradSum:
             outs.append(part[0])
         nbytes = _nbytes(rows)
         phases += [
-            PhaseRecord("reduce-scatter", (first,), nbytes, len(outs)),
-            PhaseRecord("reduce-scatter", (second,), nbytes // nx, len(outs)),
+            Collective("reduce-scatter", (first,), nbytes, chunks=len(outs)),
+            Collective("reduce-scatter", (second,), nbytes // nx, chunks=len(outs)),
         ]
         return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).astype(dtype)
 
-    def all_gather(self, shard, phases: list[PhaseRecord]) -> jax.Array:
+    def all_gather(self, shard, phases: list[Collective]) -> jax.Array:
         """``shard``: ``[m]``, this replica's row; returns all rows, ``[n, m]`` (never in the
         summation dtype: these are weights)."""
         if self.n == 1:
             return shard[None]
         if self.mode == "1d":
-            phases.append(PhaseRecord("all-gather", self.order, _nbytes(shard), 1))
+            phases.append(Collective("all-gather", self.order, _nbytes(shard), chunks=1))
             return all_gather_invariant(shard, self.order, axis=0, tiled=False)
         if shard.shape[0] == 0:
             return jnp.zeros((self.n, 0), shard.dtype)
@@ -155,8 +146,8 @@ class GradSum:
             outs.append(part.reshape(self.n, -1))
         nbytes = _nbytes(shard)
         phases += [
-            PhaseRecord("all-gather", (second,), nbytes, len(outs)),
-            PhaseRecord("all-gather", (first,), nbytes * self.sizes[second], len(outs)),
+            Collective("all-gather", (second,), nbytes, chunks=len(outs)),
+            Collective("all-gather", (first,), nbytes * self.sizes[second], chunks=len(outs)),
         ]
         return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 

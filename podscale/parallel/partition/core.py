@@ -17,6 +17,7 @@ from jax.extend import core
 
 from podscale._jax import all_gather_invariant
 from podscale.parallel import _interpret
+from podscale.parallel.collectives import Collective
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import _CONTROL
 from podscale.parallel.partition.draws import _random_bits_rows
@@ -73,7 +74,7 @@ class Partitioner:
         """ids of the group values an equation is being computed on (as replicated ones)."""
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
-        self.collectives: list[tuple[str, tuple[str, ...], int, str]] = []
+        self.collectives: list[Collective] = []
         """The collectives the partitioning adds itself, for the plan: (kind, mesh axes, bytes of the
         buffer each device contributes, what for). Its sums of partial values are the replay's to fuse and
         record."""
@@ -180,7 +181,7 @@ class Partitioner:
 
     def record(self, kind: str, axes, buffer, why: str) -> None:
         nbytes = math.prod(np.shape(buffer)) * np.dtype(buffer.dtype).itemsize
-        self.collectives.append((kind, tuple(axes), int(nbytes), why))
+        self.collectives.append(Collective(kind, tuple(axes), int(nbytes), 1, why))
 
     def convert(self, x, src: Layout, dst: Layout):
         if src == dst:

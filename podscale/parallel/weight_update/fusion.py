@@ -19,24 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from podscale.parallel.gradsum import PhaseRecord
+from podscale.parallel.collectives import Collective
 from podscale.parallel.weight_update.chunks import Layout, Sharded, unpadded
 from podscale.perf.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
-
-
-@dataclasses.dataclass
-class Collective:
-    kind: str  # reduce-scatter | all-reduce | all-gather
-    axes: tuple[str, ...]
-    bytes_per_device: int
-    tensors: int
-    why: str
-    chunks: int = 1
-    """Pipelined chunks the buffer is sent in (2-D gradient summation)."""
-    update: bool = False
-    """Part of the data-parallel update (gradient sums, the sharded update's norms, the gather
-    of updated weights), as opposed to what the model itself needs (batch statistics, values
-    made whole for an op)."""
 
 
 @dataclasses.dataclass
@@ -49,9 +34,9 @@ class Trace:
     """Ops of the global program computed on whole values (see ``partition.Partitioner``)."""
 
 
-def _record(trace: Trace, phases: list[PhaseRecord], tensors: int, why: str, update: bool) -> None:
+def _record(trace: Trace, phases: list[Collective], tensors: int, why: str, update: bool) -> None:
     for ph in phases:
-        trace.collectives.append(Collective(ph.kind, ph.axes, ph.bytes_per_device, tensors, why, ph.chunks, update))
+        trace.collectives.append(dataclasses.replace(ph, tensors=tensors, why=why, update=update))
 
 
 def _buckets(items: list, nbytes, limit: int) -> list[list]:
@@ -103,7 +88,7 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
     rows = [layout._padded_rows(v) for v in values]
     widths = [r.shape[1] for r in rows]
     buffer = _pack(rows)
-    phases: list[PhaseRecord] = []
+    phases: list[Collective] = []
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
@@ -116,7 +101,7 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
 
 
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
-    phases: list[PhaseRecord] = []
+    phases: list[Collective] = []
     if len(values) == 1 and layout.grad_sum.mode == "1d":  # as it is: no flattening
         out = [layout.grad_sum.all_reduce(values[0], phases)]
     else:
@@ -146,7 +131,7 @@ def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, updat
         buckets += _buckets(rest, full_bytes, layout.bucket_bytes)
     for members in buckets:
         parts = [shards[i].shard for i in members]
-        phases: list[PhaseRecord] = []
+        phases: list[Collective] = []
         full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
         _record(trace, phases, len(members), why, update)
         for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts]), strict=True):
