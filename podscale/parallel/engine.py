@@ -20,7 +20,6 @@ weights are all-gathered.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,11 +28,24 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import _interpret, spatial, state_layout, tensor
+from podscale.parallel import spatial, state_layout, tensor
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.placement import BatchPlacement, Placement, Roles, batch_sharding, batch_shardings
+from podscale.parallel.program import (
+    GlobalTrace,
+    Step,
+    as_arrays,
+    check_batch,
+    check_kept_shapes,
+    check_not_donated,
+    path_str,
+    shape_structs,
+    signature,
+    trace_global,
+    whole,
+)
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
     Layout,
@@ -43,82 +55,6 @@ from podscale.parallel.weight_update import (
     forward_used,
     gather,
 )
-
-Step = Callable[[Any, Any], tuple[Any, Any]]
-
-
-def _path(path) -> str:
-    return jax.tree_util.keystr(path)
-
-
-def _leaf_shape(x) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    if not hasattr(x, "dtype"):  # a Python scalar (flax TrainState.create's step), as jit sees it
-        x = jnp.asarray(x)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
-
-
-def _shapes(tree):
-    """``jax.ShapeDtypeStruct`` leaves for a tree of arrays, Python scalars or shape structs."""
-    return jax.tree.map(_leaf_shape, tree)
-
-
-def as_arrays(tree):
-    """Python scalars (a flax ``TrainState``'s ``step``) as arrays, as ``jax.jit`` would take them."""
-    return jax.tree.map(lambda x: x if hasattr(x, "dtype") else jnp.asarray(x), tree)
-
-
-@dataclasses.dataclass
-class GlobalTrace:
-    """The user's step traced at the global batch shape: the specification podscale partitions."""
-
-    closed: Any
-    out_tree: Any
-    n_state: int
-
-
-def trace_global(step: Step, state, batch, group_axis: str | None = None) -> GlobalTrace:
-    """Traces ``step`` at the global shapes, with nested ``jit``s and loops kept. With batch norm
-    over groups of replicas, the model's ``group_axis`` is bound with size 1 (one device)."""
-    axis_env = [(group_axis, 1)] if group_axis else None
-    try:
-        closed, out_shape = jax.make_jaxpr(step, return_shape=True, axis_env=axis_env)(state, batch)
-    except NameError as e:
-        if "axis name" not in str(e):
-            raise
-        raise ValueError(
-            f"the step calls a collective over a named axis ({e}). podscale runs the step as written for one "
-            "device on the whole global batch and sums gradients itself: remove lax.pmean/psum/all_gather from "
-            "the step (a mean over the batch is jnp.mean)."
-        ) from None
-    return GlobalTrace(closed, jax.tree.structure(out_shape), len(jax.tree.leaves(state)))
-
-
-def _check_kept_shapes(new_state, layout) -> None:
-    """A step keeps every state leaf's shape, as a loop carry does: the next call reads the state
-    it returned in the layout this one was placed in."""
-    pairs = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
-    for (path, v), leaf in zip(pairs, layout.leaves, strict=True):
-        shape = tuple(v.shape) if isinstance(v, Sharded) else tuple(np.shape(v))
-        if shape != tuple(leaf.shape):
-            raise ValueError(
-                f"the step returned new_state{_path(path)} with shape {list(shape)}, but was given it with shape "
-                f"{list(leaf.shape)}: a step must return every state leaf in the shape it took (as a loop carry), "
-                "so that its result can be stepped again; keep values of other shapes in the metrics"
-            )
-
-
-def _signature(batch) -> tuple:
-    """What a traced program depends on in a batch: its tree, and each leaf's shape and dtype."""
-    shapes = _shapes(batch)
-    return jax.tree.structure(shapes), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes))
-
-
-def _whole(kind: str, path, x):
-    if _interpret.varying_axes(jax.typeof(x)):
-        raise AssertionError(f"podscale left {kind}{_path(path)} per replica; please report this with the step")
-    return x
 
 
 class DataParallelStep:
@@ -244,7 +180,7 @@ class DataParallelStep:
         batch leaf's layout. Needs a (global) batch example (arrays or ``jax.ShapeDtypeStruct``)
         for the sharded update and a space axis. The first placement made is the step's, and it
         never changes: a later call returns it, after checking ``state`` has its shapes."""
-        abstract = _shapes(state)
+        abstract = shape_structs(state)
         if self._placement is not None:
             self._placement.state.check_user(abstract)
             if batch is not None:
@@ -307,7 +243,7 @@ class DataParallelStep:
         if self.trace is None or compile:
             if batch is None:
                 raise ValueError("plan() needs an example global batch the first time, and to compile")
-            lowered = self.lower(self.placement.stored_shapes(), _shapes(batch))
+            lowered = self.lower(self.placement.stored_shapes(), shape_structs(batch))
         module = hlo.read(lowered.compile(), self.mesh) if compile else None
         return make_plan(self.placement, self.trace, self.grad_sum, self.strategy, module, self._batch_placement())
 
@@ -317,7 +253,7 @@ class DataParallelStep:
         (refused with ``strict``). Made once per signature."""
         if batch is None:
             return self._batches.get(self._last) or (self._placement and self._placement.batch)
-        key = _signature(batch)
+        key = signature(batch)
         if key not in self._batches:
             if not self.space:
                 self._batches[key] = BatchPlacement(tuple(False for _ in jax.tree.leaves(batch)))
@@ -337,10 +273,10 @@ class DataParallelStep:
             jax.tree.structure(abstract_state),
             tuple(jax.tree.leaves(abstract_state)),
             jax.tree.structure(batch),
-            tuple(jax.tree.leaves(_shapes(batch))),
+            tuple(jax.tree.leaves(shape_structs(batch))),
         )
         if self._global is None or self._global[0] != key:
-            self._global = (key, trace_global(self.step, abstract_state, _shapes(batch), self.group_axis))
+            self._global = (key, trace_global(self.step, abstract_state, shape_structs(batch), self.group_axis))
         return self._global[1]
 
     def _local(self, gt: GlobalTrace, state_leaves, batch_leaves) -> tuple[Any, Partitioner]:
@@ -386,7 +322,7 @@ class DataParallelStep:
             axis_names=set(self.axes),
             check_vma=self.replicas > 1,
         )
-        jax.eval_shape(mapped, _shapes(batch))
+        jax.eval_shape(mapped, shape_structs(batch))
         return found[0]
 
     # -- the step ---------------------------------------------------------------------------
@@ -420,7 +356,7 @@ class DataParallelStep:
             except (TypeError, ValueError):
                 raise TypeError("the step must return a pair (new_state, metrics)") from None
             layout.check(new_state, "the step's new_state")
-            _check_kept_shapes(new_state, layout)
+            check_kept_shapes(new_state, layout)
             trace.whole_ops = list(part.whole_ops)
             trace.collectives[:0] = part.collectives
             new_state = self._finish_state(chunks, trace, new_state)
@@ -468,7 +404,7 @@ class DataParallelStep:
         gathered = gather(chunks, [leaves[i] for i in shards], trace, why, update=kind == "new_state") if shards else []
         for i, g in zip(shards, gathered, strict=True):
             leaves[i] = g
-        return [_whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
+        return [whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
 
     def _finish_state(self, chunks, trace, new_state):
         layout = self.layout
@@ -484,9 +420,9 @@ class DataParallelStep:
                 out.append(v.shard.astype(leaf.dtype))
                 continue
             if isinstance(v, Sharded):
-                v = gather(chunks, [v], trace, f"new_state{_path(path)} changed shape")[0]
-            v = _whole("new_state", path, v)
-            trace.gathered_ops.append(f"new_state{_path(path)} computed whole, then sliced")
+                v = gather(chunks, [v], trace, f"new_state{path_str(path)} changed shape")[0]
+            v = whole("new_state", path, v)
+            trace.gathered_ops.append(f"new_state{path_str(path)} computed whole, then sliced")
             out.append(chunks.slice(jnp.asarray(v, leaf.dtype)).shard)
         return jax.tree.unflatten(layout.treedef, out)
 
@@ -495,7 +431,7 @@ class DataParallelStep:
         or dtypes) is traced and partitioned anew, as ``jax.jit`` retraces, and checked first."""
         if self._placement is None:
             self.prepare(state, batch)
-        key = _signature(batch)
+        key = signature(batch)
         self._batch_placement(batch)
         if key not in self._jitted:
             self._jitted[key] = self._build(batch, key)
@@ -511,39 +447,14 @@ class DataParallelStep:
 
     def check_batch(self, batch) -> None:
         """Raises a ``ValueError`` naming the leaf when the replicas cannot split ``batch``."""
-        n = self.replicas
-        first = None
-        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-            shape = np.shape(leaf)
-            if not shape:
-                raise ValueError(f"batch{_path(path)} is a scalar; every batch leaf needs a leading batch dimension")
-            if shape[0] == 0:
-                raise ValueError(
-                    f"batch{_path(path)} has no rows (shape {list(shape)}); give a global batch of at least {n} rows, "
-                    f"one per replica of mesh {dict(self.mesh.shape)}"
-                )
-            if first is None:
-                first = (path, shape)
-            elif shape[0] != first[1][0]:
-                raise ValueError(
-                    f"batch{_path(path)} has {shape[0]} rows (shape {list(shape)}) but batch{_path(first[0])} has "
-                    f"{first[1][0]} (shape {list(first[1])}): every batch leaf needs the same leading batch size, "
-                    "since podscale splits the rows of all of them alike. Pass per-batch constants in the state "
-                    "or as a leaf with one row per example."
-                )
-            if shape[0] % n:
-                raise ValueError(
-                    f"batch{_path(path)} has global batch size {shape[0]} (shape {list(shape)}), which the "
-                    f"{n} replicas of mesh {dict(self.mesh.shape)} do not divide. Use a global batch "
-                    f"that is a multiple of {n}, e.g. {max(n, shape[0] // n * n)}."
-                )
+        check_batch(batch, self.replicas, self.mesh)
 
     def __call__(self, state, batch):
         self.check_batch(batch)
         if self.layout is None:
             state_layout.refuse_stored(state, "state", "step")  # placed by another step object
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
-        _check_not_donated(state, "state")
+        check_not_donated(state, "state")
         self.layout.check_stored(state)  # shapes and dtypes only: no device sync
         return self._compiled(state, batch)(state, batch)
 
@@ -572,7 +483,7 @@ class DataParallelStep:
         state this step object did not place (:meth:`StateLayout.check_stored`: a leaf's shape is
         not the one this step stores it in), and, before this step has placed anything, a leaf
         stored flat by a sharded update, which it cannot read back without that step's layout."""
-        _check_not_donated(state, "state")
+        check_not_donated(state, "state")
         if self.layout is None:  # nothing placed through this step: user-layout leaves are read as they are
             state_layout.refuse_stored(state, "state", "gather")
             return state_layout.decide(state, self.mesh, None, 1).fetch(state)
@@ -638,14 +549,3 @@ def data_parallel(
         raise TypeError(f"data_parallel: unknown options {unknown}; a Strategy has {sorted(known)}")
     strategy = dataclasses.replace(strategy or Strategy(), **options)
     return DataParallelStep(step, mesh, strategy, donate_state=donate_state)
-
-
-def _check_not_donated(tree, name: str) -> None:
-    """A donated buffer passed again would abort the process inside XLA; refuse it here."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(
-                f"{name}{jax.tree_util.keystr(path)} was donated to an earlier step (donate_state=True) and "
-                "its buffers are gone: pass the state that step returned, or build the step with "
-                "data_parallel(..., donate_state=False) to keep the input"
-            )
