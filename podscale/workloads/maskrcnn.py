@@ -37,6 +37,10 @@ Deviations kept: boxes are continuous (no ``+1`` pixel widths), the detections' 
 on the 10 x ``detections`` best class scores of an image, and each image's losses are its own
 sampled anchors' and regions' means.
 
+Why one file of about 740 lines: it is one workload, as every other MLPerf workload here is one
+module (its config, the network, its recipe and its evaluation, each read against the other); the
+pieces Mask R-CNN shares with detection in general (anchors, matching, sampling, NMS, RoIAlign,
+COCO AP) are in :mod:`podscale.workloads.rcnn`.
 """
 
 from __future__ import annotations
