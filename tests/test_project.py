@@ -197,7 +197,7 @@ def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(stra
     )
     assert row.mesh == row.compiled_mesh == target
     dp = data_parallel(
-        step, project_mesh.make_mesh(target), Strategy(**project_mesh.STRATEGIES[strategy]), donate_state=False
+        step, project_mesh.compile_mesh(target), Strategy(**project_mesh.STRATEGIES[strategy]), donate_state=False
     )
     global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4 * 8, *x.shape[1:]), x.dtype), batch)
     plan = dp.plan(state, global_batch, compile=True)
@@ -268,7 +268,7 @@ def test_the_measured_cpu_predicts_a_step():
     assert measured.matmul_flops["f32"] > 0 and measured.bandwidth > 0 and measured.overhead > 0
     assert set(measured.collectives) == set(network.KINDS)
     step, state, batch = _mlp()
-    mesh = project_mesh.make_mesh({"data": 2})
+    mesh = project_mesh.compile_mesh({"data": 2})
     dp = data_parallel(step, mesh, weight_update="sharded", donate_state=False)
     global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, *x.shape[1:]), x.dtype), batch)
     dp.prepare(state, global_batch)

@@ -41,7 +41,7 @@ def _compiled(system: str, chips: int, strategy: Strategy, replica_batch: int = 
     """The step as the projection compiles it for ``chips`` chips: (compiled, mesh)."""
     s = systems.get(system)
     devices = tpu.devices(system, tpu.topology_name(s, chips))
-    mesh = project_mesh.make_mesh({"data": len(devices)}, devices)
+    mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
     dp = data_parallel(_step, mesh, strategy, donate_state=False)
     batch = _batch(replica_batch * mesh.size)
     dp.prepare(_state(), batch)
@@ -198,7 +198,7 @@ def test_scanned_loops_on_tpu_count_their_trip_counts():
 
         return jax.lax.scan(layer, x, None, length=5)[0]
 
-    mesh = project_mesh.make_mesh({"data": 1}, devices[:1])
+    mesh = project_mesh.compile_mesh({"data": 1}, devices[:1])
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16, sharding=whole)
     w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=whole)
@@ -244,7 +244,7 @@ def test_an_all_reduce_each_device_keeps_a_share_of_is_a_reduce_scatter():
     from jax.sharding import NamedSharding, PartitionSpec
 
     devices = tpu.devices("tpu-v5e", "v5e:2x4")
-    mesh = project_mesh.make_mesh({"data": 8}, devices)
+    mesh = project_mesh.compile_mesh({"data": 8}, devices)
     x = jax.ShapeDtypeStruct((8 * 4096,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def both(v):

@@ -37,8 +37,8 @@ from podscale.perf.project_cost import cost, scale_update, update_seconds
 from podscale.perf.project_mesh import (
     DEFAULT_STRATEGIES,
     applicability,
+    compile_mesh,
     compile_shape,
-    make_mesh,
     shrink,
     strategy_for,
     target_shape,
@@ -225,7 +225,7 @@ def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str]
 def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape, devices=None):
     """The step compiled for ``shape``: on this machine's CPU devices (with the accelerators'
     lowerings), or on ``devices`` (compile-only TPU devices: XLA:TPU)."""
-    mesh = make_mesh(shape, devices)
+    mesh = compile_mesh(shape, devices)
     dp = data_parallel(step, mesh, strategy, donate_state=False)
     batch = make_batch(replica_batch * (mesh.size // k))
     with accelerator_lowerings() if devices is None else _no_persistent_cache():

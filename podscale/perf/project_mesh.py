@@ -174,7 +174,9 @@ def shrink(target: dict[str, int], devices: int) -> tuple[dict[str, int], str | 
     return shape, (first if factor > 1 else None), factor
 
 
-def make_mesh(shape: dict[str, int], devices: Sequence | None = None) -> Mesh:
+def compile_mesh(shape: dict[str, int], devices: Sequence | None = None) -> Mesh:
+    """A mesh of ``shape`` (axis name -> size, Auto axes) over this process's CPU devices, or over
+    ``devices`` (a TPU slice's compile-only ones): the target's mesh, or a shrunk one, to compile for."""
     available = list(devices if devices is not None else jax.devices("cpu"))
     n = math.prod(shape.values())
     if len(available) < n:

@@ -31,7 +31,7 @@ from podscale.parallel import checks
 from podscale.perf import hlo, hlo_cost
 from podscale.perf.network import Path
 from podscale.perf.project_cost import cost
-from podscale.perf.project_mesh import make_mesh
+from podscale.perf.project_mesh import compile_mesh
 from podscale.perf.systems import System
 
 COUNTS = (1, 2, 4, 8)
@@ -95,7 +95,7 @@ def _best_time(fn, *args, repeats: int = 7) -> float:
 
 def measure(n: int) -> Measured:
     """Measures this CPU with ``n`` devices at once (see the module docstring)."""
-    mesh = make_mesh({"data": n})
+    mesh = compile_mesh({"data": n})
     spec = NamedSharding(mesh, P("data"))
 
     def per_device(body, shape, dtype=jnp.float32):
@@ -236,7 +236,7 @@ def _workload_rows(name: str, measured: dict[int, Measured], steps: int, log) ->
     rows = []
     for n in COUNTS:
         log(f"{name}: {n} replica(s)")
-        mesh = make_mesh({"data": n})
+        mesh = compile_mesh({"data": n})
         dp = data_parallel(step, mesh, weight_update="sharded" if n > 1 else "replicated", donate_state=False)
         global_batch = cfg.per_core_batch * n
         host = [task.train_data.get(np.arange(i * global_batch, (i + 1) * global_batch)) for i in range(2)]
@@ -257,7 +257,7 @@ def _wus_rows(measured: Measured, steps: int, log, width=256, depth=4, vocab=409
     from podscale.train.tasks import make_train_step
 
     n = measured.devices
-    mesh = make_mesh({"data": n})
+    mesh = compile_mesh({"data": n})
     task = decoder_task(width, depth, vocab, 128)
     tx = optax.adam(1e-4)
     step = make_train_step(task, tx)
