@@ -261,14 +261,14 @@ def test_every_leaf_has_a_checksum_saved_inside_its_step(tmp_path):
     _, meta = _step_metadata(tmp_path / "checkpoints" / "3")
     sums = meta["custom_metadata"]["podscale_checksums"]
     assert ".step" in sums and any(k.startswith(".params[") for k in sums) and any(".opt_state" in k for k in sums)
-    assert all(len(v["sha256"]) == 64 and "shape" in v and "dtype" in v for v in sums.values())
+    assert all(len(v["fingerprint"]) == 16 and "shape" in v and "dtype" in v for v in sums.values())
 
 
 def test_damaged_checksums_are_refused(tmp_path):
     train(_config(tmp_path, steps=3))
     path, meta = _step_metadata(tmp_path / "checkpoints" / "3")
     leaf = next(k for k in meta["custom_metadata"]["podscale_checksums"] if k.startswith(".params"))
-    meta["custom_metadata"]["podscale_checksums"][leaf]["sha256"] = "0" * 64
+    meta["custom_metadata"]["podscale_checksums"][leaf]["fingerprint"] = "0" * 16
     with open(path, "w") as f:
         json.dump(meta, f)
     with pytest.raises(CheckpointError, match=r"step 3 .* is damaged: leaf " + re.escape(leaf)):

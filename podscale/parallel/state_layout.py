@@ -112,6 +112,29 @@ class StateLayout:
             return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, P((*self.axes, *self.parts)))
 
+    def saved_sharding(self, leaf: LeafLayout) -> NamedSharding:
+        """How a checkpoint holds ``leaf``: in the user layout (its own shape, so that any placement
+        restores it) and spread over the mesh, so that no device holds it whole where its shape
+        allows: a rule's dimension over the model axis, then the largest other dimension that the
+        remaining axes divide over them (over fewer of them, in mesh order, where they do not);
+        else whole (a scalar, a small or oddly shaped leaf, a PRNG key)."""
+        spec: list = [None] * len(leaf.shape)
+        if leaf.model_dim is not None:
+            spec[leaf.model_dim] = self.model
+        if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            rest = [a for a in self.mesh.axis_names if a not in spec]
+            for k in range(len(rest), 0, -1):
+                n = math.prod(self.mesh.shape[a] for a in rest[:k])
+                free = [d for d, s in enumerate(spec) if s is None and leaf.shape[d] % n == 0 and leaf.shape[d] >= n]
+                if free:
+                    spec[max(free, key=lambda d: leaf.shape[d])] = tuple(rest[:k])
+                    break
+        return NamedSharding(self.mesh, P(*spec))
+
+    def saved_shardings(self):
+        """Each leaf's :meth:`saved_sharding`: the checkpoint's layout of the state."""
+        return jax.tree.unflatten(self.treedef, [self.saved_sharding(leaf) for leaf in self.leaves])
+
     def shardings(self):
         """The stored leaves' shardings on the mesh (``specs`` name the data axes only, as the
         ``shard_map`` manual over them sees its inputs)."""

@@ -1,15 +1,21 @@
 """Checkpoints of the training state with orbax.
 
-Saves are synchronous and atomic: orbax writes a step into a temporary directory and renames it
-when complete, so a crash mid-save leaves the previous good checkpoint untouched and never a
-half-written step that looks finished.
+Each process writes only the shards it holds (orbax's sharded ``jax.Array`` support: OCDBT over
+tensorstore), in the layout :class:`~podscale.train.saving._CheckpointForm` gives them (every
+leaf in its own shape, spread over the mesh), so nothing is gathered to save. Saves are
+asynchronous: the training loop waits for the copy of the shards to the host, and orbax writes and
+commits them in the background; the next save, :meth:`Checkpointer.close` (the final save's and a
+preemption save's path) and the process's exit wait for it. A save is atomic: orbax writes a step
+into a temporary directory and renames it when complete, so a crash or a ``kill -9`` mid-save
+leaves the previous good checkpoint untouched and never a half-written step that looks finished.
 
-Every step carries a SHA-256 checksum of each array, hashed from the bytes handed to orbax and
-keyed by the leaf's pytree path (``.params['Dense_0']['kernel']``). They go into the step's own
-metadata (orbax's ``custom_metadata``, in ``STEP/_CHECKPOINT_METADATA``), written inside the
-temporary directory with the arrays, so a step that looks complete has them. A restore verifies
-every leaf against them: a step changed on disk after it was saved (a flipped bit, a bad copy)
-is refused with :class:`CheckpointError` naming the step and the leaves, never restored silently.
+Every step carries a fingerprint of each array (:func:`checksums`: two 32-bit position-weighted
+sums of its bits, computed on the devices where its shards lie), keyed by the leaf's pytree path
+(``.params['Dense_0']['kernel']``). They go into the step's own metadata (orbax's
+``custom_metadata``, in ``STEP/_CHECKPOINT_METADATA``), written inside the temporary directory
+with the arrays, so a step that looks complete has them. A restore, onto any mesh, verifies every
+leaf against them: a step changed on disk after it was saved (a flipped bit, a bad copy) is
+refused with :class:`CheckpointError` naming the step and the leaves, never restored silently.
 ``restore(fallback=True)`` (``--resume-fallback``) instead sets each damaged newer step aside as
 ``STEP.damaged`` (orbax ignores it), says so, and restores the newest intact step. A step whose
 checksums are missing or unreadable cannot be verified, and is refused as damaged too.
@@ -21,7 +27,6 @@ A restore that finds no checkpoint, or one that orbax cannot read, also raises
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import os
 import re
@@ -29,6 +34,7 @@ import sys
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 CHECKSUMS = "podscale_checksums"
@@ -47,30 +53,49 @@ class _Damaged(Exception):
         self.reason, self.message = reason, message
 
 
-def _host_array(leaf) -> np.ndarray:
-    """The whole value of ``leaf`` on this host (checkpoints hold replicated, whole tensors)."""
-    if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        if leaf.is_fully_replicated:
-            return np.asarray(leaf.addressable_data(0))
-        if not leaf.is_fully_addressable:
-            from jax.experimental import multihost_utils
+_MIX = (0x9E3779B1, 0x7F4A7C15, 0x85EBCA6B, 0xC2B2AE35)
 
-            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    return np.asarray(leaf)
+
+def _words(x):
+    """``x``'s bits as a flat vector of ``uint32`` words (one per element of 1, 2 or 4 bytes, two per
+    8-byte element; a PRNG key by its key data)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = np.dtype(x.dtype).itemsize
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    word = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32).reshape(-1)
+
+
+def _fingerprint(x) -> jax.Array:
+    """Two 32-bit sums of ``x``'s words, each word times an odd multiplier of its position: a flipped
+    bit (any single one, and all but about 2**-64 of other changes) or a moved word changes them.
+    Integer sums are exact in any order, so a sharded leaf's fingerprint is its whole value's,
+    computed where its shards are (XLA sums the per-device partial sums: two words each)."""
+    u = _words(x)
+    i = jnp.arange(u.size, dtype=jnp.uint32)
+    a = jnp.sum(u * (i * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1]) | 1), dtype=jnp.uint32)
+    b = jnp.sum((u ^ (i * jnp.uint32(_MIX[2]))) * (i * jnp.uint32(_MIX[3]) + jnp.uint32(_MIX[0]) | 1), dtype=jnp.uint32)
+    return jnp.stack([a, b])
+
+
+_fingerprints = jax.jit(lambda state: [_fingerprint(x) for x in jax.tree.leaves(state)])
 
 
 def checksums(state) -> dict[str, dict]:
-    """SHA-256 of each leaf's bytes with its shape and dtype, keyed by its pytree path."""
+    """Each leaf's fingerprint (:func:`_fingerprint`, 16 hex digits), shape and dtype, keyed by its
+    pytree path. Computed on the devices where the leaves lie (a sharded leaf is never gathered);
+    only the fingerprints come to the host."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    prints = jax.device_get(_fingerprints(state))
     sums = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        value = np.require(_host_array(leaf), requirements="C")  # 0-d stays 0-d
-        sums[jax.tree_util.keystr(path)] = {
-            "sha256": hashlib.sha256(value.reshape(-1).view(np.uint8)).hexdigest(),
-            "shape": list(value.shape),
-            "dtype": str(value.dtype),
-        }
+    for path, leaf, fp in zip(paths, jax.tree.leaves(state), prints, strict=True):
+        dtype = jax.random.key_data(leaf).dtype if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf.dtype
+        shape = np.shape(leaf)
+        sums[path] = {"fingerprint": f"{int(fp[0]):08x}{int(fp[1]):08x}", "shape": list(shape), "dtype": str(dtype)}
     return sums
 
 
@@ -178,7 +203,7 @@ class Checkpointer:
         self._manager = _orbax().CheckpointManager(
             self.directory,
             options=_orbax().CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
             ),
         )
 

@@ -1,40 +1,41 @@
-"""The state a run saves: checkpoints in the user layout (whole tensors, so any replica count
-restores them), and only a finite state (a non-finite loss or state stops the run,
-:class:`NonFiniteError`, and is never saved)."""
+"""The state a run saves: checkpoints in the user layout, spread over the mesh (each process writes
+the shards it holds, nothing is gathered, and any placement restores them), and only a finite
+state (a non-finite loss or state stops the run, :class:`NonFiniteError`, and is never saved)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 
 class _CheckpointForm:
-    """Checkpoints hold the user layout (whole tensors), so they restore onto any replica count:
-    the stored state is unstored (all-gathered) on save and stored (sliced) on restore."""
+    """Checkpoints hold every leaf in its own (user) shape, sharded over the mesh as
+    ``StateLayout.saved_sharding`` says: a sharded update's flat chunks are reshaped on the
+    devices (XLA moves the pieces between them, no device gathers a leaf), a leaf a rule splits
+    stays split over the model axis. A restore reads each device's pieces of the target
+    placement's saved layout, and stores them (on the devices) in its stored layout: another mesh,
+    replica or process count, or strategy restores the same values."""
 
     def __init__(self, layout):
-        replicated = NamedSharding(layout.mesh, P())
         self.layout = layout
-        self._save = jax.jit(layout.unstore, out_shardings=replicated)
+        self._saved = layout.saved_shardings()
+        self._save = jax.jit(layout.unstore, out_shardings=self._saved)
         self._load = jax.jit(layout.store, out_shardings=layout.shardings())
-        self._replicated = replicated
-
-    def _converts(self) -> bool:
-        return self.layout.any_sharded or self.layout.any_split
 
     def save_form(self, state):
-        return self._save(state) if self._converts() else state
+        return self._save(state)
 
     def like(self):
         return jax.tree.unflatten(
             self.layout.treedef,
-            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated) for leaf in self.layout.leaves],
+            [
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+                for leaf, sharding in zip(self.layout.leaves, jax.tree.leaves(self._saved), strict=True)
+            ],
         )
 
     def load(self, restored):
-        return self._load(restored) if self._converts() else restored
+        return self._load(restored)
 
 
 class NonFiniteError(ValueError):
