@@ -322,3 +322,26 @@ def bench_gradsum(result: dict[str, Any]) -> None:
                 f"{r['max_abs_error']:.1e}",
             )
     report.show(table)
+
+
+def bench_checkpoint(result: dict[str, Any]) -> None:
+    """What ``podscale bench checkpoint`` prints: a sharded state's save, async against sync."""
+    table = report.table(
+        "save",
+        "stall per save s",
+        "host memory growth",
+        title=(
+            f"checkpoint: {result['model']} ({result['config']}) state of {report.size(result['state_bytes'])}, "
+            f"{result['replicas']} replicas, sharded update; median of {result['saves']} saves"
+        ),
+        numbers=("stall per save s", "host memory growth"),
+    )
+    for mode in ("async", "sync"):
+        table.add_row(mode, f"{result[f'{mode}_stall_s']:.3f}", report.size(result[f"{mode}_host_peak_bytes"]))
+    console = Console()
+    report.show(table, console)
+    console.print(
+        f"state per device {report.size(result['device_state_bytes'])} of {report.size(result['state_bytes'])}; "
+        f"largest buffer written {report.size(result['largest_saved_buffer_bytes'])}; this process writes "
+        f"{report.size(result['process_shard_bytes'])}; restored bit-identical: {result['restored_bit_identical']}"
+    )

@@ -261,7 +261,9 @@ def test_every_leaf_has_a_checksum_saved_inside_its_step(tmp_path):
     _, meta = _step_metadata(tmp_path / "checkpoints" / "3")
     sums = meta["custom_metadata"]["podscale_checksums"]
     assert ".step" in sums and any(k.startswith(".params[") for k in sums) and any(".opt_state" in k for k in sums)
-    assert all(len(v["fingerprint"]) == 16 and "shape" in v and "dtype" in v for v in sums.values())
+    assert all(len(v["fingerprint"]) == 16 and "dtype" in v for v in sums.values())
+    layout = meta["custom_metadata"]["podscale_layout"]
+    assert set(layout) == set(sums) and all(set(v) == {"saved", "shape"} for v in layout.values())
 
 
 def test_damaged_checksums_are_refused(tmp_path):

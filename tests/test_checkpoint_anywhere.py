@@ -1,6 +1,6 @@
-"""Checkpoints hold the state in its own shapes, spread over the mesh, and restore onto any other
-placement: another replica count, update, model axis or mesh. The values restored are the values
-saved, bit for bit; no device holds a whole leaf of a sharded state while it is saved."""
+"""Checkpoints hold the state in the layout it is stored in (nothing gathered to save) and restore
+onto any other placement: another replica count, update, model axis or mesh. The values restored
+are the values saved, bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import pytest
 
 from podscale import data_parallel, make_mesh
 from podscale.train.checkpoint import Checkpointer
-from podscale.train.saving import _CheckpointForm
+from podscale.train.saving import CheckpointForm
 from podscale.train.tasks import make_task, make_train_step
 
 
@@ -64,13 +64,12 @@ def test_a_checkpoint_restores_bit_for_bit_onto_another_placement(tmp_path, chai
     ckpt = Checkpointer(str(tmp_path), every=1)
     for step, name in enumerate(chain, start=1):
         dp = _placed(name, task, tx, batch)
-        form = _CheckpointForm(dp.prepare(state, batch).state)
+        form = CheckpointForm(dp.prepare(state, batch).state)
         if step == 1:
             stored = dp.place_state(state, batch)
         else:
-            restored_step, restored = ckpt.restore(form.like())
+            restored_step, stored = ckpt.restore(form)  # read as saved, converted into this placement's
             assert restored_step == step - 1
-            stored = form.load(restored)
             _assert_bits(dp.gather_state(stored), state)  # what the previous placement saved
         stored, _ = dp(stored, batch)
         state = dp.gather_state(stored)
@@ -80,27 +79,24 @@ def test_a_checkpoint_restores_bit_for_bit_onto_another_placement(tmp_path, chai
     assert ckpt.latest_step() == len(chain)
 
 
-def test_the_saved_form_spreads_every_large_leaf_over_the_mesh():
-    """The sharded update's flat chunks and the weights are saved in their own shapes, each
-    device holding a piece: no device buffer holds a whole large leaf (here: every leaf of at
-    least 64 elements whose shape the mesh's axes divide somewhere, which is all of this model's)."""
+def test_a_save_writes_the_stored_state_as_it_is():
+    """Nothing is gathered or reshaped to save: the saved form is the stored state itself (a
+    sharded update's flat chunks, a rule's split leaves, each device's own piece), and the step's
+    metadata says each leaf's saved and own shapes, which a restore reads back."""
     task, tx, batch = _task()
     state = task.init_state(jax.random.key(0), tx)
     dp = _placed("4x2, model axis of 2, sharded", task, tx, batch)
     stored = dp.place_state(state, batch)
-    form = _CheckpointForm(dp.placement.state)
-    saved = form.save_form(stored)
-    large = [
-        (jax.tree_util.keystr(p), x)
-        for p, x in jax.tree_util.tree_leaves_with_path(saved)
-        if x.size >= 64 and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    ]
-    assert large
-    for path, x in large:
-        assert not x.sharding.is_fully_replicated, path
-        piece = max(s.data.size for s in x.addressable_shards)
-        assert piece < x.size, f"{path}: a device holds it whole"
-    _assert_bits(jax.device_get(saved), dp.gather_state(stored))
+    form = CheckpointForm(dp.placement.state)
+    assert form.save_form(stored) is stored
+    chunked = [leaf for leaf in dp.placement.state.leaves if leaf.sharded]
+    split = [leaf for leaf in dp.placement.state.leaves if leaf.model_dim is not None]
+    assert chunked and split
+    layout = form.saved_layout()
+    for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True):
+        assert layout[leaf.path] == {"saved": list(x.shape), "shape": list(leaf.shape)}
+        if leaf.sharded or leaf.model_dim is not None:
+            assert max(s.data.size for s in x.addressable_shards) < x.size, f"{leaf.path}: a device holds it whole"
 
 
 def test_the_fingerprints_are_the_whole_values_whatever_the_sharding():

@@ -11,9 +11,10 @@ import math
 import os
 import re
 
-BENCHMARKS = ("wus", "gradsum", "spatial", "tp")
+BENCHMARKS = ("wus", "gradsum", "spatial", "tp", "checkpoint")
 FLAGS = {
-    "model": ("wus",),
+    "model": ("wus", "checkpoint"),
+    "config": ("checkpoint",),
     "sizes": ("gradsum",),
     "width": ("wus", "tp"),
     "depth": ("wus", "tp"),
@@ -126,6 +127,17 @@ def check_flags(which: str, flags: dict) -> dict:
         return {"sizes_mib": sizes, "repeats": steps}
     if which == "spatial":
         return {"steps": steps}
+    if which == "checkpoint":
+        from podscale import workloads
+
+        model, config = flags.get("model") or "transformer-big", flags.get("config") or "full"
+        if model not in workloads.NAMES:
+            raise ValueError(
+                f"--model {model!r}: bench checkpoint takes an MLPerf workload: {', '.join(workloads.NAMES)}"
+            )
+        if config not in ("full", "tiny"):
+            raise ValueError(f"--config {config!r}: choose full or tiny")
+        return {"steps": steps, "model": model, "config": config, "replicas": flags.get("replicas")}
     sizes = {name: flags[name] for name in ("width", "depth", "vocab") if flags.get(name) is not None}
     if which == "tp":
         problem = tp_problem(sizes.get("width", 256), TP_HEADS, sizes.get("vocab", 512), max(TP_WAYS))

@@ -1,4 +1,4 @@
-"""``podscale bench``: the benchmarks (``wus``, ``gradsum``, ``spatial``, ``tp``) run, their
+"""``podscale bench``: the benchmarks (``wus``, ``gradsum``, ``spatial``, ``tp``, ``checkpoint``) run, their
 flags checked before any work; results as tables (:mod:`podscale.render`) or one JSON object."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def _run_bench(args) -> int:
         return _run_bench_spatial(args, kwargs)
     if args.which == "tp":
         return _run_bench_tp(args, kwargs)
+    if args.which == "checkpoint":
+        return _run_bench_checkpoint(args, kwargs)
 
     from podscale import render
     from podscale.bench.wus import bench_wus
@@ -67,4 +69,16 @@ def _run_bench_gradsum(args, kwargs: dict) -> int:
         print(json.dumps(result))
         return 0
     render.bench_gradsum(result)
+    return 0
+
+
+def _run_bench_checkpoint(args, kwargs: dict) -> int:
+    from podscale import render
+    from podscale.bench.checkpoint import bench_checkpoint
+
+    result = bench_checkpoint(**kwargs)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    render.bench_checkpoint(result)
     return 0

@@ -248,7 +248,7 @@ def _bench_parser(sub) -> None:
         "bench",
         help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D), "
         "spatial (one replica's images over k = 1, 2, 4, 8 devices), tp (a Transformer's weights split "
-        "k = 1, 2, 4 ways)",
+        "k = 1, 2, 4 ways), checkpoint (a workload's sharded state saved async vs sync: stall and memory)",
     )
     from podscale.bench import BENCHMARKS
 
@@ -256,8 +256,10 @@ def _bench_parser(sub) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="wus: an MLPerf workload (tiny config, its recipe) instead of the decoder",
+        help="wus: an MLPerf workload (tiny config, its recipe) instead of the decoder; checkpoint: the "
+        "workload whose state is saved (default transformer-big)",
     )
+    p.add_argument("--config", default=None, help="checkpoint: the workload's config, full (default) or tiny")
     p.add_argument("--sizes", default=None, help="gradsum: gradient sizes in MiB per device (default 1,16,128)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     p.add_argument("--width", type=int, default=None, help="wus and tp: the Transformer's width (default 512; tp 256)")

@@ -115,9 +115,12 @@ class StateLayout:
     def saved_sharding(self, leaf: LeafLayout) -> NamedSharding:
         """How a checkpoint holds ``leaf``: in the user layout (its own shape, so that any placement
         restores it) and spread over the mesh, so that no device holds it whole where its shape
-        allows: a rule's dimension over the model axis, then the largest other dimension that the
+        allows: a rule's dimension over the model axis, then the first other dimension that the
         remaining axes divide over them (over fewer of them, in mesh order, where they do not);
-        else whole (a scalar, a small or oddly shaped leaf, a PRNG key)."""
+        else whole (a scalar, a small or oddly shaped leaf, a PRNG key). The first: a sharded
+        update's chunk is a contiguous run of the flattened leaf, so where the replicas divide its
+        size and its first dimension, the chunk is the device's block of rows and making the saved
+        form moves nothing between devices."""
         spec: list = [None] * len(leaf.shape)
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
@@ -127,7 +130,7 @@ class StateLayout:
                 n = math.prod(self.mesh.shape[a] for a in rest[:k])
                 free = [d for d, s in enumerate(spec) if s is None and leaf.shape[d] % n == 0 and leaf.shape[d] >= n]
                 if free:
-                    spec[max(free, key=lambda d: leaf.shape[d])] = tuple(rest[:k])
+                    spec[free[0]] = tuple(rest[:k])
                     break
         return NamedSharding(self.mesh, P(*spec))
 

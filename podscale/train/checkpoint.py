@@ -26,6 +26,7 @@ A restore that finds no checkpoint, or one that orbax cannot read, also raises
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -36,6 +37,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from podscale.train.saving import LAYOUT
 
 CHECKSUMS = "podscale_checksums"
 """The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
@@ -70,32 +73,39 @@ def _words(x):
     return jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32).reshape(-1)
 
 
-def _fingerprint(x) -> jax.Array:
-    """Two 32-bit sums of ``x``'s words, each word times an odd multiplier of its position: a flipped
-    bit (any single one, and all but about 2**-64 of other changes) or a moved word changes them.
-    Integer sums are exact in any order, so a sharded leaf's fingerprint is its whole value's,
-    computed where its shards are (XLA sums the per-device partial sums: two words each)."""
+def _fingerprint(x, size: int | None = None) -> jax.Array:
+    """Two 32-bit sums of the words of ``x``'s first ``size`` elements (all by default; a flat,
+    padded chunked leaf's own elements), each word times an odd multiplier of its position: a
+    flipped bit (any single one, and all but about 2**-64 of other changes) or a moved word changes
+    them. Integer sums are exact in any order, so a sharded leaf's fingerprint is its whole value's,
+    computed where its shards are (XLA sums the per-device partial sums: two words each), and a
+    leaf's is the same flat or in its own shape."""
     u = _words(x)
     i = jnp.arange(u.size, dtype=jnp.uint32)
+    if size is not None and size < x.size:
+        u = jnp.where(i < size * (u.size // max(x.size, 1)), u, jnp.uint32(0))
     a = jnp.sum(u * (i * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1]) | 1), dtype=jnp.uint32)
     b = jnp.sum((u ^ (i * jnp.uint32(_MIX[2]))) * (i * jnp.uint32(_MIX[3]) + jnp.uint32(_MIX[0]) | 1), dtype=jnp.uint32)
     return jnp.stack([a, b])
 
 
-_fingerprints = jax.jit(lambda state: [_fingerprint(x) for x in jax.tree.leaves(state)])
+@functools.partial(jax.jit, static_argnums=1)
+def _fingerprints(state, sizes: tuple[int, ...] | None):
+    leaves = jax.tree.leaves(state)
+    return [_fingerprint(x, None if sizes is None else n) for x, n in zip(leaves, sizes or leaves, strict=True)]
 
 
-def checksums(state) -> dict[str, dict]:
-    """Each leaf's fingerprint (:func:`_fingerprint`, 16 hex digits), shape and dtype, keyed by its
-    pytree path. Computed on the devices where the leaves lie (a sharded leaf is never gathered);
-    only the fingerprints come to the host."""
+def checksums(state, sizes=None) -> dict[str, dict]:
+    """Each leaf's fingerprint (:func:`_fingerprint`, 16 hex digits; of its first ``sizes[i]``
+    elements where given) and dtype, keyed by its pytree path. Computed on the devices where the
+    leaves lie (a sharded leaf is never gathered); only the fingerprints come to the host."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
-    prints = jax.device_get(_fingerprints(state))
+    prints = jax.device_get(_fingerprints(state, None if sizes is None else tuple(int(n) for n in sizes)))
     sums = {}
     for path, leaf, fp in zip(paths, jax.tree.leaves(state), prints, strict=True):
-        dtype = jax.random.key_data(leaf).dtype if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf.dtype
-        shape = np.shape(leaf)
-        sums[path] = {"fingerprint": f"{int(fp[0]):08x}{int(fp[1]):08x}", "shape": list(shape), "dtype": str(dtype)}
+        key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        dtype = jax.random.key_data(leaf).dtype if key else leaf.dtype
+        sums[path] = {"fingerprint": f"{int(fp[0]):08x}{int(fp[1]):08x}", "dtype": str(dtype)}
     return sums
 
 
@@ -194,7 +204,14 @@ def _warn(message: str) -> None:
 class Checkpointer:
     """Saves every ``every`` steps under ``directory`` and restores the latest intact step."""
 
-    def __init__(self, directory: str, every: int, max_to_keep: int = 3, warn: Callable[[str], None] = _warn):
+    def __init__(
+        self,
+        directory: str,
+        every: int,
+        max_to_keep: int = 3,
+        warn: Callable[[str], None] = _warn,
+        async_save: bool = True,
+    ):
         if every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
         self.directory = os.path.abspath(directory)
@@ -203,11 +220,13 @@ class Checkpointer:
         self._manager = _orbax().CheckpointManager(
             self.directory,
             options=_orbax().CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
             ),
         )
 
     def latest_step(self) -> int | None:
+        """The newest step on disk, once the saves begun are committed."""
+        self._manager.wait_until_finished()
         self._manager.reload()
         return self._manager.latest_step()
 
@@ -218,11 +237,17 @@ class Checkpointer:
             return False
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
+        form = getattr(transform, "__self__", None)  # a CheckpointForm's save_form: its saved layout too
         state = transform(state) if transform else state
-        self._manager.save(
-            step, args=_orbax().args.StandardSave(state), force=True, custom_metadata={CHECKSUMS: checksums(state)}
-        )
+        metadata = {CHECKSUMS: checksums(state, form.sizes() if form is not None else None)}
+        if form is not None:
+            metadata[LAYOUT] = form.saved_layout()
+        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata)
         return True
+
+    def wait(self) -> None:
+        """Returns once every save begun is committed on disk."""
+        self._manager.wait_until_finished()
 
     def saved_steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -244,9 +269,12 @@ class Checkpointer:
                 f"--resume: no complete checkpoint in {self.directory}. Start without --resume, or "
                 "point --workdir at the directory of the run to continue."
             )
-        abstract = jax.tree.map(
-            lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _orbax().utils.to_shape_dtype_struct(x), like
-        )
+        if hasattr(like, "abstract"):  # a CheckpointForm: each step read as it was saved, then converted
+            abstract = like
+        else:
+            abstract = jax.tree.map(
+                lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else _orbax().utils.to_shape_dtype_struct(x), like
+            )
         damaged: dict[int, str] = {}  # step: what is wrong with it
         for i, step in enumerate(steps):
             earlier = steps[i + 1] if i + 1 < len(steps) else None
@@ -269,7 +297,24 @@ class Checkpointer:
         )
 
     def _restore_verified(self, step: int, abstract, earlier: int | None):
-        """Restores ``step`` and checks it against its checksums; raises :class:`_Damaged`."""
+        """Restores ``step`` and checks it against its checksums; raises :class:`_Damaged`.
+        ``abstract``: the shapes and shardings to read, or a ``CheckpointForm``, which reads the
+        step in the layout it was saved in (its metadata says) and converts it into its own."""
+        form, sizes = None, None
+        if hasattr(abstract, "abstract"):
+            form = abstract
+            try:
+                layout = (self._manager.metadata(step).custom_metadata or {}).get(LAYOUT)
+            except Exception:
+                layout = None  # the checksums' read below names what is wrong
+            try:
+                abstract = form.abstract(layout) if isinstance(layout, dict) else form.like()
+            except ValueError as e:
+                raise _Damaged(
+                    f"not of this model/optimizer ({e})",
+                    f"checkpoint step {step} in {self.directory} is not of this model/optimizer: {e}",
+                ) from e
+            sizes = form.sizes(layout) if isinstance(layout, dict) else None
         global _late_reads_pending
         where = f"checkpoint step {step} in {self.directory}"
         todo = (
@@ -311,7 +356,7 @@ class Checkpointer:
         if not isinstance(saved, dict):  # every save writes them, atomically with the step
             reason = "damaged: the checksums saved with it are missing or unreadable (its _CHECKPOINT_METADATA)"
             raise _Damaged(reason, f"{where} is {reason}, so it cannot be verified. {todo}.")
-        got = checksums(state)
+        got = checksums(state, sizes)
         bad = [path for path in got if not isinstance(saved, dict) or saved.get(path) != got[path]]
         if bad:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -322,7 +367,7 @@ class Checkpointer:
             )
             reason = f"damaged: {which} (its files changed after the save: a disk, copy or storage error)"
             raise _Damaged(reason, f"{where} is {reason}. {todo}.")
-        return state
+        return form.load(state) if form is not None else state
 
     def _set_aside(self, steps: list[int]) -> dict[int, str]:
         """Renames damaged steps to ``STEP.damaged`` (process 0; every process waits for it), so

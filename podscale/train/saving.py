@@ -1,41 +1,99 @@
-"""The state a run saves: checkpoints in the user layout, spread over the mesh (each process writes
-the shards it holds, nothing is gathered, and any placement restores them), and only a finite
-state (a non-finite loss or state stops the run, :class:`NonFiniteError`, and is never saved)."""
+"""The state a run saves: checkpoints in the stored layout (each process writes the shards it holds:
+a sharded update's flat chunks, a rule's split leaves; nothing is gathered or reshaped to save),
+restored onto any placement (:class:`CheckpointForm`), and only a finite state (a non-finite loss
+or state stops the run, :class:`NonFiniteError`, and is never saved)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+LAYOUT = "podscale_layout"
+"""The key of the saved layout in a step's orbax ``custom_metadata``: per leaf path, the shape
+it was saved in (a sharded leaf's flat, padded one) and its own (the user layout's)."""
 
 
-class _CheckpointForm:
-    """Checkpoints hold every leaf in its own (user) shape, sharded over the mesh as
-    ``StateLayout.saved_sharding`` says: a sharded update's flat chunks are reshaped on the
-    devices (XLA moves the pieces between them, no device gathers a leaf), a leaf a rule splits
-    stays split over the model axis. A restore reads each device's pieces of the target
-    placement's saved layout, and stores them (on the devices) in its stored layout: another mesh,
-    replica or process count, or strategy restores the same values."""
+class CheckpointForm:
+    """How one placement's state goes to and comes from a checkpoint.
+
+    A save writes the stored state as it is, with each leaf's saved and user shapes in the step's
+    metadata (:meth:`saved_layout`). A restore (:meth:`abstract`, then :meth:`load`) reads each
+    saved leaf onto this placement's mesh, spread over its devices (a flat chunk over the axes, a
+    leaf in its own shape as this placement holds it), and converts it on the devices into this
+    placement's stored layout: the padding of a flat chunk dropped or changed, a flat leaf
+    reshaped to its own shape, or a leaf flattened and padded into chunks. So another mesh,
+    replica or process count, or strategy restores the same values, bit for bit."""
 
     def __init__(self, layout):
         self.layout = layout
-        self._saved = layout.saved_shardings()
-        self._save = jax.jit(layout.unstore, out_shardings=self._saved)
-        self._load = jax.jit(layout.store, out_shardings=layout.shardings())
 
     def save_form(self, state):
-        return self._save(state)
+        return state
+
+    def saved_layout(self) -> dict[str, dict]:
+        """Per leaf path, ``{"saved": shape in the checkpoint, "shape": its own}``."""
+        return {
+            leaf.path: {"saved": list(self.layout.stored_shape(leaf)), "shape": list(leaf.shape)}
+            for leaf in self.layout.leaves
+        }
 
     def like(self):
-        return jax.tree.unflatten(
-            self.layout.treedef,
-            [
-                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-                for leaf, sharding in zip(self.layout.leaves, jax.tree.leaves(self._saved), strict=True)
-            ],
-        )
+        """This placement's own stored layout (a checkpoint it saved restores as it is)."""
+        return self.abstract(self.saved_layout())
+
+    def _read_sharding(self, leaf, saved: tuple[int, ...]) -> NamedSharding:
+        mesh = self.layout.mesh
+        if saved == tuple(self.layout.stored_shape(leaf)):
+            return self.layout._sharding(leaf)  # as this placement stores it: nothing to convert
+        if saved != tuple(leaf.shape):  # a flat chunked leaf of another placement: spread it over the axes
+            axes = list(self.layout.axes) + [a for a in mesh.axis_names if a not in self.layout.axes]
+            for k in range(len(axes), 0, -1):
+                if saved[0] % math.prod(mesh.shape[a] for a in axes[:k]) == 0:
+                    return NamedSharding(mesh, P(tuple(axes[:k])))
+            return NamedSharding(mesh, P())
+        return self.layout.saved_sharding(leaf)  # its own shape, to be chunked here
+
+    def abstract(self, saved_layout: dict[str, dict]):
+        """What to read: each leaf in the shape it was saved in, spread over this mesh. Refuses a
+        checkpoint of another model or optimizer (another leaf or shape), naming the leaf."""
+        out = []
+        for leaf in self.layout.leaves:
+            entry = saved_layout.get(leaf.path)
+            if entry is None or tuple(entry["shape"]) != tuple(leaf.shape):
+                found = "no such leaf" if entry is None else f"shape {entry['shape']}"
+                raise ValueError(
+                    f"the checkpoint holds {found} for {leaf.path}, which this run's state has as "
+                    f"{list(leaf.shape)}: it was saved by another model or optimizer"
+                )
+            saved = tuple(entry["saved"])
+            out.append(jax.ShapeDtypeStruct(saved, leaf.dtype, sharding=self._read_sharding(leaf, saved)))
+        return jax.tree.unflatten(self.layout.treedef, out)
 
     def load(self, restored):
-        return self._load(restored)
+        """The restored leaves (saved shapes) in this placement's stored layout, on the devices."""
+        return jax.jit(self._convert, out_shardings=self.layout.shardings())(restored)
+
+    def _convert(self, restored):
+        out = []
+        for x, leaf in zip(jax.tree.leaves(restored), self.layout.leaves, strict=True):
+            target = tuple(self.layout.stored_shape(leaf))
+            if tuple(x.shape) != target:
+                flat = jnp.ravel(x)[: math.prod(leaf.shape)]
+                x = jnp.pad(flat, (0, target[0] - flat.size)) if leaf.sharded else flat.reshape(leaf.shape)
+            out.append(x)
+        return jax.tree.unflatten(self.layout.treedef, out)
+
+    def sizes(self, saved_layout: dict[str, dict] | None = None) -> list[int]:
+        """Per leaf, its own element count: a flat saved leaf's fingerprint covers those only."""
+        saved_layout = saved_layout or self.saved_layout()
+        return [math.prod(saved_layout[leaf.path]["shape"]) for leaf in self.layout.leaves]
+
+
+_CheckpointForm = CheckpointForm
 
 
 class NonFiniteError(ValueError):

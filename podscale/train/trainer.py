@@ -37,7 +37,7 @@ from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.prepare import check
 from podscale.train.records import _flat_params, _log_run_config, _log_step, _metrics_path
 from podscale.train.resume import resolved_run_config
-from podscale.train.saving import _CheckpointForm, _save
+from podscale.train.saving import CheckpointForm, _save
 from podscale.train.supervise import ENV_STDERR_TTY
 from podscale.train.tasks import make_eval_fn
 
@@ -103,7 +103,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             soft_wrap=True,
         )
     state = jax.jit(lambda: layout.store(init()), out_shardings=layout.shardings())()
-    checkpointed = _CheckpointForm(layout)
+    checkpointed = CheckpointForm(layout)
 
     ckpt = (
         Checkpointer(os.path.join(config.workdir, "checkpoints"), config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
@@ -112,8 +112,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     )
     resumed_from = None
     if ckpt and config.resume:
-        resumed_from, restored = ckpt.restore(checkpointed.like(), fallback=config.resume_fallback)
-        state = checkpointed.load(restored)
+        # read as it was saved (any placement's stored layout), converted into this one's
+        resumed_from, state = ckpt.restore(checkpointed, fallback=config.resume_fallback)
     start = int(np.asarray(state.step.addressable_data(0)))
     if start >= config.steps:
         raise ValueError(
