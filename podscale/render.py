@@ -130,6 +130,13 @@ def plan(plan: Plan, console: Console | None = None) -> None:
             f"peak {size(m['peak'])}",
         ]
     console.print("memory per device: " + "; ".join(lines))
+    e = plan.eval
+    if e:
+        train = f" (the train step's peak {size(m['peak'])})" if "peak" in m else ""
+        console.print(
+            f"evaluation memory per device: arguments {size(e['arguments'])}; temporaries {size(e['temporaries'])}; "
+            f"peak {size(e['peak'])}{train}"
+        )
     if plan.whole_ops:
         console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(plan.whole_ops)}")
     if plan.gathered_ops:

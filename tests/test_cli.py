@@ -316,6 +316,14 @@ def test_plan_reports_layouts_collectives_and_memory():
     assert all(leaf["reason"] for leaf in plan["leaves"])
 
 
+def test_plan_eval_states_the_evaluation_steps_memory_beside_the_train_steps():
+    """``plan --eval`` compiles the evaluation on the step's placement too: with 4-way model
+    parallelism it needs no more memory per device than the train step."""
+    args = ("plan", "--model", "bert-large", "--config", "tiny", "--mesh", "2x4", "--model-parallel", "4", "--eval")
+    plan = json.loads(_run(*args, "--json").stdout)
+    assert 0 < plan["eval"]["arguments"] and 0 < plan["eval"]["peak"] <= plan["memory"]["peak"]
+
+
 def test_plan_strict_fails_on_ops_that_cannot_run_on_shards():
     proc = _run("plan", "--model", "mlp", "--optimizer", "adafactor", "--strict", check=False)
     assert proc.returncode == 2 and "refused before running" in proc.stderr and "reduce_sum" in proc.stderr

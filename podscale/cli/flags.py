@@ -174,6 +174,12 @@ def _plan_parser(sub) -> None:
         "libtpu's compile-only devices, pip install 'podscale[tpu]') and show its module's collectives and memory",
     )
     p.add_argument("--chips", type=int, default=None, help="with --system: the slice's chips (--mesh: its devices)")
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="also compile the evaluation step (on the step's placement, a global batch of the same shapes) and "
+        "show its memory per device beside the train step's",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     add_flags(p, Strategy(weight_update="sharded"))

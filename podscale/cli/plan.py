@@ -4,6 +4,7 @@ slice (libtpu's compile-only devices); nothing is run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from podscale.cli.messages import _dry_run_result
@@ -68,13 +69,20 @@ def _run_plan(args) -> int:
         return _dry_run_result(
             args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size, "compiler": compiler}
         )
+
+    def compiled_plan():
+        plan = dp.plan(state, batch, compile=True)
+        if args.eval:
+            plan = dataclasses.replace(plan, eval=_eval_memory(task, dp, batch))
+        return plan
+
     if tpu_devices:
         from podscale._jax import jax_config
 
         with jax_config.enable_compilation_cache(False):  # a compile-only client's executables are not cached
-            plan = dp.plan(state, batch, compile=True)
+            plan = compiled_plan()
     else:
-        plan = dp.plan(state, batch, compile=True)
+        plan = compiled_plan()
     if args.json:
         print(json.dumps({**plan.to_dict(), "compiler": compiler}))
     else:
@@ -83,3 +91,19 @@ def _run_plan(args) -> int:
         render.plan(plan)
         print(f"the compiled module: {compiler}, mesh {dict(mesh.shape)}")
     return 0
+
+
+def _eval_memory(task, dp, batch) -> dict[str, int]:
+    """The evaluation step's memory per device (``memory_analysis()``), compiled: ``distributed_eval``
+    on the train step's placement, one global batch of the train batch's shapes with its mask."""
+    import jax
+    import jax.numpy as jnp
+
+    from podscale.perf import hlo
+    from podscale.train.evaluate import distributed_eval
+    from podscale.train.tasks import make_eval_fn
+
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    eval_batch = {**batch, "mask": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+    lowered = distributed_eval(make_eval_fn(task), dp).lower(dp.placement.stored_shapes(), eval_batch)
+    return hlo.memory_of(lowered.compile())

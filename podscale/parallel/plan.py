@@ -51,6 +51,11 @@ class Plan:
     """With ``model_parallel``: the model axis, its partitions, the rules, what they left undone,
     the split leaves' bytes per device and, compiled, the model axis's collectives per layer."""
 
+    eval: dict[str, int] | None = None
+    """The evaluation step's ``memory_analysis()`` figures per device (``arguments``, ``outputs``,
+    ``temporaries``, ``peak``), compiled on the same placement and batch shapes; filled by whoever
+    knows the eval function (``podscale plan --eval``), ``None`` otherwise."""
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

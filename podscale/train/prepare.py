@@ -76,16 +76,16 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         raise ValueError(f"--batch-size {batch_size} is larger than the data set ({len(task.train_data)} examples)")
     eval_batch = config.eval_batch_size or batch_size
     held_out = len(task.eval_data) if task.eval_data is not None else None
-    if config.eval_batch_size and held_out is not None and eval_batch > -(-held_out // mesh.size) * mesh.size:
-        fits = -(-held_out // mesh.size) * mesh.size
+    if config.eval_batch_size and held_out is not None and eval_batch > -(-held_out // dp.replicas) * dp.replicas:
+        fits = -(-held_out // dp.replicas) * dp.replicas
         raise ValueError(
             f"--eval-batch-size {eval_batch} is larger than the held-out set ({held_out} examples): one batch of "
-            f"{fits} (a multiple of the {mesh.size} devices) holds it all; give at most {fits}"
+            f"{fits} (a multiple of the {dp.replicas} replicas) holds it all; give at most {fits}"
         )
-    if eval_batch % mesh.size:  # the evaluation splits its rows over every device (spatial's too)
+    if eval_batch % dp.replicas:  # the evaluation splits its rows over the replicas, as the step does
         raise ValueError(
-            f"--eval-batch-size {eval_batch} is not divisible by the {mesh.size} devices the evaluation splits it "
-            f"over; use a multiple of {mesh.size}"
+            f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas the evaluation splits it "
+            f"over; use a multiple of {dp.replicas}"
         )
     latest = _check_checkpoints(config)
     if config.workdir:

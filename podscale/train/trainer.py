@@ -120,7 +120,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
             f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
             f"pass a larger --steps to train further"
         )
-    evaluate = distributed_eval(make_eval_fn(task), mesh)
+    evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
     _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
     mlog.end(C.INIT_STOP)
     mlog.start(C.RUN_START)
