@@ -33,6 +33,9 @@ import numpy as np
 
 CHECKSUMS = "podscale_checksums"
 """The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
+RUN_METADATA = "podscale_run"
+"""The key of what the run saves beside the state (``maybe_save(metadata=...)``: its data
+position) in a step's orbax ``custom_metadata``."""
 
 
 class CheckpointError(RuntimeError):
@@ -186,18 +189,24 @@ class Checkpointer:
         self._manager.reload()
         return self._manager.latest_step()
 
-    def maybe_save(self, step: int, state, transform=None, force: bool = False) -> bool:
+    def maybe_save(self, step: int, state, transform=None, force: bool = False, metadata: dict | None = None) -> bool:
         """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``), with the
-        checksum of each leaf."""
+        checksum of each leaf and ``metadata`` (a JSON-able dict; :meth:`metadata` reads it back)."""
         if not force and step % self.every:
             return False
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
         state = transform(state) if transform else state
-        self._manager.save(
-            step, args=_orbax().args.StandardSave(state), force=True, custom_metadata={CHECKSUMS: checksums(state)}
-        )
+        custom = {CHECKSUMS: checksums(state)}
+        if metadata:
+            custom[RUN_METADATA] = metadata
+        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=custom)
         return True
+
+    def metadata(self, step: int) -> dict:
+        """The ``metadata`` saved with ``step`` (``{}`` for a step saved without, by an older podscale)."""
+        saved = (self._manager.metadata(step).custom_metadata or {}).get(RUN_METADATA)
+        return saved if isinstance(saved, dict) else {}
 
     def saved_steps(self) -> list[int]:
         return list(self._manager.all_steps())
