@@ -277,6 +277,56 @@ def test_damaged_checksums_are_refused(tmp_path):
         train(_config(tmp_path, resume=True))
 
 
+def test_every_checkpoint_saves_its_data_position_and_each_step_records_its_examples(tmp_path):
+    """The data position, the global index of the next example to feed, is saved with each step
+    (beside the checksums); ``metrics.jsonl`` records the examples each step fed, ``[first, last)``."""
+    train(_config(tmp_path))
+    for step in (3, 6):
+        _, meta = _step_metadata(tmp_path / "checkpoints" / str(step))
+        assert meta["custom_metadata"]["podscale_run"] == {"data": {"next_example": 64 * step, "global_batch": 64}}
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "eval" not in r]
+    assert [(r["step"], r["examples"]) for r in records] == [(s + 1, [64 * s, 64 * (s + 1)]) for s in range(6)]
+
+
+def _set_data_position(step_dir, position):
+    path, meta = _step_metadata(step_dir)
+    if position is None:  # as an older podscale saved it
+        del meta["custom_metadata"]["podscale_run"]
+    else:
+        meta["custom_metadata"]["podscale_run"]["data"].update(position)
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+def test_a_checkpoint_whose_data_position_is_not_its_steps_is_refused(tmp_path):
+    train(_config(tmp_path, steps=3))
+    _set_data_position(tmp_path / "checkpoints" / "3", {"next_example": 100})
+    with pytest.raises(ValueError, match=r"step 3 .* saved its data position as example 100, but step 3 at a global "):
+        train(_config(tmp_path, resume=True))
+
+
+def test_resume_at_another_global_batch_is_refused_naming_both(tmp_path):
+    """run_config.json refuses another --batch-size first; the checkpoint's own position too."""
+    train(_config(tmp_path, steps=3))
+    with open(tmp_path / "run_config.json") as f:
+        recorded = json.load(f)
+    with open(tmp_path / "run_config.json", "w") as f:
+        json.dump({**recorded, "batch_size": 32}, f)
+    with pytest.raises(
+        ValueError,
+        match=r"step 3 in .* global batch of 64 examples per step \(its next example: 192\); this run's global "
+        r"batch is 32, which would start at example 96 .* Resume with --batch-size 64",
+    ):
+        train(_config(tmp_path, resume=True, batch_size=32))
+
+
+def test_a_checkpoint_saved_without_its_data_position_still_resumes(tmp_path):
+    train(_config(tmp_path, steps=3))
+    _set_data_position(tmp_path / "checkpoints" / "3", None)
+    assert train(_config(tmp_path, resume=True))["resumed_from"] == 3
+
+
 @pytest.mark.parametrize("how", ["removed", "unreadable", "whole file removed"])
 def test_a_checkpoint_whose_checksums_are_gone_is_refused_as_damaged(tmp_path, how):
     """Every save writes them atomically with the step: without them a step cannot be verified."""

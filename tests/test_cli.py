@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,7 +247,11 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
     checkpoint together and exit 143 with one line; two processes resumed from it end where an
     uninterrupted two-process run ends. With the sharded update (reduce-scatter and all-gather
     over gloo), and SGD: the uninterrupted run ends within 1e-6 of one process's (measured:
-    2.4e-7 after the 300 steps; see the test above for why SGD)."""
+    2.4e-7 after the 300 steps; see the test above for why SGD).
+
+    The same checkpoint resumed by one process instead feeds, step for step, the examples the
+    uninterrupted one-process run fed (``metrics.jsonl``'s ``examples``, and the losses they give:
+    the global batch's rows are the same for any process count), and ends within 1e-6 of it."""
     common = ["train", "--model", "mlp", "--data", "digits", "--optimizer", "sgd", "--learning-rate", "0.1"]
     common += ["--steps", "300", "--checkpoint-every", "250", "--weight-update", "sharded", "--no-progress"]
     launch = ("launch", "--processes", "2", "--", *PODSCALE, *common)
@@ -273,11 +278,30 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
     assert lasts[0].endswith("continue with --resume")
     step = int(lasts[0].split(" at step ")[1].split(";")[0])
     assert 10 <= step < 300
+    shutil.copytree(workdir, tmp_path / "moved")  # the same checkpoint, for one process
     resumed = _summary(
         _run(*launch, "--workdir", str(workdir), "--resume", "--json", "--export", str(tmp_path / "resumed.npz"))
     )
     assert resumed["resumed_from"] == step
     _assert_bit_identical(tmp_path, "resumed.npz", f"SIGTERM to process 1 at step {step}")
+    moved = _summary(
+        _run(
+            *common, "--workdir", str(tmp_path / "moved"), "--resume", "--json", "--export", str(tmp_path / "moved.npz")
+        )
+    )
+    assert (moved["resumed_from"], moved["processes"]) == (step, 1)
+    fed, alone = _step_records(tmp_path / "moved"), _step_records(tmp_path / "one")
+    assert [r["step"] for r in fed] == list(range(1, 301))
+    assert [r["examples"] for r in fed] == [r["examples"] for r in alone] == [[64 * s, 64 * s + 64] for s in range(300)]
+    assert [r["loss"] for r in fed] == pytest.approx([r["loss"] for r in alone], abs=1e-5)
+    a, b = _params(tmp_path / "one.npz"), _params(tmp_path / "moved.npz")
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
+
+
+def _step_records(workdir) -> list[dict]:
+    """A run's per-step lines of ``metrics.jsonl`` (not its evaluations)."""
+    with open(workdir / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "eval" not in r]
 
 
 def test_launch_needs_a_command():

@@ -63,7 +63,7 @@ def test_time_to_target_counts_from_the_last_run_start():
     log = mlperf_log.RunLog()
     log.start(C.RUN_START)
     log.event(C.EVAL_ACCURACY, 0.9, metadata={"step_num": 5})
-    log.start(C.RUN_START)  # a resumed run appends to the same log
+    log.start(C.RUN_START)  # an older podscale's resumed run appended to the same log
     log.event(C.EVAL_ACCURACY, 0.5, metadata={"step_num": 10})
     log.event(C.EVAL_ACCURACY, 0.95, metadata={"step_num": 20})
     log.close()
@@ -149,6 +149,57 @@ def test_every_workloads_log_passes_mlperfs_compliance_checker(tmp_path, name):
     )
     proc = _checker(path, tmp_path)
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_resumed_run_logs_its_segment_to_a_file_of_its_own_and_each_passes_the_checker(tmp_path):
+    """A run checkpointed at step 75, resumed to step 80: ``mllog.txt`` is the first segment's whole
+    log, untouched by the resumed run, and ``mllog.1.txt`` the second's, from its own init and
+    ``run_start`` on, its first block at the resumed step; each passes mlperf-logging's checker. The
+    tiny ResNet-50 (the checker knows MLPerf's benchmarks only, and asks each log for an
+    ``eval_accuracy`` at MLPerf's target, 0.759: here 0.96 at step 75, its first evaluation)."""
+    workdir = tmp_path / "run"
+    base = dict(model="resnet50", config="tiny", workdir=str(workdir), progress=False)
+    first = train(TrainConfig(steps=75, **base))
+    assert first["mllog"] == str(workdir / "mllog.txt")
+    before = (workdir / "mllog.txt").read_text()
+    second = train(TrainConfig(steps=80, resume=True, **base))
+    assert second["resumed_from"] == 75 and second["mllog"] == str(workdir / "mllog.1.txt")
+    assert (workdir / "mllog.txt").read_text() == before
+    events = mlperf_log.read(second["mllog"])
+    assert sum(e["key"] == C.RUN_START for e in events) == 1
+    run_start = next(e for e in events if e["key"] == C.RUN_START)
+    assert run_start["metadata"]["resumed_from_step"] == 75 and run_start["metadata"]["first_example"] == 75 * 128
+    block = next(e for e in events if e["key"] == C.BLOCK_START)["metadata"]
+    epoch = 75 * 128 / next(e for e in events if e["key"] == C.TRAIN_SAMPLES)["value"]
+    assert block["first_step_num"] == 76 and block["first_epoch_num"] == pytest.approx(epoch)
+    assert [e["metadata"]["step_num"] for e in events if e["key"] == C.EVAL_ACCURACY] == [80]
+    for log in (workdir / "mllog.txt", workdir / "mllog.1.txt"):
+        proc = _checker(str(log), tmp_path)
+        assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_each_resumed_segment_logs_beside_the_last_one_and_never_over_an_earlier_one(tmp_path):
+    """Segment N of ``--mllog PATH`` is PATH with ``.N`` before its extension, after the highest
+    already there; a new run writes PATH itself, afresh."""
+    from podscale.train.config import mllog_path
+
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    fresh = dict(workdir=str(workdir), progress=False)
+    assert mllog_path(TrainConfig(**fresh)) == str(workdir / "mllog.txt")
+    assert mllog_path(TrainConfig(resume=True, **fresh)) == str(workdir / "mllog.1.txt")
+    (workdir / "mllog.1.txt").write_text("")
+    (workdir / "mllog.3.txt").write_text("")  # segment 2's gone: the next is still after the last
+    assert mllog_path(TrainConfig(resume=True, **fresh)) == str(workdir / "mllog.4.txt")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "run.log").write_text("")
+    assert mllog_path(TrainConfig(resume=True, mllog=str(logs / "run.log"), **fresh)) == str(logs / "run.1.log")
+    assert mllog_path(TrainConfig(mllog=str(logs / "run.log"), **fresh)) == str(logs / "run.log")
+    with pytest.raises(FileExistsError):  # a segment's log is never written over
+        log = mlperf_log.RunLog(str(workdir / "mllog.3.txt"), mode="x")
+        log.start(C.RUN_START)
+    log.close()
 
 
 def test_blocks_state_their_epochs_as_mlperfs_rules_ask(tmp_path):

@@ -116,7 +116,12 @@ def _train_parser(sub) -> None:
         default=1,
         help="average batch-norm statistics over groups of this many neighbouring replicas",
     )
-    p.add_argument("--mllog", default=None, help="MLPerf-format log file (default: WORKDIR/mllog.txt)")
+    p.add_argument(
+        "--mllog",
+        default=None,
+        help="MLPerf-format log file (default: WORKDIR/mllog.txt); a --resume run logs to the next "
+        "segment beside it (mllog.1.txt, mllog.2.txt, ...)",
+    )
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
     p.add_argument("--eval-batch-size", type=int, default=None)

@@ -42,6 +42,9 @@ from podscale.train.saving import LAYOUT
 
 CHECKSUMS = "podscale_checksums"
 """The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
+RUN_METADATA = "podscale_run"
+"""The key of what the run saves beside the state (``maybe_save(metadata=...)``: its data
+position) in a step's orbax ``custom_metadata``."""
 
 
 class CheckpointError(RuntimeError):
@@ -230,24 +233,31 @@ class Checkpointer:
         self._manager.reload()
         return self._manager.latest_step()
 
-    def maybe_save(self, step: int, state, transform=None, force: bool = False) -> bool:
+    def maybe_save(self, step: int, state, transform=None, force: bool = False, metadata: dict | None = None) -> bool:
         """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``), with the
-        checksum of each leaf."""
+        checksum of each leaf and ``metadata`` (a JSON-able dict; :meth:`metadata` reads it back)."""
         if not force and step % self.every:
             return False
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
         form = getattr(transform, "__self__", None)  # a CheckpointForm's save_form: its saved layout too
         state = transform(state) if transform else state
-        metadata = {CHECKSUMS: checksums(state, form.sizes() if form is not None else None)}
+        metadata_all = {CHECKSUMS: checksums(state, form.sizes() if form is not None else None)}
         if form is not None:
-            metadata[LAYOUT] = form.saved_layout()
-        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata)
+            metadata_all[LAYOUT] = form.saved_layout()
+        if metadata:
+            metadata_all[RUN_METADATA] = metadata
+        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata_all)
         return True
 
     def wait(self) -> None:
         """Returns once every save begun is committed on disk."""
         self._manager.wait_until_finished()
+
+    def metadata(self, step: int) -> dict:
+        """The ``metadata`` saved with ``step`` (``{}`` for a step saved without, by an older podscale)."""
+        saved = (self._manager.metadata(step).custom_metadata or {}).get(RUN_METADATA)
+        return saved if isinstance(saved, dict) else {}
 
     def saved_steps(self) -> list[int]:
         return list(self._manager.all_steps())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tempfile
 
 from podscale.parallel.strategy import Strategy
@@ -66,7 +67,9 @@ class TrainConfig:
     bn_group_size: int = 1
     """Batch-norm statistics over groups of this many neighbouring replicas (1: per replica)."""
     mllog: str | None = None
-    """Write an MLPerf-format log (mlperf-logging's ``mllog``) here (default: WORKDIR/mllog.txt)."""
+    """Write an MLPerf-format log (mlperf-logging's ``mllog``) here (default: WORKDIR/mllog.txt). A
+    run resumed with ``resume`` logs its segment to a file of its own beside it (``mllog.1.txt``,
+    ``mllog.2.txt``, ...: :func:`mllog_path`)."""
     metrics_file: str | None = None
     """JSON-lines metrics (default: WORKDIR/metrics.jsonl), appended to."""
     export: str | None = None
@@ -128,7 +131,8 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
     ``--mllog``, ``--export``) must not be a directory, and its folder must exist or lie inside
     ``--workdir`` (made with it; :func:`make_output_folders`). Nothing on the way may be a file;
     the nearest existing folder must take a new file, and an existing output file must open for
-    writing: both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
+    writing (not a resumed run's ``--mllog``: it writes a new segment beside it, :func:`mllog_path`):
+    both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
     ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
     workdir = os.path.abspath(config.workdir) if config.workdir else None
     if config.export is not None and not str(config.export).endswith(".npz") and not os.path.isdir(config.export):
@@ -184,8 +188,37 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
                 f"{flag} {path}: the folder {folder} does not exist; create it first (podscale makes missing "
                 "folders only inside --workdir)"
             )
-        if example is not None and os.path.lexists(full) and (problem := _cannot_open_to_write(full)):
-            raise ValueError(f"{flag} {path}: the file cannot be written ({problem}); choose another path")
+        resumed_log = name == "mllog" and config.resume  # writes a new file beside it (mllog_path), not it
+        if example is not None and os.path.lexists(full) and not resumed_log:
+            if problem := _cannot_open_to_write(full):
+                raise ValueError(f"{flag} {path}: the file cannot be written ({problem}); choose another path")
+
+
+def mllog_segment(path: str, segment: int) -> str:
+    """Segment ``segment``'s MLPerf log: the first (0) at ``path``, a resumed run's segment N beside
+    it with ``.N`` before its extension (``mllog.txt``, ``mllog.1.txt``, ``mllog.2.txt``, ...)."""
+    if segment == 0:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{segment}{ext}"
+
+
+def mllog_path(config: TrainConfig) -> str | None:
+    """The MLPerf log this run writes (``None``: none). MLPerf's rules allow one ``run_start`` per
+    log, so each run segment has a file of its own and none is appended to or overwritten by a
+    later one: a new run writes ``--mllog`` (default ``WORKDIR/mllog.txt``) afresh; a run resumed
+    with ``--resume`` writes the next segment after the highest already there (``mllog.1.txt``,
+    then ``mllog.2.txt``, ...; with ``--mllog PATH``, the same beside ``PATH``)."""
+    path = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
+    if path is None or not config.resume:
+        return path
+    folder, name = os.path.split(os.path.abspath(path))
+    root, ext = os.path.splitext(name)
+    pattern = re.compile(re.escape(root) + r"\.([1-9][0-9]*)" + re.escape(ext))
+    found = [
+        int(m.group(1)) for f in (os.listdir(folder) if os.path.isdir(folder) else ()) if (m := pattern.fullmatch(f))
+    ]
+    return mllog_segment(path, max(found, default=0) + 1)
 
 
 def make_output_folders(config: TrainConfig) -> None:

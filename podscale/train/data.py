@@ -8,6 +8,11 @@ resumed at step ``s`` sees exactly the batches an uninterrupted run sees.
 Each process asks only for its own rows of every global batch (``DataParallelStep.local_rows``),
 builds the global array with ``jax.make_array_from_process_local_data``, and a background thread
 prepares the next batches while the current step runs (:class:`Loader`).
+
+The *data position* of a run at step ``s`` is the global index, in that stream of examples, of the
+next example it feeds: ``s * global_batch`` (:func:`data_position`), whatever the process count
+(each process reads its contiguous rows of the same global batch). Checkpoints save it, a resumed
+run checks it (:mod:`podscale.train.resume`), and ``metrics.jsonl`` records each step's range.
 """
 
 from __future__ import annotations
@@ -39,6 +44,18 @@ def batch_indices(seed: int, step: int, global_batch: int, n: int, rows: slice |
         sel = epochs == epoch
         out[sel] = _permutation(seed, int(epoch), n)[offsets[sel]]
     return out
+
+
+def data_position(step: int, global_batch: int) -> int:
+    """The global index of the first example of ``step``'s batch in the example stream (the examples
+    fed before it, over all processes)."""
+    return step * global_batch
+
+
+def step_examples(step: int, global_batch: int) -> tuple[int, int]:
+    """``[first, last)``: the stream positions of the examples that step ``step`` (0-based) feeds."""
+    first = data_position(step, global_batch)
+    return first, first + global_batch
 
 
 class Loader:

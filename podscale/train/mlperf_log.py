@@ -1,7 +1,8 @@
 """MLPerf-format run logs through mlperf-logging's ``mllog``, and time to target read from them.
 
 Each run gets its own ``MLLogger`` writing ``:::MLLOG {...}`` lines with the standard keys
-(``mllog.constants``) to a file, and keeps the same lines in memory: the time to target that
+(``mllog.constants``) to a file of its own (a resumed run's segment too: ``mllog.1.txt``, ...,
+:func:`podscale.train.config.mllog_path`), and keeps the same lines in memory: the time to target that
 ``podscale train`` prints is computed from the log by :func:`time_to_target`, the way MLPerf
 results are scored (``run_start`` to the first ``eval_accuracy`` at or above the target).
 """
@@ -34,9 +35,14 @@ class _Lines(logging.Handler):
 
 class RunLog:
     """An MLPerf log for one run: ``start``/``end``/``event`` as ``mllog``'s, kept in ``lines`` and
-    written to ``path`` when ``write`` (one process of a run writes the file: the trainer's process 0)."""
+    written to ``path`` when ``write`` (one process of a run writes the file: the trainer's process 0).
+    The file is written afresh: ``mode`` ``"w"`` replaces one already there, ``"x"`` (a resumed
+    segment's, never an earlier segment's file) refuses it."""
 
-    def __init__(self, path: str | None = None, write: bool = True):
+    def __init__(self, path: str | None = None, write: bool = True, mode: str = "w"):
+        if mode not in ("w", "x"):
+            raise ValueError(f"an MLPerf log is written afresh (mode 'w' or 'x'), got mode {mode!r}")
+        self._mode = mode
         with _counter_lock:
             name = f"podscale.mllog.{next(_counter)}"
         self._logger = logging.getLogger(name)
@@ -71,7 +77,7 @@ class RunLog:
             return
         if os.path.dirname(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        handler = logging.FileHandler(self.path)
+        handler = logging.FileHandler(self.path, mode=self._mode)
         handler.stream.write("".join(line + "\n" for line in self.lines))
         handler.flush()
         self._handlers.append(handler)

@@ -1,5 +1,5 @@
-"""What a run writes as it goes, besides checkpoints: ``metrics.jsonl`` (a line per step, whose
-loss is checked finite), the MLPerf log's run configuration, and the exported parameters."""
+"""What a run writes as it goes, besides checkpoints: ``metrics.jsonl`` (a line per step with the
+examples it fed, whose loss is checked finite), the MLPerf log's run configuration, and the exported parameters."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 from mlperf_logging.mllog import constants as C
 
 from podscale.train.config import TrainConfig
+from podscale.train.data import step_examples
 from podscale.train.mlperf_log import RunLog
 from podscale.train.saving import _non_finite
 from podscale.train.tasks import recipe_config
@@ -53,10 +54,12 @@ def _log_run_config(
         mlog.event(key, value)
 
 
-def _log_step(pending, record, ckpt=None) -> float:
+def _log_step(pending, record, global_batch: int, ckpt=None) -> float:
+    """Records a step's line: its number (1-based), the examples it fed (``[first, last)``, their
+    global positions in the data stream, over all processes) and its metrics."""
     step, metrics = pending
     values = {k: float(v) for k, v in metrics.items()}
-    record({"step": step + 1, **values})
+    record({"step": step + 1, "examples": list(step_examples(step, global_batch)), **values})
     if not math.isfinite(values["loss"]):
         _non_finite(f"the training loss is {values['loss']}", step + 1, ckpt)
     return values["loss"]

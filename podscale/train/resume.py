@@ -10,6 +10,7 @@ from typing import Any
 
 from podscale.train.checkpoint import Checkpointer, CheckpointError
 from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, RUN_CONFIG, TrainConfig
+from podscale.train.data import data_position
 from podscale.train.tasks import recipe_config
 
 FIXED_ON_RESUME = (
@@ -124,3 +125,39 @@ def _check_checkpoints(config: TrainConfig) -> int | None:
             f"pass a larger --steps to train further"
         )
     return latest
+
+
+DATA_POSITION = "data"
+"""The key of a checkpoint's data position in the metadata the trainer saves with it
+(:meth:`Checkpointer.maybe_save`): ``{"next_example": N, "global_batch": B}``."""
+
+
+def saved_data_position(step: int, global_batch: int) -> dict:
+    """What a checkpoint of ``step`` saves beside the state: the run's data position, the global
+    index of the next example it feeds (:func:`~podscale.train.data.data_position`), and the global
+    batch that makes it."""
+    return {DATA_POSITION: {"next_example": data_position(step, global_batch), "global_batch": global_batch}}
+
+
+def check_data_position(saved: dict, step: int, global_batch: int, where: str) -> None:
+    """A run resumed from checkpoint ``step`` (``where``: which, in which folder) feeds next the
+    example the checkpoint's run would have fed next: refused, naming both, when the global batch
+    differs from the one it was saved with, or its saved position is not this run's first example
+    (``step x global batch``). A checkpoint of an older podscale, saved without it, is not checked."""
+    position = saved.get(DATA_POSITION)
+    if not isinstance(position, dict):
+        return
+    theirs, their_batch = position.get("next_example"), position.get("global_batch")
+    first = data_position(step, global_batch)
+    if their_batch != global_batch:
+        raise ValueError(
+            f"--resume: {where} was saved by a run with a global batch of {their_batch} examples per step (its next "
+            f"example: {theirs}); this run's global batch is {global_batch}, which would start at example {first} "
+            f"and feed another order of examples. Resume with --batch-size {their_batch}, or start a new --workdir"
+        )
+    if theirs != first:
+        raise ValueError(
+            f"--resume: {where} saved its data position as example {theirs}, but step {step} at a global batch of "
+            f"{global_batch} starts at example {first}: the checkpoint does not continue this run's data order. "
+            "Start a new --workdir"
+        )

@@ -115,10 +115,11 @@ def _all_finite(state) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _save(ckpt, step: int, state, form, force: bool = False) -> None:
-    """Saves only a finite state (the loss was checked already; the weights are checked here)."""
+def _save(ckpt, step: int, state, form, force: bool = False, metadata: dict | None = None) -> None:
+    """Saves only a finite state (the loss was checked already; the weights are checked here), with
+    ``metadata`` (the run's data position) beside it."""
     if not (force or step % ckpt.every == 0) or step in ckpt.saved_steps():
         return
     if not bool(_all_finite(state)):
         _non_finite("the state holds non-finite values", step, ckpt)
-    ckpt.maybe_save(step, state, form, force=force)
+    ckpt.maybe_save(step, state, form, force=force, metadata=metadata)

@@ -29,14 +29,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podscale._jax import jax_distributed
 from podscale.report import Ticker, heartbeat
 from podscale.train.checkpoint import Checkpointer
-from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, TrainConfig, make_output_folders
-from podscale.train.data import Loader, padded_eval_batches
+from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, TrainConfig, make_output_folders, mllog_path
+from podscale.train.data import Loader, data_position, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.prepare import check
 from podscale.train.records import _flat_params, _log_run_config, _log_step, _metrics_path
-from podscale.train.resume import resolved_run_config
+from podscale.train.resume import check_data_position, resolved_run_config, saved_data_position
 from podscale.train.saving import CheckpointForm, _save
 from podscale.train.supervise import ENV_STDERR_TTY
 from podscale.train.tasks import make_eval_fn
@@ -69,8 +69,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     if lead:
         make_output_folders(config)
-    mlpath = config.mllog or (os.path.join(config.workdir, "mllog.txt") if config.workdir else None)
-    mlog = RunLog(mlpath, write=lead)
+    # Each run segment logs to a file of its own (MLPerf allows one run_start per log): a resumed
+    # run's is the next mllog.N.txt, written only if it is new.
+    mlog = RunLog(mllog_path(config) if lead else None, write=lead, mode="x" if config.resume else "w")
     stop = StopRequest(jax.process_count(), sync=_preemption_sync())
     try:
         with stop:
@@ -115,6 +116,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         # read as it was saved (any placement's stored layout), converted into this one's
         resumed_from, state = ckpt.restore(checkpointed, fallback=config.resume_fallback)
     start = int(np.asarray(state.step.addressable_data(0)))
+    if resumed_from is not None:  # the data position saved with the step is where this run's data starts
+        where = f"checkpoint step {resumed_from} in {ckpt.directory}"
+        check_data_position(ckpt.metadata(resumed_from), start, batch_size, where)
     if start >= config.steps:
         raise ValueError(
             f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
@@ -123,8 +127,12 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
     _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
     mlog.end(C.INIT_STOP)
-    mlog.start(C.RUN_START)
+    # A resumed segment's log is a whole log of its own (init, configuration, run_start), from step
+    # ``start``: its first block starts there, at the epoch and example the checkpoint holds.
+    resumed = {"resumed_from_step": start, "first_example": data_position(start, batch_size)}
+    mlog.start(C.RUN_START, metadata=resumed if resumed_from is not None else None)
     epoch = lambda done: done * batch_size / len(task.train_data)  # noqa: E731
+    position = lambda done: saved_data_position(done, batch_size)  # noqa: E731  (saved with each checkpoint)
     block_first = [start]
 
     def block_start(first: int) -> None:
@@ -180,7 +188,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                 with heartbeat(ticker if step == start else None, "still compiling the first step", 10.0):
                     state, metrics = dp(state, batch)
                 if pending is not None:  # read the previous step's metrics while this one runs
-                    last_loss = _log_step(pending, record, ckpt)
+                    last_loss = _log_step(pending, record, batch_size, ckpt)
                 pending = (step, metrics)
                 if step == start:
                     jax.block_until_ready(state)  # the first step compiles; time from its end
@@ -203,9 +211,9 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                     # step's and never complete.
                     jax.block_until_ready(state)
                 if ckpt and done % ckpt.every == 0:
-                    last_loss = _log_step(pending, record, ckpt)  # this step's loss, before saving it
+                    last_loss = _log_step(pending, record, batch_size, ckpt)  # this step's loss, before saving it
                     pending = None
-                    _save(ckpt, done, state, checkpointed.save_form)
+                    _save(ckpt, done, state, checkpointed.save_form, metadata=position(done))
                 reached = False
                 if evaluating:
                     first = block_first[0]
@@ -240,14 +248,14 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
                 if stop.reached(done - start):
                     jax.block_until_ready(state)
                     if pending is not None:
-                        last_loss = _log_step(pending, record, ckpt)
+                        last_loss = _log_step(pending, record, batch_size, ckpt)
                         pending = None
                     if ckpt:
-                        _save(ckpt, done, state, checkpointed.save_form, force=True)
+                        _save(ckpt, done, state, checkpointed.save_form, force=True, metadata=position(done))
                         ckpt.close()
                     raise Interrupted(done, stop.stopped_by, saved=ckpt is not None, processes=jax.process_count())
             if pending is not None:
-                last_loss = _log_step(pending, record, ckpt)
+                last_loss = _log_step(pending, record, batch_size, ckpt)
             jax.block_until_ready(state)
             timed_until = time.perf_counter()
     finally:
@@ -267,7 +275,7 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
     if reached:
         summary["time_to_target_s"] = time_to_target(parse(mlog.lines), accuracy(targets))["seconds"]
     if ckpt:
-        _save(ckpt, final_step, state, checkpointed.save_form, force=True)
+        _save(ckpt, final_step, state, checkpointed.save_form, force=True, metadata=position(final_step))
         ckpt.close()
     elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
