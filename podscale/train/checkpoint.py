@@ -1,13 +1,15 @@
 """Checkpoints of the training state with orbax.
 
 Each process writes only the shards it holds (orbax's sharded ``jax.Array`` support: OCDBT over
-tensorstore), in the layout :class:`~podscale.train.saving._CheckpointForm` gives them (every
-leaf in its own shape, spread over the mesh), so nothing is gathered to save. Saves are
-asynchronous: the training loop waits for the copy of the shards to the host, and orbax writes and
-commits them in the background; the next save, :meth:`Checkpointer.close` (the final save's and a
-preemption save's path) and the process's exit wait for it. A save is atomic: orbax writes a step
-into a temporary directory and renames it when complete, so a crash or a ``kill -9`` mid-save
-leaves the previous good checkpoint untouched and never a half-written step that looks finished.
+tensorstore) of the state as it is stored (:class:`~podscale.train.saving.CheckpointForm`: a
+sharded update's flat chunks, a rule's split leaves), so nothing is gathered or reshaped to save;
+a restore reads each step in the layout its metadata says it was saved in onto the run's own
+placement, and converts it there. Saves are asynchronous: the training loop waits for the copy of
+the shards to the host, and orbax writes and commits them in the background; the next save,
+:meth:`Checkpointer.close` (the final save's and a preemption save's path) and
+:meth:`Checkpointer.latest_step` wait for it. A save is atomic: orbax writes a step into a
+temporary directory and renames it when complete, so a crash or a ``kill -9`` mid-save leaves the
+previous good checkpoint untouched and never a half-written step that looks finished.
 
 Every step carries a fingerprint of each array (:func:`checksums`: two 32-bit position-weighted
 sums of its bits, computed on the devices where its shards lie), keyed by the leaf's pytree path

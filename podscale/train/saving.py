@@ -93,7 +93,6 @@ class CheckpointForm:
         return [math.prod(saved_layout[leaf.path]["shape"]) for leaf in self.layout.leaves]
 
 
-_CheckpointForm = CheckpointForm
 
 
 class NonFiniteError(ValueError):
