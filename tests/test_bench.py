@@ -79,7 +79,13 @@ BAD_FLAGS = [
     ),
     ("tp", ["--width", "100"], "bench tp: --width 100 must be a multiple of the 8 heads"),
     ("tp", ["--vocab", "5"], "bench tp: --width 256 and --vocab 5 must split 4 ways"),
-    *[(w, ["--model", "gnmt"], "--model is for bench wus; bench " + w) for w in ("gradsum", "spatial", "tp")],
+    *[
+        (w, ["--model", "gnmt"], "--model is for bench wus and checkpoint; bench " + w)
+        for w in ("gradsum", "spatial", "tp")
+    ],
+    ("checkpoint", ["--model", "gpt9"], "--model 'gpt9': bench checkpoint takes an MLPerf workload"),
+    ("checkpoint", ["--config", "huge"], "--config 'huge': choose full or tiny"),
+    *[(w, ["--config", "tiny"], "--config is for bench checkpoint; bench " + w) for w in ("wus", "gradsum", "tp")],
     *[(w, ["--sizes", "1"], "--sizes is for bench gradsum; bench " + w) for w in ("wus", "spatial", "tp")],
     *[
         (w, [f, "64"], f"{f} is for bench wus and tp; bench {w}")
@@ -170,3 +176,17 @@ def test_bench_wus_prints_progress_lines_when_stderr_is_not_a_terminal(capsys):
     with _Progress(False, 4) as bar:
         bar.update("quiet", line=True)
     assert capsys.readouterr().err == ""
+
+
+def test_bench_checkpoint_saves_a_sharded_state_async_and_sync_and_restores_it_bit_for_bit():
+    """Figures of their own kinds (no timing is compared: this machine is shared): the stall of
+    each kind of save, the memory a save adds, and the restore's bits."""
+    from podscale.bench.checkpoint import bench_checkpoint
+
+    result = bench_checkpoint(model="transformer-big", config="tiny", steps=1)
+    assert result["restored_bit_identical"] is True
+    assert result["replicas"] == 8 and result["saves"] == 1
+    assert 0 < result["device_state_bytes"] < result["state_bytes"]  # the optimizer state is chunked
+    assert result["largest_saved_buffer_bytes"] <= result["largest_leaf_bytes"]
+    assert result["process_shard_bytes"] >= result["state_bytes"]  # one process writes a copy of all (chunks padded)
+    assert result["async_stall_s"] > 0 and result["sync_stall_s"] > 0

@@ -17,6 +17,8 @@ split leaves; the weights, which every replica holds whole to train, from one re
 state); ``largest_saved_buffer_bytes`` the largest single buffer written; ``save_host_peak_bytes``
 the most this process's resident memory grew during a save, sampled every 5 ms, against
 ``process_shard_bytes``, the bytes of the shards this process writes (one copy of each).
+``restored_bit_identical``: the state restored from the last async save has the fingerprints the
+saved one had (each leaf's 64-bit fingerprint of its bits, as a restore verifies them).
 """
 
 from __future__ import annotations
@@ -29,11 +31,10 @@ import threading
 import time
 
 import jax
-import numpy as np
 
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
-from podscale.train.checkpoint import Checkpointer
+from podscale.train.checkpoint import Checkpointer, checksums
 from podscale.train.saving import CheckpointForm
 from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 
@@ -64,7 +65,17 @@ class _PeakRSS:
 
 
 def bench_checkpoint(model: str = "transformer-big", config: str = "full", replicas: int | None = None, steps: int = 3):
+    from podscale import workloads
+    from podscale.parallel import checks
+
+    steps = checks.whole("steps", steps)
+    if model not in workloads.NAMES:
+        raise ValueError(f"model={model!r}: bench checkpoint takes an MLPerf workload: {', '.join(workloads.NAMES)}")
+    if config not in ("full", "tiny"):
+        raise ValueError(f"config={config!r}: choose full or tiny")
     n = replicas or jax.device_count()
+    if not 1 <= n <= jax.device_count():
+        raise ValueError(f"replicas={n}: give 1 to {jax.device_count()}, the devices of this process")
     task = make_task(model, config=config, with_data=False)
     tx = make_task_optimizer(task, None, None, 1000)
     mesh = make_mesh((n,), devices=jax.devices()[:n])
@@ -72,10 +83,10 @@ def bench_checkpoint(model: str = "transformer-big", config: str = "full", repli
     batch = task.batch_shapes(n)
     shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx, batch))
     layout = dp.prepare(shapes, batch).state
-    stored = jax.jit(
-        lambda: layout.store(task.init_state(jax.random.key(0), tx, batch)), out_shardings=layout.shardings()
-    )()
-    jax.block_until_ready(stored)
+    # Made on one device and placed (an init replicated over the mesh would run on every device).
+    state = jax.jit(lambda: task.init_state(jax.random.key(0), tx, batch))()
+    stored = jax.block_until_ready(layout.place(state))
+    del state
     form = CheckpointForm(layout)
 
     shards = [s for x in jax.tree.leaves(stored) for s in x.addressable_shards]
@@ -84,6 +95,7 @@ def bench_checkpoint(model: str = "transformer-big", config: str = "full", repli
     per_device: dict = {}
     for s in shards:
         per_device[s.device] = per_device.get(s.device, 0) + s.data.nbytes
+    del shards
     result = {
         "model": model,
         "config": config,
@@ -111,13 +123,12 @@ def bench_checkpoint(model: str = "transformer-big", config: str = "full", repli
             result[f"{mode}_stall_s"] = statistics.median(times)
             result[f"{mode}_host_peak_bytes"] = int(max(peaks))
         result["save_host_peak_bytes"] = max(result["async_host_peak_bytes"], result["sync_host_peak_bytes"])
+        before = checksums(stored, form.sizes())
+        del stored  # the restore makes a second state; two of a full config need not fit this host
         restored = Checkpointer(os.path.join(root, "async"), every=1)
         _, back = restored.restore(form)
         restored.close()
-        same = all(
-            np.asarray(jax.device_get(a)).tobytes() == np.asarray(jax.device_get(b)).tobytes()
-            for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(stored), strict=True)
-        )
+        same = checksums(back, form.sizes()) == before
         del back
         result["restored_bit_identical"] = bool(same)
     finally:

@@ -74,25 +74,37 @@ class CheckpointForm:
         return jax.tree.unflatten(self.layout.treedef, out)
 
     def load(self, restored):
-        """The restored leaves (saved shapes) in this placement's stored layout, on the devices."""
-        return jax.jit(self._convert, out_shardings=self.layout.shardings())(restored)
+        """The restored leaves (saved shapes) in this placement's stored layout, on the devices. A
+        leaf read as this placement stores it is kept as it is (no copy); the others are converted
+        by one program, which takes their restored buffers (donated)."""
+        leaves = jax.tree.leaves(restored)
+        shardings = jax.tree.leaves(self.layout.shardings())
+        todo = [
+            i
+            for i, (x, leaf) in enumerate(zip(leaves, self.layout.leaves, strict=True))
+            if tuple(x.shape) != tuple(self.layout.stored_shape(leaf)) or x.sharding != shardings[i]
+        ]
+        if todo:
+            convert = jax.jit(
+                lambda xs: [self._convert(x, self.layout.leaves[i]) for x, i in zip(xs, todo, strict=True)],
+                out_shardings=[shardings[i] for i in todo],
+                donate_argnums=0,
+            )
+            for i, x in zip(todo, convert([leaves[i] for i in todo]), strict=True):
+                leaves[i] = x
+        return jax.tree.unflatten(self.layout.treedef, leaves)
 
-    def _convert(self, restored):
-        out = []
-        for x, leaf in zip(jax.tree.leaves(restored), self.layout.leaves, strict=True):
-            target = tuple(self.layout.stored_shape(leaf))
-            if tuple(x.shape) != target:
-                flat = jnp.ravel(x)[: math.prod(leaf.shape)]
-                x = jnp.pad(flat, (0, target[0] - flat.size)) if leaf.sharded else flat.reshape(leaf.shape)
-            out.append(x)
-        return jax.tree.unflatten(self.layout.treedef, out)
+    def _convert(self, x, leaf):
+        target = tuple(self.layout.stored_shape(leaf))
+        if tuple(x.shape) != target:
+            flat = jnp.ravel(x)[: math.prod(leaf.shape)]
+            x = jnp.pad(flat, (0, target[0] - flat.size)) if leaf.sharded else flat.reshape(leaf.shape)
+        return x
 
     def sizes(self, saved_layout: dict[str, dict] | None = None) -> list[int]:
         """Per leaf, its own element count: a flat saved leaf's fingerprint covers those only."""
         saved_layout = saved_layout or self.saved_layout()
         return [math.prod(saved_layout[leaf.path]["shape"]) for leaf in self.layout.leaves]
-
-
 
 
 class NonFiniteError(ValueError):
