@@ -76,7 +76,7 @@ class CheckpointForm:
     def load(self, restored):
         """The restored leaves (saved shapes) in this placement's stored layout, on the devices. A
         leaf read as this placement stores it is kept as it is (no copy); the others are converted
-        by one program, which takes their restored buffers (donated)."""
+        by one program (a leaf's shape changes, so its buffer cannot be reused)."""
         leaves = jax.tree.leaves(restored)
         shardings = jax.tree.leaves(self.layout.shardings())
         todo = [
@@ -88,7 +88,6 @@ class CheckpointForm:
             convert = jax.jit(
                 lambda xs: [self._convert(x, self.layout.leaves[i]) for x, i in zip(xs, todo, strict=True)],
                 out_shardings=[shardings[i] for i in todo],
-                donate_argnums=0,
             )
             for i, x in zip(todo, convert([leaves[i] for i in todo]), strict=True):
                 leaves[i] = x
