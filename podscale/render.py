@@ -350,5 +350,5 @@ def bench_checkpoint(result: dict[str, Any]) -> None:
     console.print(
         f"state per device {report.size(result['device_state_bytes'])} of {report.size(result['state_bytes'])}; "
         f"largest buffer written {report.size(result['largest_saved_buffer_bytes'])}; this process writes "
-        f"{report.size(result['process_shard_bytes'])}; restored bit-identical: {result['restored_bit_identical']}"
+        f"{report.size(result['process_shard_bytes'])}; restored, its fingerprints equal the saved state's: {result['restored_fingerprints_equal']}"
     )

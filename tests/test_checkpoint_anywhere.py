@@ -110,3 +110,32 @@ def test_the_fingerprints_are_the_whole_values_whatever_the_sharding():
     flipped = np.asarray(x["w"]).copy()
     flipped.view(np.uint32)[5, 3] ^= 1 << 17
     assert checksums({**x, "w": jnp.asarray(flipped)})["['w']"] != checksums(x)["['w']"]
+
+
+def test_a_step_saved_before_per_shard_checkpoints_still_restores_and_is_verified(tmp_path):
+    """Before this layout, podscale saved every leaf whole in its own shape, with a SHA-256 of
+    each: such a step restores onto a sharded placement, checked against those checksums."""
+    import orbax.checkpoint as ocp
+
+    from podscale.train.checkpoint import CHECKSUMS, CheckpointError, _legacy_checksums
+
+    task, tx, batch = _task()
+    host = jax.device_get(task.init_state(jax.random.key(0), tx))
+    manager = ocp.CheckpointManager(
+        str(tmp_path), options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    )
+    sums = _legacy_checksums(host)
+    manager.save(3, args=ocp.args.StandardSave(host), custom_metadata={CHECKSUMS: sums})
+    manager.close()
+    dp = _placed("8 replicas, sharded", task, tx, batch)
+    form = CheckpointForm(dp.prepare(host, batch).state)
+    step, stored = Checkpointer(str(tmp_path), every=1).restore(form)
+    assert step == 3
+    _assert_bits(dp.gather_state(stored), host)
+    # and verified: a changed SHA-256 is refused as damage
+    meta = tmp_path / "3" / "_CHECKPOINT_METADATA"
+    text = meta.read_text()
+    first = next(iter(sums.values()))["sha256"]
+    meta.write_text(text.replace(first, "0" * 64, 1))
+    with pytest.raises(CheckpointError, match="does not match the checksum"):
+        Checkpointer(str(tmp_path), every=1).restore(form)

@@ -17,7 +17,7 @@ split leaves; the weights, which every replica holds whole to train, from one re
 state); ``largest_saved_buffer_bytes`` the largest single buffer written; ``save_host_peak_bytes``
 the most this process's resident memory grew during a save, sampled every 5 ms, against
 ``process_shard_bytes``, the bytes of the shards this process writes (one copy of each).
-``restored_bit_identical``: the state restored from the last async save has the fingerprints the
+``restored_fingerprints_equal``: the state restored from the last async save has the fingerprints the
 saved one had (each leaf's 64-bit fingerprint of its bits, as a restore verifies them).
 """
 
@@ -130,7 +130,7 @@ def bench_checkpoint(model: str = "transformer-big", config: str = "full", repli
         restored.close()
         same = checksums(back, form.sizes()) == before
         del back
-        result["restored_bit_identical"] = bool(same)
+        result["restored_fingerprints_equal"] = bool(same)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return result

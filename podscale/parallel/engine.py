@@ -265,7 +265,6 @@ class DataParallelStep:
                 split = [s for s, im in zip(shapes, images, strict=True) if im]
                 uneven = spatial.check(list(found), self.mesh.shape[self.space], self.space, split, self.strict)
                 self._batches[key] = BatchPlacement(tuple(images), found, tuple(uneven))
-        self._last = key
         return self._batches[key]
 
     def global_trace(self, abstract_state, batch) -> GlobalTrace:
@@ -433,6 +432,7 @@ class DataParallelStep:
             self.prepare(state, batch)
         key = signature(batch)
         self._batch_placement(batch)
+        self._last = key  # what dp.trace, images and uneven read
         if key not in self._jitted:
             self._jitted[key] = self._build(batch, key)
         return self._jitted[key]

@@ -4,7 +4,8 @@ Two layouts, stated once (as levanter keeps a parameter and a compute mapping): 
 is the state pytree the step was written for; the *stored* layout is what lives on the mesh. A
 sharded leaf is stored as a flat array of ``N * ceil(size / N)`` elements (zero padding at the
 end) split over every mesh axis, so each replica holds one chunk. ``store``/``unstore`` convert
-between the two; checkpoints hold the user layout, so they restore onto any replica count.
+between the two; checkpoints hold the stored layout, and a restore converts it into another
+placement's (``train.saving.CheckpointForm``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import re
 import sys
@@ -39,8 +40,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from podscale.train.saving import LAYOUT
+from podscale.train.saving import LAYOUT, CheckpointForm
 
 CHECKSUMS = "podscale_checksums"
 """The key of the per-leaf checksums in a step's orbax ``custom_metadata``."""
@@ -78,26 +81,127 @@ def _words(x):
     return jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32).reshape(-1)
 
 
+def _fmix(h):
+    """MurmurHash3's 32-bit finaliser: every input bit moves about half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _mix(u, pos, keep=None):
+    """Two sums, over the words ``u`` at global word positions ``pos`` (uint32) that ``keep`` holds
+    (all by default), of a non-linear hash of each word with its position (two seeds): changes
+    to words cancel in a sum only by chance, about 2**-32 for each of the two."""
+    a = _fmix(u ^ _fmix(pos + jnp.uint32(_MIX[0])))
+    b = _fmix((u + jnp.uint32(_MIX[1])) ^ _fmix(pos ^ jnp.uint32(_MIX[2])))
+    if keep is not None:
+        a, b = jnp.where(keep, a, jnp.uint32(0)), jnp.where(keep, b, jnp.uint32(0))
+    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+
+
 def _fingerprint(x, size: int | None = None) -> jax.Array:
     """Two 32-bit sums of the words of ``x``'s first ``size`` elements (all by default; a flat,
-    padded chunked leaf's own elements), each word times an odd multiplier of its position: a
-    flipped bit (any single one, and all but about 2**-64 of other changes) or a moved word changes
-    them. Integer sums are exact in any order, so a sharded leaf's fingerprint is its whole value's,
-    computed where its shards are (XLA sums the per-device partial sums: two words each), and a
-    leaf's is the same flat or in its own shape."""
+    padded chunked leaf's own elements), each word hashed with its position (:func:`_mix`): a
+    changed or moved word changes them, but for about 2**-64 of changes. Integer sums are exact in any order, so a leaf's fingerprint is its whole value's however
+    it is sharded (:func:`_fingerprint_shards` computes it where the shards lie), and the same
+    flat or in its own shape."""
     u = _words(x)
     i = jnp.arange(u.size, dtype=jnp.uint32)
-    if size is not None and size < x.size:
-        u = jnp.where(i < size * (u.size // max(x.size, 1)), u, jnp.uint32(0))
-    a = jnp.sum(u * (i * jnp.uint32(_MIX[0]) + jnp.uint32(_MIX[1]) | 1), dtype=jnp.uint32)
-    b = jnp.sum((u ^ (i * jnp.uint32(_MIX[2]))) * (i * jnp.uint32(_MIX[3]) + jnp.uint32(_MIX[0]) | 1), dtype=jnp.uint32)
-    return jnp.stack([a, b])
+    keep = i < size * (u.size // max(x.size, 1)) if size is not None and size < x.size else None
+    return _mix(u, i, keep)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _fingerprints(state, sizes: tuple[int, ...] | None):
+def _linear(axes, mesh) -> tuple[jax.Array, int]:
+    """This device's index over mesh ``axes`` taken together (major first), and their size."""
+    index, count = jnp.uint32(0), 1
+    for a in axes:
+        index = index * jnp.uint32(mesh.shape[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+        count *= mesh.shape[a]
+    return index, count
+
+
+def _fingerprint_shards(x, size: int | None, sharding: NamedSharding):
+    """:func:`_fingerprint` of ``x`` (a ``NamedSharding`` array) computed on its shards: each device
+    takes its share of its own block (the devices holding the same block split it between them),
+    at the block's global positions, and the partial sums are summed over the mesh. One pass over
+    the state in all, each device's temporaries a piece of its block."""
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    used = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    free = [a for a in mesh.axis_names if a not in used]
+    gstrides = [math.prod(x.shape[d + 1 :]) for d in range(x.ndim)]
+
+    def local(block):
+        u = _words(block)
+        k = u.size // max(block.size, 1)  # words per element
+        r, replicas = _linear(free, mesh)
+        n = u.size
+        if replicas > 1 and n % replicas == 0 and n:
+            share = n // replicas
+            u = jax.lax.dynamic_slice(u.reshape(replicas, share), (r, jnp.uint32(0)), (1, share))[0]
+            j = r * jnp.uint32(share) + jnp.arange(share, dtype=jnp.uint32)
+        else:  # one device of the block's holders takes it all
+            j = jnp.arange(n, dtype=jnp.uint32)
+        word, e = j % jnp.uint32(max(k, 1)), j // jnp.uint32(max(k, 1))
+        flat = jnp.uint32(0)
+        for d in reversed(range(block.ndim)):
+            entry = spec[d]
+            offset = jnp.uint32(0)
+            if entry:
+                index, _ = _linear((entry,) if isinstance(entry, str) else entry, mesh)
+                offset = index * jnp.uint32(block.shape[d])
+            flat = flat + (offset + e % jnp.uint32(block.shape[d])) * jnp.uint32(gstrides[d])
+            e = e // jnp.uint32(block.shape[d])
+        pos = flat * jnp.uint32(max(k, 1)) + word
+        keep = None
+        if size is not None and size < x.size:
+            keep = pos < jnp.uint32(size * max(k, 1))
+        if replicas > 1 and not (n % replicas == 0 and n):
+            keep = (r == 0) if keep is None else keep & (r == 0)
+        return jax.lax.psum(_mix(u, pos, keep), tuple(mesh.axis_names))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=P(*spec), out_specs=P(), check_vma=False)(x)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _fingerprints(state, sizes: tuple, shardings: tuple):
     leaves = jax.tree.leaves(state)
-    return [_fingerprint(x, None if sizes is None else n) for x, n in zip(leaves, sizes or leaves, strict=True)]
+    return [
+        _fingerprint(x, n) if sharding is None else _fingerprint_shards(x, n, sharding)
+        for x, n, sharding in zip(leaves, sizes, shardings, strict=True)
+    ]
+
+
+def _where(x) -> NamedSharding | None:
+    """``x``'s sharding where its fingerprint is computed on its shards (a mesh array), else None."""
+    sharding = getattr(x, "sharding", None)
+    keyed = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return sharding if isinstance(sharding, NamedSharding) and np.ndim(x) and np.size(x) and not keyed else None
+
+
+def _legacy_checksums(state) -> dict[str, dict]:
+    """SHA-256 of each leaf's bytes on the host, as podscale wrote them before per-shard
+    checkpoints (each leaf whole, in its own shape): such a step is still verified on restore."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    sums = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            value = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        else:
+            value = np.asarray(leaf)
+        value = np.require(value, requirements="C")
+        sums[jax.tree_util.keystr(path)] = {
+            "sha256": hashlib.sha256(value.reshape(-1).view(np.uint8)).hexdigest(),
+            "shape": list(value.shape),
+            "dtype": str(value.dtype),
+        }
+    return sums
 
 
 def checksums(state, sizes=None) -> dict[str, dict]:
@@ -105,7 +209,9 @@ def checksums(state, sizes=None) -> dict[str, dict]:
     elements where given) and dtype, keyed by its pytree path. Computed on the devices where the
     leaves lie (a sharded leaf is never gathered); only the fingerprints come to the host."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
-    prints = jax.device_get(_fingerprints(state, None if sizes is None else tuple(int(n) for n in sizes)))
+    leaves = jax.tree.leaves(state)
+    sizes = tuple(None for _ in leaves) if sizes is None else tuple(int(n) for n in sizes)
+    prints = jax.device_get(_fingerprints(state, sizes, tuple(_where(x) for x in leaves)))
     sums = {}
     for path, leaf, fp in zip(paths, jax.tree.leaves(state), prints, strict=True):
         key = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
@@ -243,6 +349,7 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False  # the step we resumed from: already saved, never overwritten
         form = getattr(transform, "__self__", None)  # a CheckpointForm's save_form: its saved layout too
+        form = form if isinstance(form, CheckpointForm) else None
         state = transform(state) if transform else state
         metadata_all = {CHECKSUMS: checksums(state, form.sizes() if form is not None else None)}
         if form is not None:
@@ -281,7 +388,7 @@ class Checkpointer:
                 f"--resume: no complete checkpoint in {self.directory}. Start without --resume, or "
                 "point --workdir at the directory of the run to continue."
             )
-        if hasattr(like, "abstract"):  # a CheckpointForm: each step read as it was saved, then converted
+        if isinstance(like, CheckpointForm):  # a CheckpointForm: each step read as it was saved, then converted
             abstract = like
         else:
             abstract = jax.tree.map(
@@ -313,20 +420,22 @@ class Checkpointer:
         ``abstract``: the shapes and shardings to read, or a ``CheckpointForm``, which reads the
         step in the layout it was saved in (its metadata says) and converts it into its own."""
         form, sizes = None, None
-        if hasattr(abstract, "abstract"):
+        if isinstance(abstract, CheckpointForm):
             form = abstract
             try:
                 layout = (self._manager.metadata(step).custom_metadata or {}).get(LAYOUT)
             except Exception:
                 layout = None  # the checksums' read below names what is wrong
+            if not isinstance(layout, dict):  # saved before per-shard checkpoints: every leaf in its own shape
+                layout = form.own_layout()
             try:
-                abstract = form.abstract(layout) if isinstance(layout, dict) else form.like()
+                abstract = form.abstract(layout)
             except ValueError as e:
                 raise _Damaged(
                     f"not of this model/optimizer ({e})",
                     f"checkpoint step {step} in {self.directory} is not of this model/optimizer: {e}",
                 ) from e
-            sizes = form.sizes(layout) if isinstance(layout, dict) else None
+            sizes = form.sizes(layout)
         global _late_reads_pending
         where = f"checkpoint step {step} in {self.directory}"
         todo = (
@@ -368,7 +477,8 @@ class Checkpointer:
         if not isinstance(saved, dict):  # every save writes them, atomically with the step
             reason = "damaged: the checksums saved with it are missing or unreadable (its _CHECKPOINT_METADATA)"
             raise _Damaged(reason, f"{where} is {reason}, so it cannot be verified. {todo}.")
-        got = checksums(state, sizes)
+        legacy = isinstance(saved, dict) and any(isinstance(v, dict) and "sha256" in v for v in saved.values())
+        got = _legacy_checksums(state) if legacy else checksums(state, sizes)
         bad = [path for path in got if not isinstance(saved, dict) or saved.get(path) != got[path]]
         if bad:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -404,4 +514,7 @@ class Checkpointer:
         return moved
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for the save in flight and closes; a second call does nothing."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self._manager.close()

@@ -26,7 +26,7 @@ FIXED_ON_RESUME = (
 )
 """What a resumed run must repeat: the model, its data and their order, the optimizer and its
 state. The rest may change on resume: ``--steps``, ``--mesh`` / ``--replicas`` / the process
-count (checkpoints hold whole tensors), ``--eval-every``, ``--eval-batch-size``,
+count (a restore converts the saved layout into the run's own), ``--eval-every``, ``--eval-batch-size``,
 ``--checkpoint-every``, ``--target``, the strategy (every strategy computes the same step) and
 where logs and exports go."""
 

@@ -41,6 +41,11 @@ class CheckpointForm:
             for leaf in self.layout.leaves
         }
 
+    def own_layout(self) -> dict[str, dict]:
+        """Every leaf saved in its own shape: how podscale saved a step before it saved the stored
+        layout (a step without the layout in its metadata)."""
+        return {leaf.path: {"saved": list(leaf.shape), "shape": list(leaf.shape)} for leaf in self.layout.leaves}
+
     def like(self):
         """This placement's own stored layout (a checkpoint it saved restores as it is)."""
         return self.abstract(self.saved_layout())

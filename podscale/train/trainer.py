@@ -4,7 +4,8 @@ One step of data flow: the :class:`~podscale.data.Loader` thread prepares this p
 the next global batch and places them on the mesh; ``DataParallelStep`` runs the user's step on
 every replica; metrics come back one step late so the host never stalls the devices; every
 ``eval_every`` steps the held-out set is evaluated sharded over all replicas; every
-``checkpoint_every`` steps orbax saves the replicated state.
+``checkpoint_every`` steps orbax saves the stored state, each process its own shards, in the
+background (:mod:`~podscale.train.checkpoint`).
 
 Around the loop: :mod:`~podscale.train.config` (what a run is, its output paths),
 :mod:`~podscale.train.prepare` (every check before work), :mod:`~podscale.train.resume` (what a
@@ -73,18 +74,23 @@ def train(config: TrainConfig) -> dict[str, Any]:
     # run's is the next mllog.N.txt, written only if it is new.
     mlog = RunLog(mllog_path(config) if lead else None, write=lead, mode="x" if config.resume else "w")
     stop = StopRequest(jax.process_count(), sync=_preemption_sync())
+    closing: list = []  # the checkpointer, closed (its save in flight finished) however the run ends
     try:
         with stop:
-            return _train(config, mlog, run_start, lead, stop)
+            return _train(config, mlog, run_start, lead, stop, closing)
     except BaseException:
         if mlog.running:
             mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
         raise
     finally:
         mlog.close()
+        for close in closing:
+            close()
 
 
-def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest) -> dict[str, Any]:
+def _train(
+    config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest, closing: list
+) -> dict[str, Any]:
     # MLPerf asks whether the system's caches were cleared before the run: podscale does not
     # clear them (its data sets are synthetic or small, read into memory).
     mlog.event(C.CACHE_CLEAR, False)
@@ -111,6 +117,8 @@ def _train(config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop
         if config.workdir
         else None
     )
+    if ckpt:
+        closing.append(ckpt.close)
     resumed_from = None
     if ckpt and config.resume:
         # read as it was saved (any placement's stored layout), converted into this one's
