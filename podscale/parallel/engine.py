@@ -37,6 +37,7 @@ from podscale.parallel.program import (
     GlobalTrace,
     Step,
     as_arrays,
+    as_whole,
     check_batch,
     check_kept_shapes,
     check_not_donated,
@@ -44,7 +45,6 @@ from podscale.parallel.program import (
     shape_structs,
     signature,
     trace_global,
-    whole,
 )
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import (
@@ -403,7 +403,7 @@ class DataParallelStep:
         gathered = gather(chunks, [leaves[i] for i in shards], trace, why, update=kind == "new_state") if shards else []
         for i, g in zip(shards, gathered, strict=True):
             leaves[i] = g
-        return [whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
+        return [as_whole(kind, path, v) for (path, _), v in zip(pairs, leaves, strict=True)]
 
     def _finish_state(self, chunks, trace, new_state):
         layout = self.layout
@@ -420,7 +420,7 @@ class DataParallelStep:
                 continue
             if isinstance(v, Sharded):
                 v = gather(chunks, [v], trace, f"new_state{path_str(path)} changed shape")[0]
-            v = whole("new_state", path, v)
+            v = as_whole("new_state", path, v)
             trace.gathered_ops.append(f"new_state{path_str(path)} computed whole, then sliced")
             out.append(chunks.slice(jnp.asarray(v, leaf.dtype)).shard)
         return jax.tree.unflatten(layout.treedef, out)

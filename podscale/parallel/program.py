@@ -85,7 +85,7 @@ def signature(batch) -> tuple:
     return jax.tree.structure(shapes), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(shapes))
 
 
-def whole(kind: str, path, x):
+def as_whole(kind: str, path, x):
     if _interpret.varying_axes(jax.typeof(x)):
         raise AssertionError(f"podscale left {kind}{path_str(path)} per replica; please report this with the step")
     return x
