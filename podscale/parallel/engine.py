@@ -386,10 +386,7 @@ class DataParallelStep:
         )
         return jax.jit(
             mapped,
-            in_shardings=(
-                layout.shardings(),
-                batch_shardings(self.mesh, self.roles, batch, self._batches[key].windows),
-            ),
+            in_shardings=(layout.shardings(), self.batch_shardings(batch)),  # as place_batch places a batch
             out_shardings=(layout.shardings(), NamedSharding(self.mesh, P())),
             donate_argnums=(0,) if self.donate_state else (),
         )
