@@ -293,7 +293,11 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
     fed, alone = _step_records(tmp_path / "moved"), _step_records(tmp_path / "one")
     assert [r["step"] for r in fed] == list(range(1, 301))
     assert [r["examples"] for r in fed] == [r["examples"] for r in alone] == [[64 * s, 64 * s + 64] for s in range(300)]
-    assert [r["loss"] for r in fed] == pytest.approx([r["loss"] for r in alone], abs=1e-5)
+    # Up to the stop, the records are the two-process run's: bit for bit the uninterrupted one's.
+    assert [r["loss"] for r in fed[:step]] == [r["loss"] for r in _step_records(tmp_path / "whole")][:step]
+    drift = [abs(r["loss"] - q["loss"]) for r, q in zip(fed, alone)]
+    first = next((i + 1 for i, d in enumerate(drift) if d > 1e-5), None)
+    assert first is None, f"stopped at step {step}; the losses leave 1e-5 of one process's at step {first}: {drift}"
     a, b = _params(tmp_path / "one.npz"), _params(tmp_path / "moved.npz")
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
 
