@@ -18,6 +18,7 @@ _PUBLIC = {
     "data_parallel": "podscale.parallel.engine",
     "distributed_eval": "podscale.train.evaluate",
     "make_mesh": "podscale.parallel.mesh",
+    "sum_over_blocks": "podscale.parallel.regions",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

@@ -137,6 +137,14 @@ def plan(plan: Plan, console: Console | None = None) -> None:
             f"evaluation memory per device: arguments {size(e['arguments'])}; temporaries {size(e['temporaries'])}; "
             f"peak {size(e['peak'])}{train}"
         )
+    for r in plan.regions:
+        how = (
+            f"by hand over {r['axis']!r} ({r['partitions']} partitions), its sums {size(r['summed_bytes_per_device'])} per device"
+            if r["by_hand"]
+            else f"left to XLA: {r['why']}"
+        )
+        compiled = f"; compiled: {size(r['compiled_bytes_per_device'])}" if "compiled_bytes_per_device" in r else ""
+        console.print(f"region {r['name']} ({r['rule']}, {'+'.join(r['passes'])}): {how}{compiled}")
     if plan.whole_ops:
         console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(plan.whole_ops)}")
     if plan.gathered_ops:

@@ -292,6 +292,11 @@ class DataParallelStep:
             independent_rng=self.strategy.rng == "independent",
             platform=self.mesh.devices.flat[0].platform,
             conv_axes=self.partitions if len(self.partitions) > 1 else (),
+            region_axes={
+                role: (axis, self.mesh.shape[axis])
+                for role, axis in (("space", self.space), ("model", self.model))
+                if axis is not None
+            },
         )
 
         def local(state_leaves, batch_leaves):
@@ -357,6 +362,7 @@ class DataParallelStep:
             layout.check(new_state, "the step's new_state")
             check_kept_shapes(new_state, layout)
             trace.whole_ops = list(part.whole_ops)
+            trace.regions = list(part.regions)
             trace.collectives[:0] = part.collectives
             new_state = self._finish_state(chunks, trace, new_state)
             pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))

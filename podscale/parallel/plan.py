@@ -51,6 +51,14 @@ class Plan:
     """With ``model_parallel``: the model axis, its partitions, the rules, what they left undone,
     the split leaves' bytes per device and, compiled, the model axis's collectives per layer."""
 
+    regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The step's regions partitioned by hand (:func:`podscale.sum_over_blocks`), one row each:
+    ``name``, ``rule``, ``axis``, ``partitions``, ``by_hand`` (or ``why`` not), the bytes per
+    device its sums over the axis take (``summed_bytes_per_device``: the forward's results, the
+    backward's whole inputs' gradients) and, compiled, ``compiled_bytes_per_device``: the buffers
+    of the collectives over the axis whose ``op_name`` names the region (one XLA combined with
+    another layer's counts whole)."""
+
     eval: dict[str, int] | None = None
     """The evaluation step's ``memory_analysis()`` figures per device (``arguments``, ``outputs``,
     ``temporaries``, ``peak``), compiled on the same placement and batch shapes; filled by whoever
@@ -136,6 +144,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
         compiled=None if compiled is None else compiled.to_dict(),
         spatial=_spatial(placement, batch, compiled),
         tensor=_tensor(placement, strategy, compiled),
+        regions=_regions(getattr(trace, "regions", []), compiled),
     )
 
 
@@ -203,6 +212,35 @@ def _spatial(placement, batch, compiled) -> dict[str, Any] | None:
         out["gathers"] = sorted(per.values(), key=lambda r: -r["bytes_per_device"])
         out["gather_bytes_per_device"] = sum(r["bytes_per_device"] for r in per.values())
     return out
+
+
+def _regions(passes: list[dict], compiled) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for note in passes:
+        row = rows.setdefault(
+            note["region"],
+            {
+                "name": note["region"],
+                "rule": note["rule"],
+                "axis": note["axis"],
+                "partitions": note["partitions"],
+                "by_hand": True,
+                "passes": [],
+                "summed_bytes_per_device": 0,
+            },
+        )
+        row["passes"].append(note["pass"])
+        row["summed_bytes_per_device"] += note["summed_bytes_per_device"]
+        if not note["by_hand"]:
+            row["by_hand"], row["why"] = False, note["why"]
+    if compiled is not None:
+        for row in rows.values():
+            row["compiled_bytes_per_device"] = sum(
+                c.buffer_bytes * c.count
+                for c in compiled.collectives
+                if row["axis"] in c.axes and c.kind != "collective-permute" and row["name"] in c.op_name
+            )
+    return list(rows.values())
 
 
 def _layers(op_name: str) -> str:

@@ -417,16 +417,11 @@ class MaskRCNN(nn.Module):
 
     def _pool(self, maps, boxes, output: int):
         cfg = self.cfg
-        roi_maps = maps[: len(cfg.roi_levels)]
-        pool = functools.partial(
-            rcnn.multilevel_roi_align,
-            levels=cfg.roi_levels,
-            output=output,
-            sampling_ratio=cfg.sampling_ratio,
-            canonical=cfg.canonical,
-        )
-        with jax.named_scope(f"roi_align_{output}x{output}"):
-            return jax.vmap(lambda fm, b: pool(fm, b))(roi_maps, boxes)
+        name = f"roi_align_{output}x{output}"
+        with jax.named_scope(name):
+            return rcnn.pool_regions(
+                maps[: len(cfg.roi_levels)], boxes, cfg.roi_levels, output, cfg.sampling_ratio, cfg.canonical, name
+            )
 
     # -- evaluation ------------------------------------------------------------------------------
 

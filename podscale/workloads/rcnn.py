@@ -20,11 +20,14 @@ bins' points x every level) can outnumber a small map's pixels: the plan shows t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from podscale.parallel.regions import sum_over_blocks
 
 BOX_CLIP = math.log(1000.0 / 16)
 """The largest log-scale a predicted width or height offset may take (the references' clip)."""
@@ -206,11 +209,16 @@ def select_proposals(scores, boxes, image_size, pre_nms: int, post_nms: int, thr
 # -- RoIAlign -----------------------------------------------------------------------------------
 
 
-def bilinear(fmap, y, x):
+def bilinear(fmap, y, x, start=0, height: int | None = None):
     """``fmap [H, W, C]`` at real pixel coordinates ``y, x`` (any equal shapes), by four gathers,
     with torchvision's ``roi_align`` rule: a point more than one pixel outside reads 0, one
-    within a pixel of the border reads the border."""
-    h, w = fmap.shape[0], fmap.shape[1]
+    within a pixel of the border reads the border.
+
+    ``fmap`` may hold only the rows ``[start, start + fmap.shape[0])`` of a map of ``height`` rows
+    (a block of a map split by height): the result is then these rows' share of each point, the
+    upper and the lower row's terms each counted by the block that holds the row, so the shares
+    of a map's blocks sum to the whole map's value."""
+    h, w = (fmap.shape[0] if height is None else height), fmap.shape[1]
     outside = (y < -1.0) | (y > h) | (x < -1.0) | (x > w)
     y, x = jnp.clip(y, 0.0, None), jnp.clip(x, 0.0, None)
     y0, x0 = jnp.floor(y), jnp.floor(x)
@@ -222,21 +230,33 @@ def bilinear(fmap, y, x):
     ly, lx = y - y0, x - x0
     hy, hx = 1.0 - ly, 1.0 - lx
     yi0, yi1, xi0, xi1 = (v.astype(jnp.int32) for v in (y0, y1, x0, x1))
-    out = (
-        fmap[yi0, xi0] * (hy * hx)[..., None]
-        + fmap[yi0, xi1] * (hy * lx)[..., None]
-        + fmap[yi1, xi0] * (ly * hx)[..., None]
-        + fmap[yi1, xi1] * (ly * lx)[..., None]
-    )
-    return jnp.where(outside[..., None], 0.0, out)
+
+    def row(yi, wy):  # the row's two terms, where this block holds the row
+        local = yi - start
+        held = (local >= 0) & (local < fmap.shape[0])
+        r = jnp.clip(local, 0, fmap.shape[0] - 1)
+        terms = fmap[r, xi0] * (wy * hx)[..., None] + fmap[r, xi1] * (wy * lx)[..., None]
+        return jnp.where(held[..., None], terms, 0.0)
+
+    return jnp.where(outside[..., None], 0.0, row(yi0, hy) + row(yi1, ly))
 
 
-def roi_align(fmap, boxes, output: int, sampling_ratio: int, spatial_scale: float, aligned: bool = False):
+def roi_align(
+    fmap,
+    boxes,
+    output: int,
+    sampling_ratio: int,
+    spatial_scale: float,
+    aligned: bool = False,
+    start=0,
+    height: int | None = None,
+):
     """RoIAlign of ``boxes [R, 4]`` (image pixels) on one image's ``fmap [H, W, C]`` (a level of
     stride ``1 / spatial_scale``): ``[R, output, output, C]``, each bin the mean of
     ``sampling_ratio**2`` bilinear samples at regular points: torchvision's ``roi_align``, by
     default as maskrcnn-benchmark's ``ROIAlign`` (``aligned=False``: boxes at least a cell wide);
-    ``aligned=True`` shifts the box by half a pixel (Detectron2's)."""
+    ``aligned=True`` shifts the box by half a pixel (Detectron2's). ``start``, ``height``: ``fmap``
+    is the block of rows ``[start, ...)`` of a map of ``height`` rows (see :func:`bilinear`)."""
     offset = 0.5 if aligned else 0.0
     b = boxes * spatial_scale - offset
     x0, y0 = b[:, 0], b[:, 1]
@@ -251,7 +271,7 @@ def roi_align(fmap, boxes, output: int, sampling_ratio: int, spatial_scale: floa
     n = ys.shape[1]
     yy = jnp.broadcast_to(ys[:, :, None], (ys.shape[0], n, n))
     xx = jnp.broadcast_to(xs[:, None, :], (xs.shape[0], n, n))
-    samples = bilinear(fmap, yy, xx)  # [R, S, S, C]
+    samples = bilinear(fmap, yy, xx, start, height)  # [R, S, S, C]
     r, c = samples.shape[0], samples.shape[-1]
     samples = samples.reshape(r, output, sampling_ratio, output, sampling_ratio, c)
     return samples.mean((2, 4))
@@ -265,16 +285,43 @@ def roi_levels(boxes, levels: range, canonical_size: float, canonical_level: int
     return jnp.clip(level, levels.start, levels.stop - 1).astype(jnp.int32)
 
 
-def multilevel_roi_align(fmaps, boxes, levels: range, output: int, sampling_ratio: int, canonical):
+def multilevel_roi_align(
+    fmaps, boxes, levels: range, output: int, sampling_ratio: int, canonical, starts=None, heights=None
+):
     """RoIAlign of each box on its level of the pyramid ``fmaps`` (one image's ``[H_l, W_l, C]``
     per level of ``levels``): ``[R, output, output, C]``. Every level is pooled and the box's own
-    kept, so the shapes stay static."""
+    kept, so the shapes stay static. ``starts``, ``heights``: per level, ``fmaps`` hold the rows
+    from ``start`` of maps of ``height`` rows (see :func:`bilinear`)."""
     level = roi_levels(boxes, levels, *canonical)
+    starts = [0] * len(fmaps) if starts is None else starts
+    heights = [None] * len(fmaps) if heights is None else heights
     out = 0.0
-    for lvl, fmap in zip(levels, fmaps, strict=True):
-        pooled = roi_align(fmap, boxes, output, sampling_ratio, 1.0 / 2**lvl)
+    for lvl, fmap, start, height in zip(levels, fmaps, starts, heights, strict=True):
+        pooled = roi_align(fmap, boxes, output, sampling_ratio, 1.0 / 2**lvl, start=start, height=height)
         out = out + jnp.where((level == lvl)[:, None, None, None], pooled, 0.0)
     return out
+
+
+def pool_regions(fmaps, boxes, levels: range, output: int, sampling_ratio: int, canonical, name: str):
+    """:func:`multilevel_roi_align` of a batch (``fmaps``: per level ``[N, H_l, W_l, C]``, ``boxes
+    [N, R, 4]``), marked as a sum over blocks of the maps' rows
+    (:func:`podscale.parallel.regions.sum_over_blocks`): under a space axis each partition pools
+    the samples that fall in its rows, and one sum of the pooled regions crosses the axis."""
+    heights = [m.shape[1] for m in fmaps]
+
+    def rows(blocks, starts, boxes):
+        pool = functools.partial(
+            multilevel_roi_align,
+            levels=levels,
+            output=output,
+            sampling_ratio=sampling_ratio,
+            canonical=canonical,
+            starts=starts,
+            heights=heights,
+        )
+        return jax.vmap(lambda fm, b: pool(fm, b))(blocks, boxes)
+
+    return sum_over_blocks(rows, list(fmaps), boxes, dim=1, name=name)
 
 
 def mask_targets(gt_masks, gt_boxes, rois, size: int):

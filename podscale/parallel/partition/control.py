@@ -12,8 +12,10 @@ from jax import lax
 from jax.extend import core
 
 from podscale._jax import pe
+from podscale.parallel import regions
 from podscale.parallel.partition.jaxprs import _source
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
+from podscale.parallel.regions import partitioned
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -37,6 +39,57 @@ def _inline(param: str):
         return p.run(jaxpr, consts, ins[extra:])
 
     return rule
+
+
+def _jit(p: Partitioner, eqn, ins):
+    found = regions.parse(str(eqn.params.get("name", "")))
+    if found is None:
+        return _inline("jaxpr")(p, eqn, ins)
+    return _region(p, eqn, ins, *found)
+
+
+def _region(p: Partitioner, eqn, ins, region, kind: str):
+    """A :func:`podscale.sum_over_blocks` region: by hand over its axis, on each replica's rows.
+
+    The partitioner's own rules first run it as a call (into a scope of its own), which says how
+    its outputs are laid out over the data axes. Where that needed no collective and every input
+    is a replica's rows (``Split(0)``, the leaves of the batch's row count) or replicated (the
+    others), the region is row by row: it runs by hand on the local values, its outputs laid out
+    as the rules found (XLA drops the call's unused values). Otherwise the call stands."""
+    role = p.region_axes.get(region.over)
+    if role is None or role[1] == 1:
+        return _inline("jaxpr")(p, eqn, ins)
+    axis, k = role
+    marks = len(p.whole_ops), len(p.collectives)
+    with p.scope():
+        outs = _inline("jaxpr")(p, eqn, ins)
+    rows = p.batch_rows
+    avals = [tuple(v.aval.shape) for v in eqn.invars]
+    why = None
+    if len(p.whole_ops) > marks[0] or len(p.collectives) > marks[1]:
+        why = "over the data axes it needs a collective (it is not row by row)"
+    elif any(lay != (Split(0) if shape[:1] == (rows,) else REPLICATED) for (_, lay), shape in zip(ins, avals)):
+        why = "its inputs are not each replica's rows or replicated"
+    elif any(lay not in (REPLICATED, Split(0)) for _, lay in outs):
+        why = "its outputs are not each replica's rows or replicated"
+    elif region.dim == 0 and any(
+        lay == Split(0) and len(s) == len(region.x_shapes[0]) for (_, lay), s in zip(ins, avals[: region.n_x])
+    ):
+        why = "the dimension it splits is the batch's rows, which the data axes split"
+    note = {"region": region.name, "rule": region.rule, "axis": axis, "partitions": k, "pass": kind}
+    if why is not None:
+        p.regions.append({**note, "by_hand": False, "why": why, "summed_bytes_per_device": 0})
+        return outs
+    with jax.named_scope(region.name):
+        vals, summed = partitioned(region, kind, axis, k, [v for v, _ in ins], avals)
+    why = "the blocks' results summed" if kind == "fwd" else "gradients of its whole inputs summed"
+    marks = len(p.collectives)
+    for v, s in zip(vals, summed, strict=True):
+        if s:
+            p.record("all-reduce", (axis,), v, f"region {region.name}: {why}")
+    summed_bytes = sum(c.bytes_per_device for c in p.collectives[marks:])
+    p.regions.append({**note, "by_hand": True, "summed_bytes_per_device": summed_bytes})
+    return [(v, lay) for v, (_, lay) in zip(vals, outs, strict=True)]
 
 
 def _remat(p: Partitioner, eqn, ins):
@@ -244,8 +297,8 @@ _CONTROL = {
     "debug_callback": _debug_callback,
     "debug_print": _debug_callback,
     "io_callback": _io_callback,
-    "jit": _inline("jaxpr"),
-    "pjit": _inline("jaxpr"),
+    "jit": _jit,
+    "pjit": _jit,
     "closed_call": _inline("call_jaxpr"),
     "core_call": _inline("call_jaxpr"),
     "custom_jvp_call": _inline("call_jaxpr"),

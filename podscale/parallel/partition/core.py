@@ -50,8 +50,14 @@ class Partitioner:
         independent_rng: bool = False,
         platform: str = "cpu",
         conv_axes: Sequence[str] = (),
+        region_axes: dict[str, tuple[str, int]] | None = None,
     ):
         self.axes, self.n = tuple(axes), n
+        self.region_axes = dict(region_axes or {})
+        """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
+        (:mod:`podscale.parallel.regions`)."""
+        self.regions: list[dict] = []
+        """Each region of the step met, how it was partitioned (by hand, or why not), for the plan."""
         self.conv_axes = tuple(conv_axes)
         """The mesh axes left to XLA that every convolution's operands and result are split over, by
         their spatial dimensions (``contract_rules.split_spatially``): with two of them (data x

@@ -32,6 +32,8 @@ class Trace:
     gathered_ops: list[str] = dataclasses.field(default_factory=list)
     whole_ops: list[str] = dataclasses.field(default_factory=list)
     """Ops of the global program computed on whole values (see ``partition.Partitioner``)."""
+    regions: list[dict] = dataclasses.field(default_factory=list)
+    """The step's :mod:`~podscale.parallel.regions`, each pass's partitioning (``Partitioner.regions``)."""
 
 
 def _record(trace: Trace, phases: list[Collective], tensors: int, why: str, update: bool) -> None:

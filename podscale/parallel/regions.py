@@ -1,0 +1,277 @@
+"""Regions of the step that podscale partitions by hand over a space or model axis.
+
+XLA's SPMD partitioner keeps a convolution split by height with a halo exchange, but a gather from
+a split map (RoIAlign's bilinear samples, an embedding lookup in a split table) it partitions by
+all-reducing every gathered element: more bytes than the map itself. Where the user's function is
+a *sum over blocks* of its input, each partition can compute its own block's share and one sum of
+the results crosses the axis. :func:`sum_over_blocks` marks such a function:
+
+    pooled = podscale.sum_over_blocks(pool_rows, maps, boxes, dim=1, name="roi_align")
+
+``pool_rows(blocks, starts, *args)`` is the contribution of the rows ``[start, start + n)`` of
+``dim`` that each leaf of ``blocks`` holds (``n`` its size along ``dim``), with ``starts`` the same
+tree of int32 scalars. The contract: the contributions of the blocks of any split of ``x`` along
+``dim`` sum to ``fn(x, zeros, *args)``, and rows of zeros past ``x``'s end contribute nothing (a
+function linear in ``x`` meets it; RoIAlign never reads past the map's last row).
+
+On one device, and on any mesh without the axis named by ``over``, the region is
+``fn(x, zeros, *args)``: the specification. Under a placement whose ``over`` role has an axis of
+``k > 1`` partitions, podscale's partitioner replaces it (forward and backward) by a ``shard_map``
+manual over that axis: each partition runs ``fn`` on its own rows of ``x`` (a leaf whose ``dim``
+``k`` does not divide is padded with zero rows to a multiple of ``k``), the results are summed over
+the axis (one all-reduce of the output's bytes), and the backward pass gives each partition the
+gradient of its own rows, with no communication (the arguments' gradients are summed). The
+partitioned result equals one device's up to the order of that sum. Over the data axes the region
+runs on each replica's rows, as the partitioner's own rules find; where they would need a
+collective, the region is left to XLA and the plan says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from podscale.parallel.partition.jaxprs import _vma
+
+ROLES = ("space", "model")
+_PREFIX = "podscale_region_"
+_REGIONS: dict[int, Region] = {}
+_COUNT = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+    """One call of :func:`sum_over_blocks`, as traced (its shapes are those ``fn`` saw)."""
+
+    name: str
+    fn: Callable
+    dim: int
+    over: str
+    x_tree: Any
+    x_shapes: tuple[tuple[int, ...], ...]
+    arg_tree: Any
+    arg_shapes: tuple[tuple[int, ...], ...]
+    differentiable: tuple[bool, ...]
+    """Per leaf of ``x`` then of ``args``: whether it is a float (has a gradient)."""
+
+    @property
+    def rule(self) -> str:
+        return f"sum over blocks of dim {self.dim}"
+
+    @property
+    def n_x(self) -> int:
+        return len(self.x_shapes)
+
+
+def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "space"):
+    """``fn(x, starts=0, *args)``, partitioned over the ``over`` axis by blocks of ``x``'s ``dim``
+    where the placement has one: see the module docstring."""
+    if over not in ROLES:
+        raise ValueError(
+            f"sum_over_blocks: over={over!r} is not a role podscale partitions by hand; use one of {ROLES}"
+        )
+    if not isinstance(name, str) or not name:
+        raise ValueError("sum_over_blocks: give the region a name (name='roi_align'), which the plan lists")
+    x_leaves, x_tree = jax.tree.flatten(x)
+    arg_leaves, arg_tree = jax.tree.flatten(args)
+    if not x_leaves:
+        raise ValueError(f"sum_over_blocks {name!r}: x has no arrays to split")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+        if not isinstance(dim, int) or not 0 <= dim < np.ndim(leaf):
+            raise ValueError(
+                f"sum_over_blocks {name!r}: dim={dim!r} is not a dimension of x{jax.tree_util.keystr(path)} "
+                f"(shape {list(np.shape(leaf))})"
+            )
+    leaves = [*x_leaves, *arg_leaves]
+    region = Region(
+        name,
+        fn,
+        dim,
+        over,
+        x_tree,
+        tuple(tuple(np.shape(v)) for v in x_leaves),
+        arg_tree,
+        tuple(tuple(np.shape(v)) for v in arg_leaves),
+        tuple(bool(jnp.issubdtype(jnp.result_type(v), jnp.inexact)) for v in leaves),
+    )
+    key = next(_COUNT)
+    _REGIONS[key] = region
+    return jax.tree.unflatten(_out_tree(region, leaves), _call(region, key)(*leaves))
+
+
+def _whole(region: Region, leaves):
+    """``fn`` on the whole of ``x`` (every start 0): the region on one device."""
+    x = jax.tree.unflatten(region.x_tree, leaves[: region.n_x])
+    args = jax.tree.unflatten(region.arg_tree, leaves[region.n_x :])
+    return region.fn(x, jax.tree.map(lambda _: jnp.zeros((), jnp.int32), x), *args)
+
+
+def _out_tree(region: Region, leaves):
+    return jax.tree.structure(jax.eval_shape(lambda *v: _whole(region, v), *leaves))
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn)
+
+
+def _call(region: Region, key: int) -> Callable:
+    """The region as a ``custom_vjp`` whose forward and backward are named ``jit`` calls, which the
+    partitioner finds in the traced step (:func:`replay`)."""
+    forward = _named(lambda *v: jax.tree.leaves(_whole(region, v)), f"{_PREFIX}{key}_fwd")
+
+    def backward_whole(*v):
+        leaves, g = v[: len(region.differentiable)], v[len(region.differentiable) :]
+        return _vjp_leaves(region, lambda ls: _whole(region, ls), leaves, g)
+
+    backward = _named(backward_whole, f"{_PREFIX}{key}_bwd")
+
+    @jax.custom_vjp
+    def call(*leaves):
+        return forward(*leaves)
+
+    def fwd(*leaves):
+        return forward(*leaves), leaves
+
+    def bwd(leaves, g):
+        cts = iter(backward(*leaves, *g))
+        return tuple(next(cts) if d else None for d in region.differentiable)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
+def _vjp_leaves(region: Region, f: Callable, leaves, g) -> list:
+    """The cotangents of ``f``'s differentiable input leaves, given its output leaves' ``g``."""
+    dif = [i for i, d in enumerate(region.differentiable) if d]
+
+    g = list(g)
+
+    def on(floats):
+        full = list(leaves)
+        for i, v in zip(dif, floats, strict=True):
+            full[i] = v
+        # Typed per replica as their cotangents are (which may vary over the data axes where an
+        # output does not), so the two match.
+        return [_vary_as(o, gi) for o, gi in zip(jax.tree.leaves(f(full)), g, strict=True)]
+
+    outs, vjp = jax.vjp(on, [leaves[i] for i in dif])
+    return list(vjp([_vary_as(gi, o) for gi, o in zip(g, outs, strict=True)])[0])
+
+
+def _vary_as(x, like):
+    """``x`` typed as varying over every axis ``like`` varies over, too."""
+    missing = tuple(sorted(_vma(like) - _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+# -- the partitioner's side ---------------------------------------------------------------------
+
+
+def parse(name: str) -> tuple[Region, str] | None:
+    """The region and ``"fwd"``/``"bwd"`` of a ``jit`` equation's name, or ``None``."""
+    if not name.startswith(_PREFIX):
+        return None
+    key, kind = name[len(_PREFIX) :].rsplit("_", 1)
+    region = _REGIONS.get(int(key))
+    return None if region is None else (region, kind)
+
+
+def batch_dims(region: Region, avals) -> list[int]:
+    """Per input leaf of an equation (``avals``: its global shapes), the leading dimensions ``vmap``
+    added to what ``fn`` saw: all the same where present, else refused naming the region."""
+    shapes = [*region.x_shapes, *region.arg_shapes]
+    extra = []
+    for shape, aval in zip(shapes, avals, strict=False):
+        lead = len(aval) - len(shape)
+        if lead < 0 or tuple(aval[lead:]) != tuple(shape):
+            raise ValueError(
+                f"region {region.name!r}: an input traced as {list(shape)} arrives as {list(aval)}; call "
+                "sum_over_blocks on the batched arrays, or vmap it over their leading axes (in_axes=0)"
+            )
+        extra.append(lead)
+    if len({e for e in extra if e}) > 1:
+        raise ValueError(f"region {region.name!r}: its inputs are batched by vmap to different depths {extra}")
+    return extra
+
+
+def partitioned(region: Region, kind: str, axis: str, k: int, vals: list, avals: list) -> tuple[list, list[bool]]:
+    """The region's forward (``kind="fwd"``) or backward on ``vals`` (one replica's local values),
+    manual over ``axis`` of ``k`` partitions: each partition's blocks, one sum over the axis. With
+    the outputs, which of them were summed over the axis. A leaf whose split dimension ``k`` does
+    not divide is padded with zero rows to a multiple of ``k`` (rows past its end, which the
+    contract says contribute nothing), and its gradient cut back."""
+    n_in = len(region.differentiable)
+    lead = batch_dims(region, avals[:n_in])
+    depth = max(lead, default=0)
+    split_dims = [lead[i] + region.dim for i in range(region.n_x)]
+    sizes = [np.shape(vals[i])[d] for i, d in enumerate(split_dims)]
+    padded = [-(-n // k) * k for n in sizes]
+    x_vals = [
+        v if n == m else jnp.pad(v, [(0, m - n if j == d else 0) for j in range(np.ndim(v))])
+        for v, d, n, m in zip(vals[: region.n_x], split_dims, sizes, padded, strict=True)
+    ]
+    arg_vals = list(vals[region.n_x : n_in])
+
+    def fn_on(x_leaves, arg_leaves, starts):
+        def one(xs, rest):
+            x = jax.tree.unflatten(region.x_tree, xs)
+            return jax.tree.leaves(region.fn(x, jax.tree.unflatten(region.x_tree, starts), *rest))
+
+        f = one
+        for _ in range(depth):
+            f = jax.vmap(
+                f,
+                in_axes=(
+                    [0 if lead[i] else None for i in range(region.n_x)],
+                    [0 if e else None for e in lead[region.n_x :]],
+                ),
+            )
+        return f(list(x_leaves), list(arg_leaves))
+
+    def starts_of():
+        i = lax.axis_index(axis)
+        return [(i * (m // k)).astype(jnp.int32) for m in padded]
+
+    x_specs = [P(*([None] * d), axis) for d in split_dims]
+    arg_specs = [P()] * len(arg_vals)
+    mesh = jax.sharding.get_abstract_mesh()
+    if kind == "fwd":
+
+        def inner(x_leaves, arg_leaves):
+            return [lax.psum(o, axis) for o in fn_on(x_leaves, arg_leaves, starts_of())]
+
+        mapped = jax.shard_map(inner, mesh=mesh, in_specs=(x_specs, arg_specs), out_specs=P(), axis_names={axis})
+        outs = list(mapped(x_vals, arg_vals))
+        return outs, [True] * len(outs)
+
+    dif = [i for i, d in enumerate(region.differentiable) if d]
+
+    def inner_bwd(x_leaves, arg_leaves, g):
+        starts = starts_of()
+
+        def f(ls):
+            return fn_on(ls[: region.n_x], ls[region.n_x :], starts)
+
+        # A block's gradient stays with its rows; the arguments' (the same on every partition)
+        # are summed over the axis: the transpose of their use by every partition, as their
+        # invariant type over it has ``jax.vjp`` take it.
+        return _vjp_leaves(region, f, [*x_leaves, *arg_leaves], g)
+
+    out_specs = [x_specs[i] if i < region.n_x else P() for i in dif]
+    mapped = jax.shard_map(
+        inner_bwd, mesh=mesh, in_specs=(x_specs, arg_specs, P()), out_specs=out_specs, axis_names={axis}
+    )
+    outs = list(mapped(x_vals, arg_vals, list(vals[n_in:])))
+    for j, i in enumerate(dif):  # a padded leaf's gradient, cut back to its rows
+        if i < region.n_x and padded[i] != sizes[i]:
+            outs[j] = lax.slice_in_dim(outs[j], 0, sizes[i], axis=split_dims[i])
+    return outs, [i >= region.n_x for i in dif]
