@@ -167,6 +167,11 @@ def _vjp_leaves(region: Region, f: Callable, leaves, g) -> list:
     return list(vjp([_vary_as(gi, o) for gi, o in zip(g, outs, strict=True)])[0])
 
 
+def _vary_over(x, axes: frozenset):
+    missing = tuple(sorted(axes - _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _vary_as(x, like):
     """``x`` typed as varying over every axis ``like`` varies over, too."""
     missing = tuple(sorted(_vma(like) - _vma(x)))
@@ -235,12 +240,20 @@ def partitioned(region: Region, kind: str, axis: str, k: int, vals: list, avals:
                     [0 if e else None for e in lead[region.n_x :]],
                 ),
             )
-        return f(list(x_leaves), list(arg_leaves))
+        outs = f(list(x_leaves), list(arg_leaves))
+        if want is not None and [tuple(o.shape) for o in outs] != want:
+            raise ValueError(
+                f"region {region.name!r}: its function gives {[list(o.shape) for o in outs]} on a block of "
+                f"{[list(np.shape(v)) for v in x_leaves]} but {[list(w) for w in want]} on the whole: the results "
+                "of a sum over blocks must have one shape whatever the block (sum_over_blocks)"
+            )
+        return outs
 
     def starts_of():
         i = lax.axis_index(axis)
         return [(i * (m // k)).astype(jnp.int32) for m in padded]
 
+    want = [tuple(np.shape(g)) for g in vals[n_in:]] if kind == "bwd" else None
     x_specs = [P(*([None] * d), axis) for d in split_dims]
     arg_specs = [P()] * len(arg_vals)
     mesh = jax.sharding.get_abstract_mesh()
@@ -260,6 +273,13 @@ def partitioned(region: Region, kind: str, axis: str, k: int, vals: list, avals:
 
         def f(ls):
             return fn_on(ls[: region.n_x], ls[region.n_x :], starts)
+
+        # Typed as varying over the data axes (as the cotangents are), so that the gradient of a
+        # value the same on every replica stays this replica's share (a partial sum, which the
+        # partitioner sums once), not summed over the replicas here by the transpose.
+        outer = frozenset().union(*(_vma(gi) for gi in g)) - {axis}
+        x_leaves = [_vary_over(v, outer) for v in x_leaves]
+        arg_leaves = [_vary_over(v, outer) for v in arg_leaves]
 
         # A block's gradient stays with its rows; the arguments' (the same on every partition)
         # are summed over the axis: the transpose of their use by every partition, as their

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core
 
@@ -55,25 +56,29 @@ def _region(p: Partitioner, eqn, ins, region, kind: str):
     its outputs are laid out over the data axes. Where that needed no collective and every input
     is a replica's rows (``Split(0)``, the leaves of the batch's row count) or replicated (the
     others), the region is row by row: it runs by hand on the local values, its outputs laid out
-    as the rules found (XLA drops the call's unused values). Otherwise the call stands."""
+    as the rules found (a replica's rows, or a partial sum over them: a weight's gradient), and
+    XLA drops the call's unused values. Otherwise the call stands."""
     role = p.region_axes.get(region.over)
     if role is None or role[1] == 1:
         return _inline("jaxpr")(p, eqn, ins)
     axis, k = role
-    marks = len(p.whole_ops), len(p.collectives)
+    marks = len(p.whole_ops), len(p.collectives), p.communications
     with p.scope():
         outs = _inline("jaxpr")(p, eqn, ins)
     rows = p.batch_rows
     avals = [tuple(v.aval.shape) for v in eqn.invars]
     why = None
-    if len(p.whole_ops) > marks[0] or len(p.collectives) > marks[1]:
+    if len(p.whole_ops) > marks[0] or len(p.collectives) > marks[1] or p.communications > marks[2]:
         why = "over the data axes it needs a collective (it is not row by row)"
     elif any(lay != (Split(0) if shape[:1] == (rows,) else REPLICATED) for (_, lay), shape in zip(ins, avals)):
         why = "its inputs are not each replica's rows or replicated"
-    elif any(lay not in (REPLICATED, Split(0)) for _, lay in outs):
-        why = "its outputs are not each replica's rows or replicated"
-    elif region.dim == 0 and any(
-        lay == Split(0) and len(s) == len(region.x_shapes[0]) for (_, lay), s in zip(ins, avals[: region.n_x])
+    elif any(lay not in (REPLICATED, Split(0), PARTIAL) for _, lay in outs):
+        why = "its outputs are not each replica's rows, partial sums or replicated"
+    elif any(lay is PARTIAL and p.narrow_type(v) is not None for v, lay in outs):
+        why = "a 16-bit partial sum it makes is held in float32 by the partitioner's rules"
+    elif any(
+        lay == Split(0) and lead + region.dim == 0
+        for (_, lay), lead in zip(ins, regions.batch_dims(region, avals[: region.n_x]))
     ):
         why = "the dimension it splits is the batch's rows, which the data axes split"
     note = {"region": region.name, "rule": region.rule, "axis": axis, "partitions": k, "pass": kind}
@@ -82,6 +87,12 @@ def _region(p: Partitioner, eqn, ins, region, kind: str):
         return outs
     with jax.named_scope(region.name):
         vals, summed = partitioned(region, kind, axis, k, [v for v, _ in ins], avals)
+    if [np.shape(v) for v in vals] != [np.shape(v) for v, _ in outs]:
+        # A whole value (a gradient broadcast over every row, say) where the region's rows give
+        # this replica's: the rules' call stands, and XLA drops what was computed by hand.
+        why = "an output is whole over the data axes, not this replica's share"
+        p.regions.append({**note, "by_hand": False, "why": why, "summed_bytes_per_device": 0})
+        return outs
     why = "the blocks' results summed" if kind == "fwd" else "gradients of its whole inputs summed"
     marks = len(p.collectives)
     for v, s in zip(vals, summed, strict=True):

@@ -56,6 +56,9 @@ class Partitioner:
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
+        self.communications = 0
+        """How many values the replay has summed or gathered over the data axes so far (a region
+        run by hand must need none: :func:`~podscale.parallel.partition.control._region`)."""
         self.regions: list[dict] = []
         """Each region of the step met, how it was partitioned (by hand, or why not), for the plan."""
         self.conv_axes = tuple(conv_axes)
@@ -170,6 +173,7 @@ class Partitioner:
     def _whole(self, x, layout: Layout):
         if layout is REPLICATED:
             return x
+        self.communications += not self.one
         if self.one:  # one replica: its value is the whole value
             narrow = self.narrow_type(x) if layout is PARTIAL else None
             x = one_replica_sum(x)  # marks where the sum would be, for forward_used
@@ -326,6 +330,7 @@ class Partitioner:
         the whole batch's count) summed over the group, times the number of groups, is the
         statistic over the group's rows."""
         if lay is PARTIAL:
+            self.communications += not self.one
             groups, narrow = self.n // self.group_size, self.narrow_type(v)
             total = one_replica_sum(v) if self.one else lax.psum(v, self.group_axis)
             if not self.one:

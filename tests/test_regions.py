@@ -1,0 +1,179 @@
+"""Regions partitioned by hand (``podscale.sum_over_blocks``): each partition of the space axis
+computes its own rows' share and one sum crosses the axis; the step equals one device's (float64,
+summation order only), forward and backward, with the arguments' gradients summed, a leaf the
+axis does not divide padded, and a region that is not row by row over the data axes left to XLA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import max_relative_diff
+
+from podscale import data_parallel, make_mesh, sum_over_blocks
+from podscale.parallel.plan import make_plan
+from podscale.perf import hlo
+from podscale.workloads import rcnn
+
+STEPS = 3
+HEIGHTS = (16, 8, 4)  # the pyramid's levels 2-4 of a 64-pixel image: 1x8 splits level 4 unevenly
+TOLERANCE = 1e-12
+"""Relative, float64: the partitioned sums reorder one device's (measured: about 1e-16)."""
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _pooled(state, batch):
+    """A pyramid of strided convolutions of the image, RoIAlign of each box on its level (a region
+    over the maps' rows, scaled per channel by a weight passed as its argument)."""
+    x = batch["image"]
+    maps = [
+        jax.lax.conv_general_dilated(x, w, (64 // h,) * 2, "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        for w, h in zip(state["conv"], HEIGHTS, strict=True)
+    ]
+    heights = [m.shape[1] for m in maps]
+
+    def rows(blocks, starts, boxes, scale):
+        pool = functools.partial(
+            rcnn.multilevel_roi_align,
+            levels=range(2, 5),
+            output=3,
+            sampling_ratio=2,
+            canonical=(8.0, 3),
+            starts=starts,
+            heights=heights,
+        )
+        return jax.vmap(lambda fm, b: pool(fm, b))(blocks, boxes) * scale
+
+    return sum_over_blocks(rows, maps, batch["boxes"], state["scale"], dim=1, name="pool")
+
+
+def _step(tx):
+    def step(state, batch):
+        params, opt = state
+
+        def loss(p):
+            pooled = _pooled(p, batch)
+            return jnp.mean(jnp.square(pooled - batch["target"]).sum((1, 2, 3, 4)))
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": value}
+
+    return step
+
+
+def _setup(rows=16):
+    rng = np.random.default_rng(0)
+    params = {"conv": [rng.normal(size=(3, 3, 2, 4)) * 0.3 for _ in HEIGHTS], "scale": rng.normal(size=(4,))}
+    corners = np.sort(rng.uniform(-4, 68, size=(STEPS, rows, 5, 2, 2)), axis=3)  # x0 < x1, y0 < y1
+    batches = [
+        {
+            "image": rng.normal(size=(rows, 64, 64, 2)),
+            "boxes": corners[s].transpose(0, 1, 3, 2).reshape(rows, 5, 4),
+            "target": rng.normal(size=(rows, 5, 3, 3, 4)),
+        }
+        for s in range(STEPS)
+    ]
+    tx = optax.sgd(0.01, momentum=0.9)
+    return _step(tx), (params, tx.init(params)), batches
+
+
+def _one_device(step, state, batches):
+    jstep = jax.jit(step)
+    for batch in batches:
+        state, _ = jstep(state, batch)
+    return jax.device_get(state)
+
+
+@pytest.mark.parametrize(
+    ("shape", "weight_update"),
+    [((4, 2), "replicated"), ((4, 2), "sharded"), ((2, 4), "replicated"), ((2, 4), "sharded"), ((1, 8), "sharded")],
+    ids=["k2-replicated", "k2-sharded", "k4-replicated", "k4-sharded", "1x8-uneven-sharded"],
+)
+def test_region_by_hand_equals_one_device(shape, weight_update):
+    step, state, batches = _setup()
+    want = _one_device(step, state, batches)
+    assert max_relative_diff(want, state) > 1e-3, "the parameters did not move: the check would be empty"
+    dp = data_parallel(step, make_mesh(shape), spatial=shape[-1], weight_update=weight_update, min_shard_size=8)
+    placed = dp.place_state(state, batches[0])
+    for batch in batches:
+        placed, _ = dp(placed, batch)
+    assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
+    (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions
+    assert row["name"] == "pool" and row["by_hand"], row.get("why")
+    assert row["name"] == "pool" and row["by_hand"] and row["passes"] == ["fwd", "bwd"]
+    assert (row["axis"], row["partitions"]) == ("y", shape[-1])
+    pooled = 16 // shape[0] * 5 * 3 * 3 * 4 * 8  # one replica's rows x boxes x 3 x 3 x channels, float64
+    assert row["summed_bytes_per_device"] >= pooled
+
+
+def test_the_compiled_region_sums_its_pooled_regions_once_over_the_space_axis():
+    """Bytes over the space axis for the region: the pooled regions' all-reduce (what XLA's own
+    partitioning of the gathers would replace by all-reducing every gathered sample)."""
+    step, state, batches = _setup()
+    dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
+    dp.place_state(state, batches[0])
+    module = hlo.read(dp.lower(dp.placement.stored_shapes(), batches[0]).compile(), dp.mesh)
+    (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy, module).regions
+    pooled = 8 * 5 * 3 * 3 * 4 * 8
+    assert pooled <= row["compiled_bytes_per_device"] <= 2 * pooled, row
+
+
+def test_without_a_space_axis_the_region_is_the_plain_call():
+    step, state, batches = _setup()
+    want = _one_device(step, state, batches)
+    dp = data_parallel(step, make_mesh((8,)))
+    placed = dp.place_state(state, batches[0])
+    for batch in batches:
+        placed, _ = dp(placed, batch)
+    assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
+    assert make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions == []
+
+
+def test_a_region_that_mixes_rows_is_left_to_xla_and_stays_exact():
+    """A region whose rows each read the whole batch (scaled by a sum over every row) needs a
+    collective over the data axes: the partitioner's own rules run it, and the plan says why it
+    was not partitioned by hand."""
+
+    def step(w, batch):
+        def loss(w):
+            x = jax.lax.conv_general_dilated(
+                batch["image"], w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            scaled = sum_over_blocks(lambda b, s: jnp.sum(b[0], 1) / jnp.sum(b[0] ** 2), [x], dim=1, name="scaled")
+            return jnp.sum(jnp.sin(scaled))
+
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, {"loss": value}
+
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(3, 3, 2, 4))
+    batches = [{"image": rng.normal(size=(8, 16, 16, 2))} for _ in range(STEPS)]
+    want = _one_device(step, w, batches)
+    dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
+    placed = dp.place_state(w, batches[0])
+    for batch in batches:
+        placed, _ = dp(placed, batch)
+    assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
+    (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions
+    assert not row["by_hand"] and "collective" in row["why"]
+
+
+def test_bad_regions_are_refused_naming_the_argument():
+    x = jnp.zeros((2, 4, 3))
+    with pytest.raises(ValueError, match=r"dim=3 is not a dimension of x\[0\] \(shape \[2, 4, 3\]\)"):
+        sum_over_blocks(lambda b, s: b[0], [x], dim=3, name="r")
+    with pytest.raises(ValueError, match="over='data' is not a role"):
+        sum_over_blocks(lambda b, s: b, x, dim=1, name="r", over="data")
+    with pytest.raises(ValueError, match="give the region a name"):
+        sum_over_blocks(lambda b, s: b, x, dim=1, name="")
+    # One device: the function on the whole input, every start 0.
+    out = sum_over_blocks(lambda b, s: b.sum(1) + s, x + 1.0, dim=1, name="r")
+    np.testing.assert_array_equal(out, jnp.full((2, 3), 4.0))
