@@ -12,7 +12,7 @@ import optax
 import pytest
 from helpers import max_relative_diff
 
-from podscale import data_parallel, make_mesh, sum_over_blocks
+from podscale import data_parallel, distributed_eval, make_mesh, sum_over_blocks
 from podscale.parallel.plan import make_plan
 from podscale.perf import hlo
 from podscale.workloads import rcnn
@@ -177,3 +177,26 @@ def test_bad_regions_are_refused_naming_the_argument():
     # One device: the function on the whole input, every start 0.
     out = sum_over_blocks(lambda b, s: b.sum(1) + s, x + 1.0, dim=1, name="r")
     np.testing.assert_array_equal(out, jnp.full((2, 3), 4.0))
+
+
+def test_the_evaluation_runs_the_region_by_hand_on_the_steps_placement():
+    """``distributed_eval`` on a 2x4 spatial step: the eval program is not replayed by the
+    partitioner, so the region runs by hand as it is traced; the metrics equal one device's, and
+    the compiled program's only collective over the space axis naming the region is the sum of
+    the pooled regions."""
+    step, state, batches = _setup()
+    dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
+    stored = dp.place_state(state, batches[0])
+
+    def eval_fn(state, batch):
+        pooled = _pooled(state[0], batch)
+        return {"error": jnp.square(pooled - batch["target"]).sum((1, 2, 3, 4))}
+
+    batch = dict(batches[1], mask=np.ones(16, np.float32))
+    run = distributed_eval(eval_fn, dp)
+    got = run(stored, [batch])
+    want = np.mean(np.asarray(jax.jit(eval_fn)(state, batches[1])["error"]))
+    np.testing.assert_allclose(got["error"], want, rtol=1e-6)  # the eval sums its metrics in float32
+    module = hlo.read(run.lower(dp.placement.stored_shapes(), batch).compile(), dp.mesh)
+    sums = [c for c in module.collectives if "y" in c.axes and "pool" in c.op_name]
+    assert [c.kind for c in sums] == ["all-reduce"] and sums[0].buffer_bytes == 8 * 5 * 3 * 3 * 4 * 8

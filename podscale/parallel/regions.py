@@ -28,6 +28,8 @@ collective, the region is left to XLA and the plan says why.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -45,6 +47,19 @@ ROLES = ("space", "model")
 _PREFIX = "podscale_region_"
 _REGIONS: dict[int, Region] = {}
 _COUNT = itertools.count()
+_BY_HAND: contextvars.ContextVar[dict[str, tuple[str, int]] | None] = contextvars.ContextVar("by_hand", default=None)
+
+
+@contextlib.contextmanager
+def by_hand(axes: dict[str, tuple[str, int]]):
+    """Regions traced inside run by hand over ``axes`` (per role, its mesh axis and size) at once:
+    for a program traced inside a ``shard_map`` manual over the data axes that podscale's
+    partitioner does not replay (the evaluation step, which runs the model on each replica's rows)."""
+    token = _BY_HAND.set(dict(axes))
+    try:
+        yield
+    finally:
+        _BY_HAND.reset(token)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,6 +117,12 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
         tuple(tuple(np.shape(v)) for v in arg_leaves),
         tuple(bool(jnp.issubdtype(jnp.result_type(v), jnp.inexact)) for v in leaves),
     )
+    role = (_BY_HAND.get() or {}).get(over)
+    if role is not None and role[1] > 1:
+        shapes = [np.shape(v) for v in leaves]
+        with jax.named_scope(name):
+            outs, _ = partitioned(region, "fwd", role[0], role[1], leaves, shapes)
+        return jax.tree.unflatten(_out_tree(region, leaves), outs)
     key = next(_COUNT)
     _REGIONS[key] = region
     return jax.tree.unflatten(_out_tree(region, leaves), _call(region, key)(*leaves))

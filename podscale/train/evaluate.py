@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale._jax import pe
+from podscale.parallel import regions
 from podscale.parallel.mesh import auto_axes
 from podscale.parallel.placement import Placement
 from podscale.parallel.program import shape_structs, signature
@@ -81,9 +82,17 @@ class DistributedEval:
         axes, layout = self.axes, self.placement and self.placement.state
         eval_fn = self.eval_fn
 
+        roles = self.placement.roles if self.placement is not None else None
+        hand = {
+            role: (axis, self.mesh.shape[axis])
+            for role, axis in (("space", roles and roles.space), ("model", roles and roles.model))
+            if axis is not None
+        }
+
         def body(state, batch):
             mask = batch["mask"]
-            per = eval_fn(state, {k: v for k, v in batch.items() if k != "mask"})
+            with regions.by_hand(hand):  # a region of the model: by hand over its axis, as in the step
+                per = eval_fn(state, {k: v for k, v in batch.items() if k != "mask"})
             sums = {k: jax.lax.psum(jnp.sum(v.astype(jnp.float32) * mask), axes) for k, v in per.items()}
             return sums, jax.lax.psum(jnp.sum(mask), axes)
 
