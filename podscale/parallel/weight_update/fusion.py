@@ -50,19 +50,34 @@ def _buckets(items: list, nbytes, limit: int) -> list[list]:
     return out + ([current] if current else [])
 
 
-def _pack(parts: list) -> jax.Array:
-    """One buffer of ``parts`` side by side along their last axis (a lone part as it is: no copy)."""
-    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+def _pack(parts: list, k: int = 1) -> jax.Array:
+    """One buffer of ``parts`` side by side along their last axis (a lone part as it is: no copy).
+    ``k > 1``: chunks laid out per model partition (:class:`~.chunks.ByPartition`), ``k`` pieces
+    each: the buffer holds every part's piece ``m`` in its own piece ``m``, so that each model
+    partition packs only what it holds."""
+    if len(parts) == 1:
+        return parts[0]
+    if k == 1:
+        return jnp.concatenate(parts, axis=-1)
+    lead = parts[0].shape[:-1]
+    return jnp.concatenate([p.reshape(*lead, k, -1) for p in parts], axis=-1).reshape(*lead, -1)
 
 
-def _unpack(buffer, widths: list[int]) -> Iterator[jax.Array]:
+def _unpack(buffer, widths: list[int], k: int = 1) -> Iterator[jax.Array]:
     """The inverse of :func:`_pack`: consecutive pieces of ``buffer``'s last axis, ``widths`` wide.
     Lazily, so that each piece is sliced just before its caller reshapes it (the program's ops
     in the order of one loop over the tensors)."""
+    if len(widths) == 1:
+        yield buffer
+        return
+    lead = buffer.shape[:-1]
+    pieces = buffer if k == 1 else buffer.reshape(*lead, k, -1)
     offset = 0
     for width in widths:
-        yield buffer[..., offset : offset + width]
-        offset += width
+        w = width // k
+        piece = pieces[..., offset : offset + w]
+        yield piece if k == 1 else piece.reshape(*lead, width)
+        offset += w
 
 
 def _fused_flat(values: list, collective) -> list:
@@ -72,32 +87,41 @@ def _fused_flat(values: list, collective) -> list:
     return [piece.reshape(v.shape) for piece, v in zip(pieces, values, strict=True)]
 
 
-def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
+def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace, by: list | None = None) -> list:
     """Large tensors go alone (their padded rows are a free reshape, no copy into a buffer);
     the others are concatenated into one buffer."""
+    by = by or [None] * len(values)
     alone = [i for i, v in enumerate(values) if layout.alone(v.size * v.dtype.itemsize)]
     fused = [i for i in range(len(values)) if i not in alone]
     out: list = [None] * len(values)
     for group in [[i] for i in alone] + ([fused] if fused else []):
-        for i, r in zip(group, _reduce_scatter(layout, [values[i] for i in group], trace), strict=True):
+        results = _reduce_scatter(layout, [values[i] for i in group], trace, [by[i] for i in group])
+        for i, r in zip(group, results, strict=True):
             out[i] = r
     return out
 
 
-def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
-    rows = [layout._padded_rows(v) for v in values]
+def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> list:
+    """``by``: each value's chunking, all per model partition (one ``k``) or all flat."""
+    k = by[0].k if by[0] is not None else 1
+    rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
-    buffer = _pack(rows)
+    buffer = _pack(rows, k)
     phases: list[Collective] = []
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
         total = layout.grad_sum.all_reduce(buffer, phases)
         _record(trace, phases, len(values), "gradient sum", update=True)
-        return [unpadded(piece, v.shape) for piece, v in zip(_unpack(total, widths), values, strict=True)]
-    local = layout.grad_sum.reduce_scatter(buffer, phases)
+        pieces = _unpack(total, widths, k)
+        return [unpadded(piece, v.shape, b) for piece, v, b in zip(pieces, values, by, strict=True)]
+    if k > 1:  # each model partition's pieces: [n, k * c] -> [k * c], the last dimension over the model axis
+        local = layout.per_partition(lambda b: layout.grad_sum.reduce_scatter(b, phases), buffer, 1, 0)
+    else:
+        local = layout.grad_sum.reduce_scatter(buffer, phases)
     _record(trace, phases, len(values), "gradient sum", update=True)
-    return [Sharded(piece, tuple(v.shape)) for piece, v in zip(_unpack(local, widths), values, strict=True)]
+    pieces = _unpack(local, widths, k)
+    return [Sharded(piece, tuple(v.shape), b) for piece, v, b in zip(pieces, values, by, strict=True)]
 
 
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
@@ -118,9 +142,9 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update
 
 def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update: bool) -> list:
     out: list = [None] * len(shards)
-    by_dtype: dict[Any, list[int]] = {}
+    by_dtype: dict[Any, list[int]] = {}  # per dtype and chunking (per model partition or flat)
     for i, s in enumerate(shards):
-        by_dtype.setdefault(s.shard.dtype, []).append(i)
+        by_dtype.setdefault((s.shard.dtype, _k(s.by)), []).append(i)
 
     def full_bytes(i):
         return shards[i].size * shards[i].shard.dtype.itemsize
@@ -131,12 +155,21 @@ def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, updat
         buckets += _buckets(rest, full_bytes, layout.bucket_bytes)
     for members in buckets:
         parts = [shards[i].shard for i in members]
+        k = _k(shards[members[0]].by)
         phases: list[Collective] = []
-        full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
+        if k > 1:  # [k * c] -> [n, k * c], the model axis's pieces gathered where they lie
+            full = layout.per_partition(lambda s: layout.grad_sum.all_gather(s, phases), _pack(parts, k), 0, 1)
+        else:
+            full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
         _record(trace, phases, len(members), why, update)
-        for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts]), strict=True):
-            out[i] = unpadded(piece, shards[i].shape)
+        for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts], k), strict=True):
+            out[i] = unpadded(piece, shards[i].shape, shards[i].by)
     return out
+
+
+def _k(by) -> int:
+    """The model partitions a chunking lays a chunk out over (1: flat)."""
+    return 1 if by is None else by.k
 
 
 class _Pending:
@@ -149,6 +182,7 @@ class _Pending:
     def __init__(self, fuser: _Fuser, value, shard: bool, kind: str = "grad"):
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
+        self.by = None  # a sharded gradient's chunking (per model partition, or flat)
 
     def get(self):
         if self.result is None:
@@ -170,11 +204,13 @@ class _Fuser:
             shard = False  # the replicated update sums a split weight's gradient as it is (see split_shapes)
         p = _Pending(self, value, shard, kind)
         p.scatter = scatter
+        p.by = self.layout.by(value.shape) if shard else None
         if kind == "grad":
             # A bucket that was already full goes now, while the backward pass continues. It waits
             # until the next gradient sum arrives, so that the shape-only ops following the last
             # one (a transpose, a reshape) have been moved before its collective.
-            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype) == (kind, p.shard, p.value.dtype)]
+            key = (kind, p.shard, p.value.dtype, _k(p.by))
+            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype, _k(q.by)) == key]
             if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
                 self.flush(same)
         self.pending.append(p)
@@ -196,12 +232,13 @@ class _Fuser:
         groups: dict[tuple, list[_Pending]] = {}
         for p in pending:
             alone = p.kind == "grad" and not p.shard and tuple(p.value.shape) in self.layout.split_shapes
-            groups.setdefault((p.kind, p.shard, p.value.dtype, p.scatter, id(p) if alone else None), []).append(p)
-        for (kind, shard, _, scatter, _), members in groups.items():
+            key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None)
+            groups.setdefault(key, []).append(p)
+        for (kind, shard, _, scatter, _, _), members in groups.items():
             values = [p.value for p in members]
             if kind == "grad" and shard:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
-                    results = _fuse_reduce_scatter(self.layout, values, self.trace)
+                    results = _fuse_reduce_scatter(self.layout, values, self.trace, [p.by for p in members])
             elif kind == "grad" and scatter:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
                     results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)", True)
