@@ -338,7 +338,7 @@ class DataParallelStep:
             split=self.split,  # as layout.leaves' chunks
             by_partition=dict(layout.chunk_dims),  # a split weight's shape: chunked per model partition
             model_split=self.mesh.shape[self.model] if self.model else 1,
-            model_axis=self.model,
+            model_axis=self.model if self.partitions == (self.model,) else None,
         )
         abstract_state = self.layout_shapes()
         gt = self.global_trace(abstract_state, batch)

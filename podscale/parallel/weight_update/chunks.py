@@ -107,6 +107,22 @@ def from_rows(rows, by: ByPartition, xp=jnp):
     return xp.moveaxis(x.reshape(moved), 0, by.dim)
 
 
+def local_rows(x, chunks: int, by: ByPartition) -> jax.Array:
+    """One model partition's slice of a tensor (its dimension ``by.dim`` 1/k of ``by.shape``'s) as
+    its ``[chunks, c]`` pieces: row ``r`` is its piece of replica ``r``'s chunk (:func:`to_rows`'s
+    ``[:, m * c : (m + 1) * c]`` on partition ``m``). Run manual over the model axis."""
+    c = by.piece(chunks)
+    flat = jnp.moveaxis(x, by.dim, 0).reshape(-1)
+    pad = chunks * c - flat.size
+    return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(chunks, c)
+
+
+def local_unrows(rows, by: ByPartition) -> jax.Array:
+    """The inverse of :func:`local_rows`: a model partition's slice from its ``[chunks, c]`` pieces."""
+    moved = (by.shape[by.dim] // by.k, *(s for i, s in enumerate(by.shape) if i != by.dim))
+    return jnp.moveaxis(rows.reshape(-1)[: math.prod(moved)].reshape(moved), 0, by.dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements;
@@ -161,24 +177,34 @@ class Layout:
         of that shape is chunked per model partition (:class:`ByPartition`), as the stored state
         of that shape is (``StateLayout.chunk_dims``)."""
         self.model_split, self.model_axis = model_split, model_axis
+        """The model axis (of ``model_split`` devices) when it is the one axis a chunk is split over
+        besides the data axes: chunks are then made and summed manual over it (:meth:`per_partition`)."""
 
-    def per_partition(self, f, x, in_dim: int, out_dim: int):
-        """``f`` (a collective over the data axes) on each model partition's piece of ``x``, chunks
-        per model partition: ``x``'s dimension ``in_dim`` (of ``k`` pieces) split over the model
-        axis, the result's ``out_dim``. Manual over the model axis too (a nested ``shard_map``):
-        left to XLA, a reduce-scatter or an all-gather over the data axes of a value split over
-        the model axis is partitioned on the value gathered over the model axis first."""
-        if self.n == 1 or self.model_axis is None:
-            return f(x)
-        spec = lambda dim, ndim: P(*[self.model_axis if d == dim else None for d in range(ndim)])  # noqa: E731
-        out_ndim = jax.eval_shape(f, x).ndim
-        return jax.shard_map(
-            f,
-            mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=spec(in_dim, x.ndim),
-            out_specs=spec(out_dim, out_ndim),
-            axis_names={self.model_axis},
-        )(x)
+    def per_partition(
+        self, f, args: list, in_dims: list[int | None], out_dims: list[int], out_ndims: list[int]
+    ) -> list:
+        """``f(*pieces) -> tuple`` on each model partition's own pieces of ``args`` (dimension
+        ``in_dims[i]`` of ``args[i]`` split over the model axis, ``None``: whole on each; the
+        results' ``out_dims``, of ranks ``out_ndims``): a
+        region manual over the model axis too (a nested ``shard_map``), in which chunks per model
+        partition are made, summed, gathered and unmade. Left to XLA, the reshapes and pads that
+        interleave the partitions' pieces, and a reduce-scatter or all-gather over the data axes
+        of a value split over the model axis, were partitioned with all-to-alls,
+        collective-permutes and all-gathers over the model axis."""
+
+        def spec(dim, ndim):  # dim None: whole on every partition
+            return P(*[self.model_axis if d == dim else None for d in range(ndim)])
+
+        return list(
+            jax.shard_map(
+                f,
+                mesh=jax.sharding.get_abstract_mesh(),
+                in_specs=tuple(spec(d, a.ndim) for a, d in zip(args, in_dims, strict=True)),
+                out_specs=tuple(spec(d, nd) for d, nd in zip(out_dims, out_ndims, strict=True)),
+                axis_names={self.model_axis},
+                check_vma=self.n > 1,
+            )(*args)
+        )
 
     def by(self, shape) -> ByPartition | None:
         """How a sharded tensor of ``shape`` is chunked: per model partition, or ``None`` (flat)."""
@@ -217,7 +243,16 @@ class Layout:
         default as a sharded tensor of its shape is: :meth:`by`)."""
         shape = tuple(np.shape(x))
         by = self.by(shape) if by is _OWN else by
-        rows = self._padded_rows(x, by)
+        if by is not None:  # each model partition's piece of this replica's chunk, from its own slice
+            (piece,) = self.per_partition(
+                lambda xl: (lax.dynamic_index_in_dim(local_rows(xl, self.n, by), self.index(), 0, keepdims=False),),
+                [jnp.reshape(x, by.shape)],
+                [by.dim],
+                [0],
+                [1],
+            )
+            return Sharded(piece, shape, by)
+        rows = self._padded_rows(x)
         index = self.index()
         return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), shape, by)
 

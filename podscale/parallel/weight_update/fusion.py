@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from podscale._jax import all_gather_invariant
 from podscale.parallel.collectives import Collective
-from podscale.parallel.weight_update.chunks import Layout, Sharded, unpadded
+from podscale.parallel.weight_update.chunks import Layout, Sharded, local_rows, local_unrows, unpadded
 from podscale.perf.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 
 
@@ -50,34 +51,19 @@ def _buckets(items: list, nbytes, limit: int) -> list[list]:
     return out + ([current] if current else [])
 
 
-def _pack(parts: list, k: int = 1) -> jax.Array:
-    """One buffer of ``parts`` side by side along their last axis (a lone part as it is: no copy).
-    ``k > 1``: chunks laid out per model partition (:class:`~.chunks.ByPartition`), ``k`` pieces
-    each: the buffer holds every part's piece ``m`` in its own piece ``m``, so that each model
-    partition packs only what it holds."""
-    if len(parts) == 1:
-        return parts[0]
-    if k == 1:
-        return jnp.concatenate(parts, axis=-1)
-    lead = parts[0].shape[:-1]
-    return jnp.concatenate([p.reshape(*lead, k, -1) for p in parts], axis=-1).reshape(*lead, -1)
+def _pack(parts: list) -> jax.Array:
+    """One buffer of ``parts`` side by side along their last axis (a lone part as it is: no copy)."""
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
-def _unpack(buffer, widths: list[int], k: int = 1) -> Iterator[jax.Array]:
+def _unpack(buffer, widths: list[int]) -> Iterator[jax.Array]:
     """The inverse of :func:`_pack`: consecutive pieces of ``buffer``'s last axis, ``widths`` wide.
     Lazily, so that each piece is sliced just before its caller reshapes it (the program's ops
     in the order of one loop over the tensors)."""
-    if len(widths) == 1:
-        yield buffer
-        return
-    lead = buffer.shape[:-1]
-    pieces = buffer if k == 1 else buffer.reshape(*lead, k, -1)
     offset = 0
     for width in widths:
-        w = width // k
-        piece = pieces[..., offset : offset + w]
-        yield piece if k == 1 else piece.reshape(*lead, width)
-        offset += w
+        yield buffer[..., offset : offset + width]
+        offset += width
 
 
 def _fused_flat(values: list, collective) -> list:
@@ -102,25 +88,61 @@ def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace, by: list | 
 
 
 def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> list:
-    """``by``: each value's chunking, all per model partition (one ``k``) or all flat."""
-    k = by[0].k if by[0] is not None else 1
+    """``by``: each value's chunking, all per model partition or all flat."""
+    phases: list[Collective] = []
+    if by[0] is not None and layout.scatter:
+        return _reduce_scatter_by_partition(layout, values, trace, by, phases)
+    if layout.scatter and layout.model_axis is not None:
+        return _reduce_scatter_flat(layout, values, trace, phases)
     rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
-    buffer = _pack(rows, k)
-    phases: list[Collective] = []
+    buffer = _pack(rows)
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
         total = layout.grad_sum.all_reduce(buffer, phases)
         _record(trace, phases, len(values), "gradient sum", update=True)
-        pieces = _unpack(total, widths, k)
+        pieces = _unpack(total, widths)
         return [unpadded(piece, v.shape, b) for piece, v, b in zip(pieces, values, by, strict=True)]
-    if k > 1:  # each model partition's pieces: [n, k * c] -> [k * c], the last dimension over the model axis
-        local = layout.per_partition(lambda b: layout.grad_sum.reduce_scatter(b, phases), buffer, 1, 0)
-    else:
-        local = layout.grad_sum.reduce_scatter(buffer, phases)
+    local = layout.grad_sum.reduce_scatter(buffer, phases)
     _record(trace, phases, len(values), "gradient sum", update=True)
-    pieces = _unpack(local, widths, k)
+    pieces = _unpack(local, widths)
+    return [Sharded(piece, tuple(v.shape), b) for piece, v, b in zip(pieces, values, by, strict=True)]
+
+
+def _reduce_scatter_flat(layout: Layout, values: list, trace: Trace, phases: list) -> list:
+    """The reduce-scatter of flat chunks with a model axis (gradients of weights it does not
+    split): a chunk's ``k`` pieces lie on the model axis's partitions, so each partition sums only
+    its columns of the rows, cut from the gradient every partition holds whole (left to XLA, the
+    fused buffer was split over the model axis with all-to-alls)."""
+
+    k = layout.model_split
+
+    def scatter(*full):
+        rows = [layout._padded_rows(v) for v in full]
+        m = lax.axis_index(layout.model_axis)
+        cols = [lax.dynamic_slice_in_dim(r, m * (r.shape[1] // k), r.shape[1] // k, axis=1) for r in rows]
+        local = layout.grad_sum.reduce_scatter(_pack(cols), phases)
+        return tuple(_unpack(local, [c.shape[1] for c in cols]))
+
+    pieces = layout.per_partition(scatter, values, [None] * len(values), [0] * len(values), [1] * len(values))
+    _record(trace, phases, len(values), "gradient sum", update=True)
+    return [Sharded(piece, tuple(v.shape)) for piece, v in zip(pieces, values, strict=True)]
+
+
+def _reduce_scatter_by_partition(layout: Layout, values: list, trace: Trace, by: list, phases: list) -> list:
+    """The reduce-scatter of gradients chunked per model partition, each partition on its own
+    slices (:meth:`Layout.per_partition`): its pieces of every chunk, ``[n, c]`` a tensor, in one
+    buffer, reduce-scattered over the data axes; out come this replica's chunks, ``k * c`` each."""
+
+    def scatter(*slices):
+        rows = [local_rows(x, layout.n, b) for x, b in zip(slices, by, strict=True)]
+        local = layout.grad_sum.reduce_scatter(_pack(rows), phases)
+        return tuple(_unpack(local, [r.shape[1] for r in rows]))
+
+    args = [jnp.reshape(v, b.shape) for v, b in zip(values, by, strict=True)]
+    pieces = layout.per_partition(scatter, args, [b.dim for b in by], [0] * len(by), [1] * len(by))
+    _record(trace, phases, len(values), "gradient sum", update=True)
     return [Sharded(piece, tuple(v.shape), b) for piece, v, b in zip(pieces, values, by, strict=True)]
 
 
@@ -155,16 +177,53 @@ def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, updat
         buckets += _buckets(rest, full_bytes, layout.bucket_bytes)
     for members in buckets:
         parts = [shards[i].shard for i in members]
-        k = _k(shards[members[0]].by)
         phases: list[Collective] = []
-        if k > 1:  # [k * c] -> [n, k * c], the model axis's pieces gathered where they lie
-            full = layout.per_partition(lambda s: layout.grad_sum.all_gather(s, phases), _pack(parts, k), 0, 1)
-        else:
-            full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
+        if _k(shards[members[0]].by) > 1:  # each model partition gathers its pieces into its slices
+            bys = [shards[i].by for i in members]
+
+            def gather_slices(*pieces, bys=bys, phases=phases):
+                full = layout.grad_sum.all_gather(_pack(list(pieces)), phases)  # [n, its pieces]
+                widths = [p.shape[0] for p in pieces]
+                return tuple(local_unrows(r, b) for r, b in zip(_unpack(full, widths), bys, strict=True))
+
+            dims, ranks = [b.dim for b in bys], [len(b.shape) for b in bys]
+            whole = layout.per_partition(gather_slices, parts, [0] * len(parts), dims, ranks)
+            _record(trace, phases, len(members), why, update)
+            for i, w in zip(members, whole, strict=True):
+                out[i] = w.reshape(shards[i].shape)
+            continue
+        if layout.model_axis is not None:  # flat chunks split over the model axis: gathered over it too
+            shapes = [shards[i].shape for i in members]
+            whole = layout.per_partition(
+                lambda *pieces, shapes=shapes, phases=phases: _gather_flat(layout, list(pieces), shapes, phases),
+                parts,
+                [0] * len(parts),
+                [None] * len(parts),
+                [len(shape) for shape in shapes],
+            )
+            _record(trace, phases, len(members), why, update)
+            for i, w in zip(members, whole, strict=True):
+                out[i] = w
+            continue
+        full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
         _record(trace, phases, len(members), why, update)
-        for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts], k), strict=True):
+        for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts]), strict=True):
             out[i] = unpadded(piece, shards[i].shape, shards[i].by)
     return out
+
+
+def _gather_flat(layout: Layout, pieces: list, shapes: list, phases: list) -> tuple:
+    """On each model partition (manual over the model axis): its pieces of flat chunks gathered
+    over the data axes, then the partitions' over the model axis, into whole values (left to XLA,
+    the unpacked pieces were moved between the partitions with collective-permutes)."""
+    full = layout.grad_sum.all_gather(_pack(pieces), phases)  # [n, its pieces]
+    phases.append(Collective("all-gather", (layout.model_axis,), full.size * full.dtype.itemsize, chunks=1))
+    every = all_gather_invariant(full, layout.model_axis, axis=0, tiled=False)  # [k, n, its pieces]
+    out = []
+    for piece, shape in zip(_unpack(every, [p.shape[0] for p in pieces]), shapes, strict=True):
+        rows = jnp.swapaxes(piece, 0, 1).reshape(layout.n, -1)  # [n, k * piece]: chunk r's k pieces in order
+        out.append(unpadded(rows, shape))
+    return tuple(out)
 
 
 def _k(by) -> int:
