@@ -56,3 +56,28 @@ def test_the_sharded_update_of_split_weights_moves_nothing_over_the_model_axis(g
     plan = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy, module)
     assert plan.tensor["reshuffles"] == {"all-to-all": 0, "collective-permute": 0, "bytes_per_device": 0}
     assert plan.tensor["chunked_per_partition"] == len(chunked)
+
+
+def test_bert_large_tiny_on_2x4_compiles_without_involuntary_rematerialization(capfd):
+    """XLA's SPMD partitioner prints "Involuntary full rematerialization" (on stderr, from C++)
+    where it cannot move a value between two shardings but by replicating it. bert-large tiny on
+    a 2x4 mesh (model axis of 4, the sharded update) printed it 8 times with flat chunks: the
+    scanned layers' gradients went from their heads split to the flat chunks' split. Chunked per
+    model partition they keep their split. Compiled here with the persistent cache off, so that
+    XLA partitions it (and would print) in this process."""
+    from podscale._jax import jax_config
+    from podscale.parallel.program import shape_structs
+
+    task = make_task("bert-large", config="tiny")
+    tx = task.workload.make_optimizer(task.config, 10)
+    batch = task.train_data.get(np.arange(16))
+    state = task.init_state(jax.random.key(0), tx)
+    dp = data_parallel(
+        make_train_step(task, tx), make_mesh((2, 4)), model_parallel=4, rules="bert-large", weight_update="sharded"
+    )
+    dp.prepare(shape_structs(state), batch)
+    capfd.readouterr()
+    with jax_config.enable_compilation_cache(False):
+        dp.lower(dp.placement.stored_shapes(), shape_structs(batch)).compile()
+    err = capfd.readouterr().err
+    assert "Involuntary full rematerialization" not in err, err[:2000]
