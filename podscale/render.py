@@ -111,6 +111,13 @@ def plan(plan: Plan, console: Console | None = None) -> None:
             console.print(f"  [yellow]{note}[/]")
         if tp.get("collectives"):
             _per_layer(f"collectives over the model axis {tp['axis']!r}, per layer", tp["collectives"], console)
+        if "reshuffles" in tp:
+            r = tp["reshuffles"]
+            console.print(
+                f"reshuffles over the model axis {tp['axis']!r}: {r['all-to-all']} all-to-all, "
+                f"{r['collective-permute']} collective-permute ({size(r['bytes_per_device'])} per device); "
+                f"{tp['chunked_per_partition']} sharded leaves chunked per model partition"
+            )
     t = plan.traffic
     if t:
         console.print(

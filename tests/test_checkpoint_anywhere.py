@@ -40,6 +40,8 @@ PLACEMENTS = {
 CHAINS = [  # the data axes alone on the MLP (quicker to trace), a model axis on the Transformer
     ("8 replicas, sharded", "4 replicas, sharded", "2 replicas, replicated"),
     ("4x2, model axis of 2, sharded", "2x4, model axis of 4, replicated", "8 replicas, sharded"),
+    # flat chunks into chunks per model partition, then those read back as they are
+    ("8 replicas, sharded", "4x2, model axis of 2, sharded", "4x2, model axis of 2, sharded"),
 ]
 
 
@@ -94,8 +96,11 @@ def test_a_save_writes_the_stored_state_as_it_is():
     split = [leaf for leaf in dp.placement.state.leaves if leaf.model_dim is not None]
     assert chunked and split
     layout = form.saved_layout()
+    by_partition = [leaf for leaf in chunked if leaf.by is not None]
+    assert by_partition  # a split weight's optimizer state: chunked per model partition, which the metadata says
     for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True):
-        assert layout[leaf.path] == {"saved": list(x.shape), "shape": list(leaf.shape)}
+        chunks = {"chunks": {"replicas": 4, "partitions": 2, "dim": leaf.by.dim}} if leaf in by_partition else {}
+        assert layout[leaf.path] == {"saved": list(x.shape), "shape": list(leaf.shape), **chunks}
         if leaf.sharded or leaf.model_dim is not None:
             assert max(s.data.size for s in x.addressable_shards) < x.size, f"{leaf.path}: a device holds it whole"
 

@@ -341,6 +341,9 @@ class DataParallelStep:
             bucket_bytes=self.bucket_bytes,
             split_shapes=split,
             split=self.split,  # as layout.leaves' chunks
+            by_partition=dict(layout.chunk_dims),  # a split weight's shape: chunked per model partition
+            model_split=self.mesh.shape[self.model] if self.model else 1,
+            model_axis=self.model if self.partitions == (self.model,) else None,
         )
         abstract_state = self.layout_shapes()
         gt = self.global_trace(abstract_state, batch)
@@ -350,7 +353,7 @@ class DataParallelStep:
             closed, part = self._local(gt, jax.tree.leaves(abstract_state), jax.tree.leaves(batch))
             rewriter = Rewriter(chunks, trace)
             args = [
-                Sharded(x, leaf.shape) if leaf.sharded else x
+                Sharded(x, leaf.shape, leaf.by) if leaf.sharded else x
                 for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)
             ]
             outs = rewriter.run(closed, [*args, *jax.tree.leaves(batch)])
@@ -418,14 +421,14 @@ class DataParallelStep:
             if not leaf.sharded:
                 out.append(next(whole_done))
                 continue
-            if isinstance(v, Sharded) and v.shape == leaf.shape:
+            if isinstance(v, Sharded) and v.shape == leaf.shape and v.by == leaf.by:
                 out.append(v.shard.astype(leaf.dtype))
                 continue
             if isinstance(v, Sharded):
                 v = gather(chunks, [v], trace, f"new_state{path_str(path)} changed shape")[0]
             v = as_whole("new_state", path, v)
             trace.gathered_ops.append(f"new_state{path_str(path)} computed whole, then sliced")
-            out.append(chunks.slice(jnp.asarray(v, leaf.dtype)).shard)
+            out.append(chunks.slice(jnp.asarray(v, leaf.dtype), leaf.by).shard)
         return jax.tree.unflatten(layout.treedef, out)
 
     def _compiled(self, state, batch):

@@ -13,6 +13,10 @@ import numpy as np
 from podscale.parallel import spatial
 from podscale.perf.hlo import layer_of, ring_bytes
 
+RESHUFFLES = ("all-to-all", "collective-permute")
+"""Collectives over a model axis that move a value between its partitions' layouts (no sum, no
+gather): XLA's reshuffles, where two layouts of one value disagree."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -49,7 +53,10 @@ class Plan:
 
     tensor: dict[str, Any] | None = None
     """With ``model_parallel``: the model axis, its partitions, the rules, what they left undone,
-    the split leaves' bytes per device and, compiled, the model axis's collectives per layer."""
+    the split leaves' bytes per device, the sharded leaves chunked per model partition
+    (``chunked_per_partition``) and, compiled, the model axis's collectives per layer and its
+    ``reshuffles``: the all-to-alls and collective-permutes over it (runs and bytes per device
+    per step; zero when every split weight's chunks lie in its model partition's slice)."""
 
     regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The step's regions partitioned by hand (:func:`podscale.sum_over_blocks`), one row each:
@@ -168,6 +175,7 @@ def _tensor(placement, strategy, compiled) -> dict[str, Any] | None:
         "split_leaves": len(split),
         "split_bytes": sum(leaf.bytes for leaf in split),
         "split_bytes_per_device": sum(leaf.bytes_per_device() for leaf in split),
+        "chunked_per_partition": sum(1 for leaf in placement.state.leaves if leaf.sharded and leaf.by is not None),
     }
     if compiled is not None:
         per: dict[tuple[str, str], dict[str, Any]] = {}
@@ -181,6 +189,11 @@ def _tensor(placement, strategy, compiled) -> dict[str, Any] | None:
             row["bytes_per_device"] += c.buffer_bytes * c.count
         out["collectives"] = list(per.values())
         out["collective_bytes_per_device"] = sum(r["bytes_per_device"] for r in per.values())
+        moves = [c for c in compiled.collectives if model in c.axes and c.kind in RESHUFFLES]
+        out["reshuffles"] = {
+            **{kind: sum(c.count for c in moves if c.kind == kind) for kind in RESHUFFLES},
+            "bytes_per_device": sum(c.buffer_bytes * c.count for c in moves),
+        }
     return out
 
 

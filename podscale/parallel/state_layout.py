@@ -6,6 +6,11 @@ sharded leaf is stored as a flat array of ``N * ceil(size / N)`` elements (zero 
 end) split over every mesh axis, so each replica holds one chunk. ``store``/``unstore`` convert
 between the two; checkpoints hold the stored layout, and a restore converts it into another
 placement's (``train.saving.CheckpointForm``).
+
+A sharded leaf of a shape that a sharding rule splits over the model axis (``chunk_dim``) is
+chunked per model partition, then over the replicas (``weight_update.ByPartition``): its flat
+vector is ``[N, k, c]``, device ``(replica r, partition m)`` holding a 1/N piece of partition m's
+slice of the leaf, the slice it holds of the split weight itself.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel.weight_update import chunk_layout
+from podscale.parallel.weight_update import ByPartition, chunk_layout
+from podscale.parallel.weight_update.chunks import by_partition_layout, from_rows, to_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,14 @@ class LeafLayout:
     """With tensor partitioning: the dimension split over the model axis (its sharding rule)."""
     model_split: int = 1
     """Devices of the model axis ``model_dim`` is split over."""
+    chunk_dim: int | None = None
+    """A sharded leaf chunked per model partition (:class:`ByPartition`): the dimension whose
+    ``model_split`` slices are chunked over the replicas, each in turn; ``None``: flat chunks."""
+
+    @property
+    def by(self) -> ByPartition | None:
+        """The chunking of a sharded leaf per model partition, or ``None`` (flat, row-major)."""
+        return None if self.chunk_dim is None else ByPartition(self.shape, self.chunk_dim, self.model_split)
 
     @property
     def itemsize(self) -> int:
@@ -83,6 +97,10 @@ class StateLayout:
     model: str | None = None
     """Tensor partitioning's model axis: a leaf with a ``model_dim`` is split over it along that
     dimension."""
+    chunk_dims: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """``(shape, dimension)``: a sharded tensor of that shape (a split weight's gradient, its
+    optimizer state) is chunked per model partition along that dimension (:class:`ByPartition`);
+    the weight update's ``Layout`` chunks the gradients alike."""
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -229,20 +247,29 @@ class StateLayout:
         self.check(state)
         leaves = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            if leaf.sharded:
-                flat = jnp.ravel(x)
-                x = jnp.pad(flat, (0, leaf.padding)) if leaf.padding else flat
-            leaves.append(x)
+            leaves.append(self.flat(x, leaf) if leaf.sharded else x)
         return jax.tree.unflatten(self.treedef, leaves)
 
     def unstore(self, stored):
         """Stored layout -> user layout (drop the padding, restore the shape)."""
         leaves = []
         for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
-            if leaf.sharded:
-                x = x[: math.prod(leaf.shape)].reshape(leaf.shape)
-            leaves.append(x)
+            leaves.append(self.whole(x, leaf) if leaf.sharded else x)
         return jax.tree.unflatten(self.treedef, leaves)
+
+    def flat(self, x, leaf: LeafLayout, xp=jnp):
+        """A sharded ``leaf``'s value in its own shape -> its stored flat, padded vector (``xp``:
+        ``jax.numpy`` or ``numpy``)."""
+        if leaf.by is not None:
+            return to_rows(x, self.n, leaf.by, xp).reshape(-1)
+        flat = xp.ravel(x)
+        return xp.pad(flat, (0, leaf.padding)) if leaf.padding else flat
+
+    def whole(self, x, leaf: LeafLayout, xp=jnp):
+        """The inverse of :meth:`flat`: a sharded ``leaf``'s stored vector -> its own shape."""
+        if leaf.by is not None:
+            return from_rows(xp.reshape(x, (self.n, -1)), leaf.by, xp)
+        return x[: math.prod(leaf.shape)].reshape(leaf.shape)
 
     # -- host-side placement ----------------------------------------------------------------
     def place(self, state):
@@ -250,7 +277,7 @@ class StateLayout:
         self.check(state)
         out = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            out.append(_put(x, self._sharding(leaf), leaf))  # chunk i on device i of the order
+            out.append(_put(x, self._sharding(leaf), leaf, self))  # chunk i on device i of the order
         return jax.tree.unflatten(self.treedef, out)
 
     def fetch(self, stored):
@@ -259,7 +286,7 @@ class StateLayout:
         for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
             x = _get(x)
             if leaf.sharded and not _is_key(x):
-                x = np.asarray(x)[: math.prod(leaf.shape)].reshape(leaf.shape)
+                x = self.whole(np.asarray(x), leaf, np)
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
@@ -315,14 +342,14 @@ def _is_key(x) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _put(x, sharding, leaf: LeafLayout | None = None):
+def _put(x, sharding, leaf: LeafLayout | None = None, layout: StateLayout | None = None):
     if _is_key(x):  # typed PRNG keys travel as their raw key data
         return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and x.sharding == sharding and not (leaf and leaf.sharded):
         return x
     x = np.asarray(x)
     if leaf is not None and leaf.sharded:
-        x = np.pad(x.reshape(-1), (0, leaf.padding))
+        x = layout.flat(x, leaf, np)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
@@ -357,6 +384,7 @@ def decide(
     ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``model``.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
+    by_shape = chunk_dims(state, model_dims) if shard and model and tuple(parts) == (model,) else {}
     leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype
@@ -397,7 +425,38 @@ def decide(
             )
         else:
             k = math.prod(mesh.shape[a] for a in parts)
-            length, padding = chunk_layout(size, n, k)  # the chunk splits over the space and model axes too
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
-            leaves.append(LeafLayout(**kw, sharded=True, reason=reason, shard_len=length, padding=padding, split=k))
-    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)
+            dim = by_shape.get(shape)
+            if dim is not None:  # per model partition, then over the replicas
+                length, padding = by_partition_layout(ByPartition(shape, dim, k), n)
+                reason += f", per model partition of dimension {dim}"
+            else:
+                length, padding = chunk_layout(size, n, k)  # the chunk splits over the space and model axes too
+            leaves.append(
+                LeafLayout(
+                    **kw,
+                    sharded=True,
+                    reason=reason,
+                    shard_len=length,
+                    padding=padding,
+                    split=k,
+                    chunk_dim=dim,
+                    model_split=k if dim is not None else 1,
+                )
+            )
+    return StateLayout(
+        jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model, tuple(sorted(by_shape.items()))
+    )
+
+
+def chunk_dims(state, model_dims) -> dict[tuple[int, ...], int]:
+    """Shape -> the dimension the sharding rules split every leaf of that shape along (leaves of
+    one shape split along different dimensions, or none: left out, their chunks stay flat). A
+    sharded tensor of such a shape is chunked per model partition (:class:`ByPartition`): a
+    gradient is known by its shape alone in the weight update's replay."""
+    if not model_dims:
+        return {}
+    dims: dict[tuple[int, ...], set] = {}
+    for x, dim in zip(jax.tree.leaves(state), model_dims, strict=True):
+        dims.setdefault(tuple(np.shape(x)), set()).add(dim)
+    return {shape: next(iter(d)) for shape, d in dims.items() if len(d) == 1 and None not in d}

@@ -489,7 +489,7 @@ class Checkpointer:
             )
             reason = f"damaged: {which} (its files changed after the save: a disk, copy or storage error)"
             raise _Damaged(reason, f"{where} is {reason}. {todo}.")
-        return form.load(state) if form is not None else state
+        return form.load(state, layout) if form is not None else state
 
     def _set_aside(self, steps: list[int]) -> dict[int, str]:
         """Renames damaged steps to ``STEP.damaged`` (process 0; every process waits for it), so

@@ -122,8 +122,7 @@ class DistributedEval:
         def program(stored, batch):
             leaves = jax.tree.leaves(stored)
             for i in gather:  # a chunked leaf eval_fn reads: whole (its padding dropped) for it
-                leaf = layout.leaves[i]
-                leaves[i] = leaves[i][: math.prod(leaf.shape)].reshape(leaf.shape)
+                leaves[i] = layout.whole(leaves[i], layout.leaves[i])
             return mapped(jax.tree.unflatten(layout.treedef, leaves), batch)
 
         return jax.jit(

@@ -9,12 +9,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.weight_update import ByPartition
+from podscale.parallel.weight_update.chunks import from_rows
+
 LAYOUT = "podscale_layout"
 """The key of the saved layout in a step's orbax ``custom_metadata``: per leaf path, the shape
-it was saved in (a sharded leaf's flat, padded one) and its own (the user layout's)."""
+it was saved in (a sharded leaf's flat, padded one) and its own (the user layout's), and for a
+leaf chunked per model partition (``weight_update.ByPartition``) its ``chunks``: the replicas,
+the model partitions and the dimension they split (without it, a flat leaf is row-major with
+its padding at the end)."""
 
 
 class CheckpointForm:
@@ -35,11 +42,27 @@ class CheckpointForm:
         return state
 
     def saved_layout(self) -> dict[str, dict]:
-        """Per leaf path, ``{"saved": shape in the checkpoint, "shape": its own}``."""
-        return {
-            leaf.path: {"saved": list(self.layout.stored_shape(leaf)), "shape": list(leaf.shape)}
-            for leaf in self.layout.leaves
-        }
+        """Per leaf path, ``{"saved": shape in the checkpoint, "shape": its own}``, and ``"chunks"``
+        for a leaf chunked per model partition (:meth:`_chunks`)."""
+        out = {}
+        for leaf in self.layout.leaves:
+            entry = {"saved": list(self.layout.stored_shape(leaf)), "shape": list(leaf.shape)}
+            if self._chunks(leaf) is not None:
+                entry["chunks"] = self._chunks(leaf)
+            out[leaf.path] = entry
+        return out
+
+    def _chunks(self, leaf) -> dict[str, int] | None:
+        """How this placement chunks a sharded ``leaf`` per model partition, as the metadata says it."""
+        if not leaf.sharded or leaf.by is None:
+            return None
+        return {"replicas": self.layout.n, "partitions": leaf.by.k, "dim": leaf.by.dim}
+
+    def _as_stored(self, leaf, entry) -> bool:
+        """Whether a leaf saved as ``entry`` says is in this placement's stored layout of ``leaf``."""
+        return tuple(entry["saved"]) == tuple(self.layout.stored_shape(leaf)) and entry.get("chunks") == self._chunks(
+            leaf
+        )
 
     def own_layout(self) -> dict[str, dict]:
         """Every leaf saved in its own shape: how podscale saved a step before it saved the stored
@@ -50,9 +73,9 @@ class CheckpointForm:
         """This placement's own stored layout (a checkpoint it saved restores as it is)."""
         return self.abstract(self.saved_layout())
 
-    def _read_sharding(self, leaf, saved: tuple[int, ...]) -> NamedSharding:
-        mesh = self.layout.mesh
-        if saved == tuple(self.layout.stored_shape(leaf)):
+    def _read_sharding(self, leaf, entry: dict) -> NamedSharding:
+        mesh, saved = self.layout.mesh, tuple(entry["saved"])
+        if self._as_stored(leaf, entry):
             return self.layout._sharding(leaf)  # as this placement stores it: nothing to convert
         if saved != tuple(leaf.shape):  # a flat chunked leaf of another placement: spread it over the axes
             axes = list(self.layout.axes) + [a for a in mesh.axis_names if a not in self.layout.axes]
@@ -75,40 +98,60 @@ class CheckpointForm:
                     f"{list(leaf.shape)}: it was saved by another model or optimizer"
                 )
             saved = tuple(entry["saved"])
-            out.append(jax.ShapeDtypeStruct(saved, leaf.dtype, sharding=self._read_sharding(leaf, saved)))
+            out.append(jax.ShapeDtypeStruct(saved, leaf.dtype, sharding=self._read_sharding(leaf, entry)))
         return jax.tree.unflatten(self.layout.treedef, out)
 
-    def load(self, restored):
-        """The restored leaves (saved shapes) in this placement's stored layout, on the devices. A
-        leaf read as this placement stores it is kept as it is (no copy); the others are converted
-        by one program (a leaf's shape changes, so its buffer cannot be reused)."""
+    def load(self, restored, saved_layout: dict[str, dict] | None = None):
+        """The restored leaves (saved shapes, in ``saved_layout``: this placement's own by default)
+        in this placement's stored layout, on the devices. A leaf read as this placement stores it
+        is kept as it is (no copy); the others are converted by one program (a leaf's shape or
+        order changes, so its buffer cannot be reused)."""
         leaves = jax.tree.leaves(restored)
         shardings = jax.tree.leaves(self.layout.shardings())
+        entries = [
+            (saved_layout or {}).get(leaf.path) or {"saved": list(np.shape(x)), "shape": list(leaf.shape)}
+            for x, leaf in zip(leaves, self.layout.leaves, strict=True)
+        ]
+        if saved_layout is None:  # as this placement saved it: its own chunks where the shapes match
+            entries = [
+                {**e, "chunks": self._chunks(leaf)} if tuple(e["saved"]) == tuple(self.layout.stored_shape(leaf)) else e
+                for e, leaf in zip(entries, self.layout.leaves, strict=True)
+            ]
         todo = [
             i
             for i, (x, leaf) in enumerate(zip(leaves, self.layout.leaves, strict=True))
-            if tuple(x.shape) != tuple(self.layout.stored_shape(leaf)) or x.sharding != shardings[i]
+            if not self._as_stored(leaf, entries[i]) or x.sharding != shardings[i]
         ]
         if todo:
             convert = jax.jit(
-                lambda xs: [self._convert(x, self.layout.leaves[i]) for x, i in zip(xs, todo, strict=True)],
+                lambda xs: [self._convert(x, self.layout.leaves[i], entries[i]) for x, i in zip(xs, todo, strict=True)],
                 out_shardings=[shardings[i] for i in todo],
             )
             for i, x in zip(todo, convert([leaves[i] for i in todo]), strict=True):
                 leaves[i] = x
         return jax.tree.unflatten(self.layout.treedef, leaves)
 
-    def _convert(self, x, leaf):
-        target = tuple(self.layout.stored_shape(leaf))
-        if tuple(x.shape) != target:
-            flat = jnp.ravel(x)[: math.prod(leaf.shape)]
-            x = jnp.pad(flat, (0, target[0] - flat.size)) if leaf.sharded else flat.reshape(leaf.shape)
-        return x
+    def _convert(self, x, leaf, entry: dict):
+        if self._as_stored(leaf, entry):
+            return x
+        chunks = entry.get("chunks")
+        if chunks is not None:  # chunked per model partition: back to its own shape first
+            by = ByPartition(tuple(leaf.shape), int(chunks["dim"]), int(chunks["partitions"]))
+            x = from_rows(x.reshape(int(chunks["replicas"]), -1), by)
+        if leaf.sharded:
+            return self.layout.flat(jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape), leaf)
+        return jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape)
 
     def sizes(self, saved_layout: dict[str, dict] | None = None) -> list[int]:
-        """Per leaf, its own element count: a flat saved leaf's fingerprint covers those only."""
+        """Per leaf, the elements its fingerprint covers: its own element count (a flat saved
+        leaf's padding at the end is left out), or, chunked per model partition (its padding
+        between the partitions' pieces), every saved element."""
         saved_layout = saved_layout or self.saved_layout()
-        return [math.prod(saved_layout[leaf.path]["shape"]) for leaf in self.layout.leaves]
+        out = []
+        for leaf in self.layout.leaves:
+            entry = saved_layout[leaf.path]
+            out.append(math.prod(entry["saved" if entry.get("chunks") else "shape"]))
+        return out
 
 
 class NonFiniteError(ValueError):

@@ -32,6 +32,7 @@ Its three ideas, one module each:
 from podscale.parallel.weight_update.chunks import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MIN_SHARD_SIZE,
+    ByPartition,
     Layout,
     Sharded,
     chunk_layout,
@@ -42,6 +43,7 @@ from podscale.parallel.weight_update.replay import Rewriter, forward_used
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MIN_SHARD_SIZE",
+    "ByPartition",
     "Collective",
     "Layout",
     "Rewriter",

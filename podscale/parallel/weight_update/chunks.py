@@ -6,6 +6,13 @@ stored optimizer state, the reduce-scattered gradients, the sliced weights all f
 step (the replica count, which tensors are sharded, the buckets gradients are summed in) with the
 chunk arithmetic: a tensor's padded rows, this replica's slice of a full value, the mask of a
 chunk's real elements.
+
+A tensor split over a model axis (tensor partitioning) is chunked per model partition, then over
+the replicas (:class:`ByPartition`): each replica's chunk is ``k`` pieces, piece ``m`` a 1/N run of
+model partition ``m``'s own slice of the tensor. XLA splits a chunk over the model axis into those
+pieces, so each device's piece lies in the slice it already holds, and the reduce-scatter, the
+update and the all-gather move nothing over the model axis (flattened whole, a split tensor's
+chunks cut across the partitions' slices, and XLA reshuffled them with all-to-alls).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from podscale.parallel.gradsum import GradSum
 
@@ -46,21 +54,94 @@ def chunk_layout(size: int, chunks: int, split: int = 1) -> tuple[int, int]:
     return length, length * chunks - size
 
 
+_OWN = object()
+"""``Layout.slice``'s default: chunked as a sharded tensor of the value's shape is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ByPartition:
+    """Chunks laid out per model partition, then over the replicas: a tensor of ``shape`` whose
+    dimension ``dim`` a model axis of ``k`` devices splits (a sharding rule's) has its ``k``
+    slices along ``dim`` (each flattened row-major, as the dimension moved first) cut into ``N``
+    chunks each, of :func:`chunk_layout`'s length for the slice's size; replica ``r``'s chunk is
+    piece ``r`` of slice 0, then piece ``r`` of slice 1, ... (``[N, k, c]`` in the stored flat
+    vector, which the stored sharding ``P((data..., model))`` gives device ``(r, m)`` as piece
+    ``(m, r)``). A value reshaped on its shards keeps the chunking of ``shape``."""
+
+    shape: tuple[int, ...]
+    dim: int
+    k: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def piece(self, chunks: int) -> int:
+        """The length ``c`` of one partition's piece of a chunk (a chunk is ``k * c``)."""
+        return chunk_layout(self.size // self.k, chunks)[0]
+
+
+def by_partition_layout(by: ByPartition, chunks: int) -> tuple[int, int]:
+    """(chunk length, padding) of :class:`ByPartition` chunking over ``chunks`` replicas."""
+    length = by.k * by.piece(chunks)
+    return length, length * chunks - by.size
+
+
+def to_rows(x, chunks: int, by: ByPartition, xp=jnp):
+    """A full tensor (any shape of ``by.size`` elements) as its ``[chunks, k * c]`` rows, row ``r``
+    replica ``r``'s chunk in ``by``'s layout; ``xp``: ``jax.numpy`` or ``numpy``. Every step moves
+    or pads within one partition's slice (XLA keeps the model axis's split through them)."""
+    k, c = by.k, by.piece(chunks)
+    x = xp.moveaxis(xp.reshape(x, by.shape), by.dim, 0).reshape(k, -1)  # [k, size / k]: a slice a row
+    pad = chunks * c - x.shape[1]
+    if pad:
+        x = xp.pad(x, ((0, 0), (0, pad)))
+    return x.reshape(k, chunks, c).transpose(1, 0, 2).reshape(chunks, k * c)
+
+
+def from_rows(rows, by: ByPartition, xp=jnp):
+    """The inverse of :func:`to_rows`: the tensor of ``by.shape`` from its ``[chunks, k * c]`` rows."""
+    chunks, k = rows.shape[0], by.k
+    x = rows.reshape(chunks, k, -1).transpose(1, 0, 2).reshape(k, -1)[:, : by.size // k]
+    moved = (by.shape[by.dim], *(s for i, s in enumerate(by.shape) if i != by.dim))
+    return xp.moveaxis(x.reshape(moved), 0, by.dim)
+
+
+def local_rows(x, chunks: int, by: ByPartition) -> jax.Array:
+    """One model partition's slice of a tensor (its dimension ``by.dim`` 1/k of ``by.shape``'s) as
+    its ``[chunks, c]`` pieces: row ``r`` is its piece of replica ``r``'s chunk (:func:`to_rows`'s
+    ``[:, m * c : (m + 1) * c]`` on partition ``m``). Run manual over the model axis."""
+    c = by.piece(chunks)
+    flat = jnp.moveaxis(x, by.dim, 0).reshape(-1)
+    pad = chunks * c - flat.size
+    return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(chunks, c)
+
+
+def local_unrows(rows, by: ByPartition) -> jax.Array:
+    """The inverse of :func:`local_rows`: a model partition's slice from its ``[chunks, c]`` pieces."""
+    moved = (by.shape[by.dim] // by.k, *(s for i, s in enumerate(by.shape) if i != by.dim))
+    return jnp.moveaxis(rows.reshape(-1)[: math.prod(moved)].reshape(moved), 0, by.dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharded:
-    """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements."""
+    """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements;
+    chunked per model partition when ``by`` says so (:class:`ByPartition`), else row-major."""
 
     shard: Any
     shape: tuple[int, ...]
+    by: ByPartition | None = None
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
 
-def unpadded(rows, shape) -> jax.Array:
+def unpadded(rows, shape, by: ByPartition | None = None) -> jax.Array:
     """The tensor of ``shape`` back from its padded rows ``[n, chunk]`` (the inverse of
     :meth:`Layout._padded_rows`): flattened, the padding cut off, reshaped."""
+    if by is not None:
+        return from_rows(rows, by).reshape(shape)
     return rows.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
@@ -78,6 +159,9 @@ class Layout:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         split_shapes: frozenset = frozenset(),
         split: int = 1,
+        by_partition: dict | None = None,
+        model_split: int = 1,
+        model_axis: str | None = None,
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
         self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
@@ -88,16 +172,57 @@ class Layout:
         """Shapes of the weights split over a model axis (tensor partitioning): an all-reduced
         gradient of such a shape is summed alone and unflattened, so that XLA keeps its split
         (flattened into a fused buffer, it would first be gathered over the model axis)."""
+        self.by_partition = dict(by_partition or {}) if scatter else {}
+        """Shape -> the dimension a model axis of ``model_split`` devices splits: a sharded tensor
+        of that shape is chunked per model partition (:class:`ByPartition`), as the stored state
+        of that shape is (``StateLayout.chunk_dims``)."""
+        self.model_split, self.model_axis = model_split, model_axis
+        """The model axis (of ``model_split`` devices) when it is the one axis a chunk is split over
+        besides the data axes: chunks are then made and summed manual over it (:meth:`per_partition`)."""
+
+    def per_partition(
+        self, f, args: list, in_dims: list[int | None], out_dims: list[int], out_ndims: list[int]
+    ) -> list:
+        """``f(*pieces) -> tuple`` on each model partition's own pieces of ``args`` (dimension
+        ``in_dims[i]`` of ``args[i]`` split over the model axis, ``None``: whole on each; the
+        results' ``out_dims``, of ranks ``out_ndims``): a
+        region manual over the model axis too (a nested ``shard_map``), in which chunks per model
+        partition are made, summed, gathered and unmade. Left to XLA, the reshapes and pads that
+        interleave the partitions' pieces, and a reduce-scatter or all-gather over the data axes
+        of a value split over the model axis, were partitioned with all-to-alls,
+        collective-permutes and all-gathers over the model axis."""
+
+        def spec(dim, ndim):  # dim None: whole on every partition
+            return P(*[self.model_axis if d == dim else None for d in range(ndim)])
+
+        return list(
+            jax.shard_map(
+                f,
+                mesh=jax.sharding.get_abstract_mesh(),
+                in_specs=tuple(spec(d, a.ndim) for a, d in zip(args, in_dims, strict=True)),
+                out_specs=tuple(spec(d, nd) for d, nd in zip(out_dims, out_ndims, strict=True)),
+                axis_names={self.model_axis},
+                check_vma=self.n > 1,
+            )(*args)
+        )
+
+    def by(self, shape) -> ByPartition | None:
+        """How a sharded tensor of ``shape`` is chunked: per model partition, or ``None`` (flat)."""
+        dim = self.by_partition.get(tuple(shape))
+        return None if dim is None else ByPartition(tuple(shape), dim, self.model_split)
 
     def alone(self, nbytes: int) -> bool:
         """Whether a tensor is large enough to get a collective of its own (a quarter bucket)."""
         return nbytes >= self.bucket_bytes // 4
 
-    def shard_len(self, size: int) -> int:
-        return chunk_layout(size, self.n, self.split)[0]
+    def shard_len(self, size: int, by: ByPartition | None = None) -> int:
+        return self._geometry(size, by)[0]
 
-    def padding(self, size: int) -> int:
-        return chunk_layout(size, self.n, self.split)[1]
+    def padding(self, size: int, by: ByPartition | None = None) -> int:
+        return self._geometry(size, by)[1]
+
+    def _geometry(self, size: int, by: ByPartition | None) -> tuple[int, int]:
+        return chunk_layout(size, self.n, self.split) if by is None else by_partition_layout(by, self.n)
 
     def index(self):
         """This replica's chunk (0 with one replica, where no collective over the data axes runs)."""
@@ -106,19 +231,36 @@ class Layout:
     def shards(self, shape, dtype) -> bool:
         return math.prod(shape) >= self.min_shard_size and jnp.issubdtype(dtype, jnp.inexact)
 
-    def _padded_rows(self, x) -> jax.Array:
+    def _padded_rows(self, x, by: ByPartition | None = None) -> jax.Array:
+        if by is not None:
+            return to_rows(x, self.n, by)
         flat = jnp.ravel(x)
         pad = self.padding(flat.size)
         return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(self.n, -1)
 
-    def slice(self, x) -> Sharded:
-        """A full value's chunk on this replica (no communication)."""
+    def slice(self, x, by: Any = _OWN) -> Sharded:
+        """A full value's chunk on this replica (no communication), chunked as ``by`` says (by
+        default as a sharded tensor of its shape is: :meth:`by`)."""
+        shape = tuple(np.shape(x))
+        by = self.by(shape) if by is _OWN else by
+        if by is not None:  # each model partition's piece of this replica's chunk, from its own slice
+            (piece,) = self.per_partition(
+                lambda xl: (lax.dynamic_index_in_dim(local_rows(xl, self.n, by), self.index(), 0, keepdims=False),),
+                [jnp.reshape(x, by.shape)],
+                [by.dim],
+                [0],
+                [1],
+            )
+            return Sharded(piece, shape, by)
         rows = self._padded_rows(x)
         index = self.index()
-        return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), tuple(np.shape(x)))
+        return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), shape, by)
 
     def valid(self, s: Sharded) -> jax.Array:
         """Mask of the shard's real (not padding) elements."""
         length = s.shard.shape[0]
+        if s.by is not None:  # k pieces of c, piece m the replica's run of partition m's slice
+            c = length // s.by.k
+            return self.index() * c + lax.iota(jnp.int32, length) % c < s.by.size // s.by.k
         start = self.index() * length
         return start + lax.iota(jnp.int32, length) < s.size

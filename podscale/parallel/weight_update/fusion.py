@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from podscale._jax import all_gather_invariant
 from podscale.parallel.collectives import Collective
-from podscale.parallel.weight_update.chunks import Layout, Sharded, unpadded
+from podscale.parallel.weight_update.chunks import Layout, Sharded, local_rows, local_unrows, unpadded
 from podscale.perf.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 
 
@@ -74,32 +75,77 @@ def _fused_flat(values: list, collective) -> list:
     return [piece.reshape(v.shape) for piece, v in zip(pieces, values, strict=True)]
 
 
-def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
+def _fuse_reduce_scatter(layout: Layout, values: list, trace: Trace, by: list | None = None) -> list:
     """Large tensors go alone (their padded rows are a free reshape, no copy into a buffer);
     the others are concatenated into one buffer."""
+    by = by or [None] * len(values)
     alone = [i for i, v in enumerate(values) if layout.alone(v.size * v.dtype.itemsize)]
     fused = [i for i in range(len(values)) if i not in alone]
     out: list = [None] * len(values)
     for group in [[i] for i in alone] + ([fused] if fused else []):
-        for i, r in zip(group, _reduce_scatter(layout, [values[i] for i in group], trace), strict=True):
+        results = _reduce_scatter(layout, [values[i] for i in group], trace, [by[i] for i in group])
+        for i, r in zip(group, results, strict=True):
             out[i] = r
     return out
 
 
-def _reduce_scatter(layout: Layout, values: list, trace: Trace) -> list:
-    rows = [layout._padded_rows(v) for v in values]
+def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> list:
+    """``by``: each value's chunking, all per model partition or all flat."""
+    phases: list[Collective] = []
+    if by[0] is not None and layout.scatter:
+        return _reduce_scatter_by_partition(layout, values, trace, by, phases)
+    if layout.scatter and layout.model_axis is not None:
+        return _reduce_scatter_flat(layout, values, trace, phases)
+    rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
     buffer = _pack(rows)
-    phases: list[Collective] = []
     if not layout.scatter:
         # The replicated update all-reduces the very same buffer, so that every element is summed
         # as in the sharded update (XLA:CPU's summation order depends on the buffer's layout).
         total = layout.grad_sum.all_reduce(buffer, phases)
         _record(trace, phases, len(values), "gradient sum", update=True)
-        return [unpadded(piece, v.shape) for piece, v in zip(_unpack(total, widths), values, strict=True)]
+        pieces = _unpack(total, widths)
+        return [unpadded(piece, v.shape, b) for piece, v, b in zip(pieces, values, by, strict=True)]
     local = layout.grad_sum.reduce_scatter(buffer, phases)
     _record(trace, phases, len(values), "gradient sum", update=True)
-    return [Sharded(piece, tuple(v.shape)) for piece, v in zip(_unpack(local, widths), values, strict=True)]
+    pieces = _unpack(local, widths)
+    return [Sharded(piece, tuple(v.shape), b) for piece, v, b in zip(pieces, values, by, strict=True)]
+
+
+def _reduce_scatter_flat(layout: Layout, values: list, trace: Trace, phases: list) -> list:
+    """The reduce-scatter of flat chunks with a model axis (gradients of weights it does not
+    split): a chunk's ``k`` pieces lie on the model axis's partitions, so each partition sums only
+    its columns of the rows, cut from the gradient every partition holds whole (left to XLA, the
+    fused buffer was split over the model axis with all-to-alls)."""
+
+    k = layout.model_split
+
+    def scatter(*full):
+        rows = [layout._padded_rows(v) for v in full]
+        m = lax.axis_index(layout.model_axis)
+        cols = [lax.dynamic_slice_in_dim(r, m * (r.shape[1] // k), r.shape[1] // k, axis=1) for r in rows]
+        local = layout.grad_sum.reduce_scatter(_pack(cols), phases)
+        return tuple(_unpack(local, [c.shape[1] for c in cols]))
+
+    pieces = layout.per_partition(scatter, values, [None] * len(values), [0] * len(values), [1] * len(values))
+    _record(trace, phases, len(values), "gradient sum", update=True)
+    return [Sharded(piece, tuple(v.shape)) for piece, v in zip(pieces, values, strict=True)]
+
+
+def _reduce_scatter_by_partition(layout: Layout, values: list, trace: Trace, by: list, phases: list) -> list:
+    """The reduce-scatter of gradients chunked per model partition, each partition on its own
+    slices (:meth:`Layout.per_partition`): its pieces of every chunk, ``[n, c]`` a tensor, in one
+    buffer, reduce-scattered over the data axes; out come this replica's chunks, ``k * c`` each."""
+
+    def scatter(*slices):
+        rows = [local_rows(x, layout.n, b) for x, b in zip(slices, by, strict=True)]
+        local = layout.grad_sum.reduce_scatter(_pack(rows), phases)
+        return tuple(_unpack(local, [r.shape[1] for r in rows]))
+
+    args = [jnp.reshape(v, b.shape) for v, b in zip(values, by, strict=True)]
+    pieces = layout.per_partition(scatter, args, [b.dim for b in by], [0] * len(by), [1] * len(by))
+    _record(trace, phases, len(values), "gradient sum", update=True)
+    return [Sharded(piece, tuple(v.shape), b) for piece, v, b in zip(pieces, values, by, strict=True)]
 
 
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
@@ -120,9 +166,9 @@ def gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update
 
 def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, update: bool) -> list:
     out: list = [None] * len(shards)
-    by_dtype: dict[Any, list[int]] = {}
+    by_dtype: dict[Any, list[int]] = {}  # per dtype and chunking (per model partition or flat)
     for i, s in enumerate(shards):
-        by_dtype.setdefault(s.shard.dtype, []).append(i)
+        by_dtype.setdefault((s.shard.dtype, _k(s.by)), []).append(i)
 
     def full_bytes(i):
         return shards[i].size * shards[i].shard.dtype.itemsize
@@ -134,11 +180,57 @@ def _gather(layout: Layout, shards: list[Sharded], trace: Trace, why: str, updat
     for members in buckets:
         parts = [shards[i].shard for i in members]
         phases: list[Collective] = []
+        if _k(shards[members[0]].by) > 1:  # each model partition gathers its pieces into its slices
+            bys = [shards[i].by for i in members]
+
+            def gather_slices(*pieces, bys=bys, phases=phases):
+                full = layout.grad_sum.all_gather(_pack(list(pieces)), phases)  # [n, its pieces]
+                widths = [p.shape[0] for p in pieces]
+                return tuple(local_unrows(r, b) for r, b in zip(_unpack(full, widths), bys, strict=True))
+
+            dims, ranks = [b.dim for b in bys], [len(b.shape) for b in bys]
+            whole = layout.per_partition(gather_slices, parts, [0] * len(parts), dims, ranks)
+            _record(trace, phases, len(members), why, update)
+            for i, w in zip(members, whole, strict=True):
+                out[i] = w.reshape(shards[i].shape)
+            continue
+        if layout.model_axis is not None:  # flat chunks split over the model axis: gathered over it too
+            shapes = [shards[i].shape for i in members]
+            whole = layout.per_partition(
+                lambda *pieces, shapes=shapes, phases=phases: _gather_flat(layout, list(pieces), shapes, phases),
+                parts,
+                [0] * len(parts),
+                [None] * len(parts),
+                [len(shape) for shape in shapes],
+            )
+            _record(trace, phases, len(members), why, update)
+            for i, w in zip(members, whole, strict=True):
+                out[i] = w
+            continue
         full = layout.grad_sum.all_gather(_pack(parts), phases)  # [n, local]
         _record(trace, phases, len(members), why, update)
         for i, piece in zip(members, _unpack(full, [p.shape[0] for p in parts]), strict=True):
-            out[i] = unpadded(piece, shards[i].shape)
+            out[i] = unpadded(piece, shards[i].shape, shards[i].by)
     return out
+
+
+def _gather_flat(layout: Layout, pieces: list, shapes: list, phases: list) -> tuple:
+    """On each model partition (manual over the model axis): its pieces of flat chunks gathered
+    over the data axes, then the partitions' over the model axis, into whole values (left to XLA,
+    the unpacked pieces were moved between the partitions with collective-permutes)."""
+    full = layout.grad_sum.all_gather(_pack(pieces), phases)  # [n, its pieces]
+    phases.append(Collective("all-gather", (layout.model_axis,), full.size * full.dtype.itemsize, chunks=1))
+    every = all_gather_invariant(full, layout.model_axis, axis=0, tiled=False)  # [k, n, its pieces]
+    out = []
+    for piece, shape in zip(_unpack(every, [p.shape[0] for p in pieces]), shapes, strict=True):
+        rows = jnp.swapaxes(piece, 0, 1).reshape(layout.n, -1)  # [n, k * piece]: chunk r's k pieces in order
+        out.append(unpadded(rows, shape))
+    return tuple(out)
+
+
+def _k(by) -> int:
+    """The model partitions a chunking lays a chunk out over (1: flat)."""
+    return 1 if by is None else by.k
 
 
 class _Pending:
@@ -151,6 +243,7 @@ class _Pending:
     def __init__(self, fuser: _Fuser, value, shard: bool, kind: str = "grad"):
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
+        self.by = None  # a sharded gradient's chunking (per model partition, or flat)
 
     def get(self):
         if self.result is None:
@@ -172,11 +265,13 @@ class _Fuser:
             shard = False  # the replicated update sums a split weight's gradient as it is (see split_shapes)
         p = _Pending(self, value, shard, kind)
         p.scatter = scatter
+        p.by = self.layout.by(value.shape) if shard else None
         if kind == "grad":
             # A bucket that was already full goes now, while the backward pass continues. It waits
             # until the next gradient sum arrives, so that the shape-only ops following the last
             # one (a transpose, a reshape) have been moved before its collective.
-            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype) == (kind, p.shard, p.value.dtype)]
+            key = (kind, p.shard, p.value.dtype, _k(p.by))
+            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype, _k(q.by)) == key]
             if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
                 self.flush(same)
         self.pending.append(p)
@@ -198,12 +293,13 @@ class _Fuser:
         groups: dict[tuple, list[_Pending]] = {}
         for p in pending:
             alone = p.kind == "grad" and not p.shard and tuple(p.value.shape) in self.layout.split_shapes
-            groups.setdefault((p.kind, p.shard, p.value.dtype, p.scatter, id(p) if alone else None), []).append(p)
-        for (kind, shard, _, scatter, _), members in groups.items():
+            key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None)
+            groups.setdefault(key, []).append(p)
+        for (kind, shard, _, scatter, _, _), members in groups.items():
             values = [p.value for p in members]
             if kind == "grad" and shard:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
-                    results = _fuse_reduce_scatter(self.layout, values, self.trace)
+                    results = _fuse_reduce_scatter(self.layout, values, self.trace, [p.by for p in members])
             elif kind == "grad" and scatter:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
                     results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)", True)

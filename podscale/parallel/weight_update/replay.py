@@ -209,8 +209,9 @@ class Rewriter:
         name, p = eqn.primitive.name, eqn.params
         shards = [v for v in vals if isinstance(v, Sharded)]
         shape = shards[0].shape
+        by = shards[0].by  # how the chunks are laid out (per model partition, or flat)
         if name in ELEMENTWISE:
-            if any(s.shape != shape for s in shards):
+            if any(s.shape != shape or s.by != by for s in shards):
                 return None
             args = []
             for v in vals:
@@ -219,27 +220,28 @@ class Rewriter:
                 elif np.shape(v) == ():
                     args.append(v)
                 elif tuple(np.shape(v)) == shape:
-                    args.append(self.layout.slice(v).shard)
+                    args.append(self.layout.slice(v, by).shard)
                 else:
                     return None
             out = eqn.primitive.bind(*[self.varying(a) for a in args], **p)
             outs = out if eqn.primitive.multiple_results else [out]
-            return [Sharded(o, shape) for o in outs]
+            return [Sharded(o, shape, by) for o in outs]
         if name == "pvary" and len(vals) == 1 and set(p["axes"]) <= set(self.layout.axes):
-            return [Sharded(self.varying(vals[0].shard), vals[0].shape)]  # a shard varies already
+            return [Sharded(self.varying(vals[0].shard), vals[0].shape, by)]  # a shard varies already
         if name == "reshard" and len(vals) == 1:  # a sharding annotation; shards are manual already
             return [vals[0]]
+        # Shape-only ops keep the chunking of the shape the value was chunked in (``by``).
         if name == "reshape" and len(vals) == 1:
-            return [Sharded(vals[0].shard, tuple(p["new_sizes"]))]
+            return [Sharded(vals[0].shard, tuple(p["new_sizes"]), by)]
         if name == "broadcast_in_dim" and len(vals) == 1 and math.prod(p["shape"]) == vals[0].size:
-            return [Sharded(vals[0].shard, tuple(p["shape"]))]  # only inserts unit dimensions
+            return [Sharded(vals[0].shard, tuple(p["shape"]), by)]  # only inserts unit dimensions
         if name == "squeeze" and len(vals) == 1:
-            return [Sharded(vals[0].shard, tuple(d for i, d in enumerate(shape) if i not in p["dimensions"]))]
+            return [Sharded(vals[0].shard, tuple(d for i, d in enumerate(shape) if i not in p["dimensions"]), by)]
         if name in REDUCTIONS and len(vals) == 1 and tuple(sorted(p["axes"])) == tuple(range(len(shape))):
             kind, identity = REDUCTIONS[name]
             s = vals[0]
             local = s.shard
-            if self.layout.padding(s.size):
+            if self.layout.padding(s.size, s.by):
                 local = jnp.where(self.layout.valid(s), local, jnp.asarray(identity, local.dtype))
             partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
             return [self.fuser.add(partial, kind)]  # fused with the other partials when read
