@@ -14,6 +14,7 @@ from helpers import max_relative_diff
 
 from podscale import data_parallel, distributed_eval, make_mesh, sum_over_blocks
 from podscale.parallel.plan import make_plan
+from podscale.parallel.tensor import Rules
 from podscale.perf import hlo
 from podscale.workloads import rcnn
 
@@ -200,3 +201,45 @@ def test_the_evaluation_runs_the_region_by_hand_on_the_steps_placement():
     module = hlo.read(run.lower(dp.placement.stored_shapes(), batch).compile(), dp.mesh)
     sums = [c for c in module.collectives if "y" in c.axes and "pool" in c.op_name]
     assert [c.kind for c in sums] == ["all-reduce"] and sums[0].buffer_bytes == 8 * 5 * 3 * 3 * 4 * 8
+
+
+def _lookup(table, start, ids):
+    """The rows ``ids`` of a table whose block from row ``start`` is ``table``, zero elsewhere."""
+    local = ids - start
+    held = (local >= 0) & (local < table.shape[0])
+    return jnp.where(held[..., None], table[jnp.clip(local, 0, table.shape[0] - 1)], 0.0)
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_a_region_over_the_model_axis_looks_up_a_split_table_by_hand(weight_update):
+    """An embedding table split by rows over the model axis (a sharding rule), looked up by a
+    region over the model axis: each partition gathers the ids it holds (masked), one sum of the
+    looked-up rows crosses the axis; the gradient stays with each partition's rows."""
+    rng = np.random.default_rng(2)
+    params = {"table": rng.normal(size=(64, 8)), "w": rng.normal(size=(8,))}
+    tx = optax.adam(0.05)
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss(p):
+            rows = sum_over_blocks(_lookup, p["table"], batch["ids"], dim=0, name="embed", over="model")
+            return jnp.mean(jnp.square(rows.sum(1) @ p["w"] - batch["y"]))
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": value}
+
+    batches = [{"ids": rng.integers(0, 64, (16, 3)), "y": rng.normal(size=(16,))} for _ in range(STEPS)]
+    state = (params, tx.init(params))
+    want = _one_device(step, state, batches)
+    rules = Rules(((r"table$", 0), (r"w$", None)), name="the table rows")
+    dp = data_parallel(
+        step, make_mesh((2, 4)), model_parallel=4, rules=rules, weight_update=weight_update, min_shard_size=8
+    )
+    placed = dp.place_state(state, batches[0])
+    for batch in batches:
+        placed, _ = dp(placed, batch)
+    assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
+    (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions
+    assert row["by_hand"] and (row["axis"], row["partitions"]) == ("y", 4), row.get("why")

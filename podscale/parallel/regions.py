@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel.partition.jaxprs import _vma
+from podscale.parallel._interpret import varying_axes
 
 ROLES = ("space", "model")
 _PREFIX = "podscale_region_"
@@ -186,6 +186,10 @@ def _vjp_leaves(region: Region, f: Callable, leaves, g) -> list:
 
     outs, vjp = jax.vjp(on, [leaves[i] for i in dif])
     return list(vjp([_vary_as(gi, o) for gi, o in zip(g, outs, strict=True)])[0])
+
+
+def _vma(x) -> frozenset:
+    return varying_axes(jax.typeof(x))
 
 
 def _vary_over(x, axes: frozenset):
