@@ -19,6 +19,7 @@ _PUBLIC = {
     "distributed_eval": "podscale.train.evaluate",
     "make_mesh": "podscale.parallel.mesh",
     "sum_over_blocks": "podscale.parallel.regions",
+    "verify": "podscale.verification",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""podscale's command line, ``podscale train | launch | plan | models | bench | project``: here the
+"""podscale's command line, ``podscale train | launch | plan | models | bench | project | verify``: here the
 command line is read and dispatched (:func:`main`, the console script), with one error path.
 
 Each idea has a module: :mod:`~podscale.cli.flags` (the parsers), :mod:`~podscale.cli.messages`
@@ -25,6 +25,7 @@ from podscale.cli.flags import (
     _plan_parser,
     _project_parser,
     _train_parser,
+    _verify_parser,
     parse_shape,
 )
 from podscale.cli.messages import _JSON_OUT, _as_flags, _refusals, _show_warning
@@ -33,6 +34,7 @@ from podscale.cli.plan import _run_plan
 from podscale.cli.processes import _dry_run_launch, _run_supervised, _supervise_before_jax
 from podscale.cli.project import _run_project
 from podscale.cli.train import _run_train
+from podscale.cli.verify import _run_verify
 from podscale.train import distributed, supervise
 from podscale.train.interrupt import Interrupted
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         _bench_parser(sub)
         _project_parser(sub)
         _models_parser(sub)
+        _verify_parser(sub)
     _launch_parser(sub)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():
@@ -78,6 +81,8 @@ def _dispatch(args, argv) -> int:  # noqa: C901
             return _run_plan(args)
         if args.command == "project":
             return _run_project(args)
+        if args.command == "verify":
+            return _run_verify(args)
         supervised = None if args.dry_run else _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
         if supervised is not None:
             return supervised

@@ -190,6 +190,29 @@ def _plan_parser(sub) -> None:
     add_flags(p, Strategy(weight_update="sharded"))
 
 
+def _verify_parser(sub) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="run a model's step under every strategy the mesh allows and compare it with one device, "
+        "against the noise floor of the batch's rows permuted (exit code 1 beyond it)",
+    )
+    add_model_flags(p)
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (default 64; workloads: per-core x devices)"
+    )
+    p.add_argument("--steps", type=int, default=3, help="steps compared, each after the last")
+    p.add_argument(
+        "--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)"
+    )
+    p.add_argument("--replicas", type=int, default=None, help="CPU devices to simulate (default 8 on CPU)")
+    p.add_argument(
+        "--strategies", default=None, help="comma-separated names of the strategies to check (default: every one)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+
+
 def _project_parser(sub) -> None:
     from podscale.parallel.strategy import Strategy, add_flags
 

@@ -52,6 +52,12 @@ MAX_CHUNKS = 64
 pays the links' latency, and each is traced and compiled; paper 1 pipelines a few per buffer."""
 """Pipelined chunks per fused buffer with ``grad_sum="2d"`` (``"1d"`` sends each buffer whole)."""
 
+_TEST_ONLY_DIVIDE: dict[str, int] = {}
+"""TEST ONLY: a deliberately broken sum, for the tests that show :func:`podscale.verify` catches
+one. ``{"2d": 2}`` divides every gradient sum of the ``"2d"`` mode by 2 after the collective (a
+gradient divided by a wrong replica count). Read when a step is traced; empty, as it must stay
+outside tests, it changes nothing."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GradSum:
@@ -79,7 +85,7 @@ class GradSum:
         x = self._to_sum_dtype(x)
         if self.mode == "1d":
             phases.append(Collective("all-reduce", self.order, _nbytes(x), chunks=1))
-            return lax.psum(x, self.order).astype(dtype).reshape(shape)
+            return self._broken(lax.psum(x, self.order)).astype(dtype).reshape(shape)
         if x.size == 0:
             return x.astype(dtype)
         first, second = self.order
@@ -99,7 +105,7 @@ class GradSum:
             Collective("all-reduce", (second,), nbytes // nx, chunks=len(outs)),
             Collective("all-gather", (first,), nbytes // nx, chunks=len(outs)),
         ]
-        return total.reshape(-1)[: math.prod(shape)].astype(dtype).reshape(shape)
+        return self._broken(total.reshape(-1)[: math.prod(shape)]).astype(dtype).reshape(shape)
 
     def reduce_scatter(self, rows, phases: list[Collective]) -> jax.Array:
         """``rows``: ``[n, m]``; returns this replica's row of the sum, ``[m]``."""
@@ -109,7 +115,7 @@ class GradSum:
         rows = self._to_sum_dtype(rows)
         if self.mode == "1d":
             phases.append(Collective("reduce-scatter", self.order, _nbytes(rows), chunks=1))
-            return lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0].astype(dtype)
+            return self._broken(lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0]).astype(dtype)
         if rows.shape[1] == 0:
             return rows[0].astype(dtype)
         first, second = self.order
@@ -126,7 +132,7 @@ class GradSum:
             Collective("reduce-scatter", (first,), nbytes, chunks=len(outs)),
             Collective("reduce-scatter", (second,), nbytes // nx, chunks=len(outs)),
         ]
-        return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]).astype(dtype)
+        return self._broken(jnp.concatenate(outs) if len(outs) > 1 else outs[0]).astype(dtype)
 
     def all_gather(self, shard, phases: list[Collective]) -> jax.Array:
         """``shard``: ``[m]``, this replica's row; returns all rows, ``[n, m]`` (never in the
@@ -152,6 +158,11 @@ class GradSum:
         return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
     # -- helpers ----------------------------------------------------------------------------
+    def _broken(self, total):
+        """``total`` divided by the test hook's wrong count (:data:`_TEST_ONLY_DIVIDE`; none outside tests)."""
+        wrong = _TEST_ONLY_DIVIDE.get(self.mode)
+        return total if wrong is None else total / wrong
+
     def _to_sum_dtype(self, x):
         return x.astype(self.dtype) if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
 
