@@ -305,7 +305,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resume_is_bit_identica
 def _step_records(workdir) -> list[dict]:
     """A run's per-step lines of ``metrics.jsonl`` (not its evaluations)."""
     with open(workdir / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if "eval" not in r]
+        return [r for r in map(json.loads, f) if "examples" in r]
 
 
 def test_launch_needs_a_command():

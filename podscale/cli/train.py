@@ -71,6 +71,9 @@ def _run_train(args) -> int:
                 + ")",
                 file=sys.stderr,
             )
+        from podscale.train.goodput import lines
+
+        print("\n".join(lines(summary["goodput"])), file=sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(summary), file=out, flush=True)
         else:

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from podscale._jax import jax_distributed
 from podscale.report import Ticker, heartbeat
+from podscale.train import goodput
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, TrainConfig, make_output_folders, mllog_path
 from podscale.train.data import Loader, data_position, padded_eval_batches
@@ -157,6 +158,8 @@ def _train(
 
     block_start(start)
     metrics_path = _metrics_path(config)
+    clock = goodput.Clock(run_start)
+    redone = goodput.redone_steps(metrics_path, start) if resumed_from is not None else 0
     log = open(metrics_path, "a") if (lead and metrics_path) else None  # noqa: SIM115
 
     def record(entry):
@@ -188,11 +191,14 @@ def _train(
         with progress:
             bar = progress.add_task("train", total=config.steps, completed=start, loss="-", eps="-")
             pending = None
-            for step, batch in loader:
+            loop_from = time.perf_counter()
+            clock.add("startup", loop_from - run_start)
+            for step, batch in clock.waiting(loader):
                 if step >= config.steps:
                     break
                 if step == start:
                     ticker(f"compiling and running step {start + 1} of {config.steps}", force=True)
+                    first_from, first_batch = time.perf_counter(), goodput.shapes_of(batch)
                 with heartbeat(ticker if step == start else None, "still compiling the first step", 10.0):
                     state, metrics = dp(state, batch)
                 if pending is not None:  # read the previous step's metrics while this one runs
@@ -201,6 +207,7 @@ def _train(
                 if step == start:
                     jax.block_until_ready(state)  # the first step compiles; time from its end
                     timed_from = time.perf_counter()
+                    clock.add("compilation", timed_from - first_from)
                 else:
                     timed_steps += 1
                 done = step + 1
@@ -221,8 +228,10 @@ def _train(
                 if ckpt and done % ckpt.every == 0:
                     last_loss = _log_step(pending, record, batch_size, ckpt)  # this step's loss, before saving it
                     pending = None
-                    _save(ckpt, done, state, checkpointed.save_form, metadata=position(done))
+                    with clock.part("checkpointing"):
+                        _save(ckpt, done, state, checkpointed.save_form, metadata=position(done))
                 reached = False
+                evaluated_from = time.perf_counter()
                 if evaluating:
                     first = block_first[0]
                     mlog.end(
@@ -250,6 +259,7 @@ def _train(
                         summary["target_step"] = done
                     elif done < config.steps:
                         block_start(done)
+                    clock.add("evaluation", time.perf_counter() - evaluated_from)
                 excluded += time.perf_counter() - aside
                 if reached:
                     break
@@ -266,6 +276,7 @@ def _train(
                 last_loss = _log_step(pending, record, batch_size, ckpt)
             jax.block_until_ready(state)
             timed_until = time.perf_counter()
+            clock.loop_ended(timed_until - loop_from)
     finally:
         loader.close()
         if log:
@@ -283,11 +294,22 @@ def _train(
     if reached:
         summary["time_to_target_s"] = time_to_target(parse(mlog.lines), accuracy(targets))["seconds"]
     if ckpt:
-        _save(ckpt, final_step, state, checkpointed.save_form, force=True, metadata=position(final_step))
-        ckpt.close()
+        with clock.part("checkpointing"):
+            _save(ckpt, final_step, state, checkpointed.save_form, force=True, metadata=position(final_step))
+            ckpt.close()
     elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
         np.savez(config.export, **_flat_params(dp.gather_state(state).params))
+    step_s = elapsed / timed_steps if timed_steps and elapsed > 0 else None
+    device_kind = jax.devices()[0].device_kind
+    flops = None
+    if goodput.system_of(device_kind) is not None:  # a peak to compare with: the compiled step's FLOPs
+        with clock.part("compilation"):
+            flops = goodput.step_flops(dp, first_batch)
+    summary["goodput"] = clock.summary(redone, timed_steps, step_s, goodput.mfu(flops, step_s, device_kind))
+    if lead and metrics_path:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
     summary.update(
         steps=final_step,
         final_train_loss=last_loss,

@@ -1,0 +1,73 @@
+"""Goodput and MFU of a run: the parts of its wall time (in the summary, printed, in metrics.jsonl),
+the steps a resumed run redoes, and MFU only where the device's peak is known."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from podscale.train import goodput
+
+PODSCALE = [sys.executable, "-m", "podscale.cli"]
+
+
+def test_redone_steps_are_those_logged_past_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "examples": [0, 1], "loss": 1.0} for s in range(1, 8)]
+    lines += [{"step": 5, "eval": {"accuracy": 0.5}}, {"goodput": {"wall_s": 1.0}}]
+    path.write_text("\n".join(map(json.dumps, lines)) + '\n{"step": 9, "exa')  # a line cut short by a kill
+    assert goodput.redone_steps(str(path), 5) == 2
+    assert goodput.redone_steps(str(path), 7) == 0
+    assert goodput.redone_steps(str(tmp_path / "none.jsonl"), 5) == 0
+
+
+def test_mfu_only_where_the_peak_is_known():
+    cpu = goodput.mfu(1e9, 0.01, "cpu")
+    assert cpu["mfu"] is None and "no peak FLOP/s is known for device kind 'cpu'" in cpu["mfu_note"]
+    v4 = goodput.mfu(275e12 * 0.01 * 0.5, 0.01, "TPU v4")
+    assert v4["mfu"] == pytest.approx(0.5) and "tpu-v4" in v4["mfu_note"]
+    assert goodput.system_of("NVIDIA H100 80GB HBM3").name == "h100"
+    assert goodput.system_of("TPU v5 lite").name == "tpu-v5e"
+    assert goodput.system_of("TPU v3").device_peak("bf16") == pytest.approx(123e12 / 2)  # 2 devices per chip
+
+
+def test_step_flops_are_read_from_the_compiled_module():
+    import podscale
+    from podscale.train.tasks import make_optimizer, make_task, make_train_step
+
+    task = make_task("mlp")
+    tx = make_optimizer("sgd", 0.1)
+    batch = task.example_batch(16)
+    state = task.init_state(jax.random.key(0), tx, batch)
+    dp = podscale.data_parallel(make_train_step(task, tx), podscale.make_mesh(8))
+    dp.prepare(state, batch)
+    flops = goodput.step_flops(dp, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    assert 2 * params * 2 <= flops <= 20 * params * 2  # forward and backward of 2 rows per device, roughly
+
+
+@pytest.mark.slow
+def test_a_run_splits_its_wall_time_and_says_no_peak_is_known_on_cpu(tmp_path):
+    args = ["train", "--model", "mlp", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3"]
+    proc = subprocess.run(
+        [*PODSCALE, *args, "--workdir", str(tmp_path), "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])["goodput"]
+    parts = record["seconds"]
+    assert set(parts) == set(goodput.PARTS)
+    assert all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(record["wall_s"], rel=1e-6)
+    assert parts["compilation"] > 0 and parts["checkpointing"] > 0 and parts["evaluation"] > 0
+    assert record["goodput"] == pytest.approx(parts["training"] / record["wall_s"])
+    assert record["mfu"] is None and "no peak" in record["mfu_note"]
+    assert "goodput " in proc.stderr and "MFU: no peak FLOP/s is known" in proc.stderr  # --json: the lines on stderr
+    with open(tmp_path / "metrics.jsonl") as f:
+        last = json.loads(f.readlines()[-1])
+    assert last["goodput"]["seconds"] == parts
