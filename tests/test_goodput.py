@@ -71,3 +71,31 @@ def test_a_run_splits_its_wall_time_and_says_no_peak_is_known_on_cpu(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         last = json.loads(f.readlines()[-1])
     assert last["goodput"]["seconds"] == parts
+
+
+@pytest.mark.slow
+def test_workdir_holds_tensorboard_events_that_read_back(tmp_path):
+    """Loss, learning rate, examples/s, evaluations and goodput, read back from the event files."""
+    from podscale.train import board
+
+    args = ["train", "--model", "mlp", "--steps", "4", "--eval-every", "2", "--learning-rate", "0.01"]
+    proc = subprocess.run(
+        [*PODSCALE, *args, "--workdir", str(tmp_path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    scalars = board.read(str(tmp_path / "tensorboard"))
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    losses = [(r["step"], r["loss"]) for r in records if "examples" in r]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([v for _, v in losses], rel=1e-6)
+    assert scalars["train/learning_rate"] == [(s, pytest.approx(0.01)) for s in (1, 2, 3, 4)]
+    assert [s for s, _ in scalars["eval/accuracy"]] == [2, 4]
+    assert len(scalars["train/examples_per_s"]) == 3 and all(v > 0 for _, v in scalars["train/examples_per_s"])
+    last = records[-1]["goodput"]
+    assert scalars["goodput/fraction"] == [(4, pytest.approx(last["goodput"], rel=1e-6))]
+    assert scalars["goodput/checkpointing_s"][0][1] == pytest.approx(last["seconds"]["checkpointing"], rel=1e-6)

@@ -102,14 +102,17 @@ def test_a_run_refused_during_init_writes_no_log(tmp_path):
 def _checker(log, cwd):
     """mlperf-logging's own compliance checker on ``log``, with the ruleset the log's division and
     benchmark select (v0.7.0 is the newest that has all four of podscale's MLPerf benchmarks)."""
+    import os
     import subprocess
     import sys
 
+    output = os.path.join(cwd, "compliance_checker.log")  # its own log: in the test's folder, never the working one
     return subprocess.run(
-        [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "0.7.0", log],
+        [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "0.7.0"]
+        + ["--log_output", output, log],
         capture_output=True,
         text=True,
-        cwd=cwd,  # it writes compliance_checker.log where it runs
+        cwd=cwd,
         timeout=120,
     )
 

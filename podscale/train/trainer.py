@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from podscale._jax import jax_distributed
 from podscale.report import Ticker, heartbeat
 from podscale.train import goodput
+from podscale.train.board import Board
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, TrainConfig, make_output_folders, mllog_path
 from podscale.train.data import Loader, data_position, padded_eval_batches
@@ -161,8 +162,14 @@ def _train(
     clock = goodput.Clock(run_start)
     redone = goodput.redone_steps(metrics_path, start) if resumed_from is not None else 0
     log = open(metrics_path, "a") if (lead and metrics_path) else None  # noqa: SIM115
+    resolved = resolved_run_config(config, task)
+    board = Board(
+        Board.at(config.workdir) if lead else None, resolved["learning_rate"], resolved["optimizer"] != "recipe"
+    )
+    closing.append(board.close)
 
     def record(entry):
+        board.record(entry)
         if log:
             log.write(json.dumps(entry) + "\n")
             log.flush()
@@ -217,6 +224,8 @@ def _train(
                 )
                 shown = f", loss {last_loss:.4f}" if last_loss is not None else ""
                 rate = f", {eps:,.0f} examples/s" if timed_steps else ""
+                if timed_steps:
+                    board.scalar("train/examples_per_s", eps, done)
                 ticker(f"step {done} of {config.steps}{shown}{rate}", force=done == start + 1)
                 aside = time.perf_counter()
                 evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
@@ -307,6 +316,8 @@ def _train(
         with clock.part("compilation"):
             flops = goodput.step_flops(dp, first_batch)
     summary["goodput"] = clock.summary(redone, timed_steps, step_s, goodput.mfu(flops, step_s, device_kind))
+    board.goodput(summary["goodput"], final_step)
+    board.close()
     if lead and metrics_path:
         with open(metrics_path, "a") as f:
             f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
