@@ -146,7 +146,7 @@ def _named(fn: Callable, name: str) -> Callable:
 
 def _call(region: Region, key: int) -> Callable:
     """The region as a ``custom_vjp`` whose forward and backward are named ``jit`` calls, which the
-    partitioner finds in the traced step (:func:`replay`)."""
+    partitioner finds in the traced step (``partition.control._region``)."""
     forward = _named(lambda *v: jax.tree.leaves(_whole(region, v)), f"{_PREFIX}{key}_fwd")
 
     def backward_whole(*v):
@@ -173,7 +173,6 @@ def _call(region: Region, key: int) -> Callable:
 def _vjp_leaves(region: Region, f: Callable, leaves, g) -> list:
     """The cotangents of ``f``'s differentiable input leaves, given its output leaves' ``g``."""
     dif = [i for i, d in enumerate(region.differentiable) if d]
-
     g = list(g)
 
     def on(floats):
@@ -199,8 +198,7 @@ def _vary_over(x, axes: frozenset):
 
 def _vary_as(x, like):
     """``x`` typed as varying over every axis ``like`` varies over, too."""
-    missing = tuple(sorted(_vma(like) - _vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return _vary_over(x, _vma(like))
 
 
 # -- the partitioner's side ---------------------------------------------------------------------
