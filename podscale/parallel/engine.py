@@ -291,7 +291,7 @@ class DataParallelStep:
             rows,
             independent_rng=self.strategy.rng == "independent",
             platform=self.mesh.devices.flat[0].platform,
-            conv_axes=self.partitions if len(self.partitions) > 1 else (),
+            conv_axes=self.partitions if len(self.partitions) > 1 else ((self.space,) if self.space else ()),
         )
 
         def local(state_leaves, batch_leaves):

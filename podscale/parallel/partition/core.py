@@ -349,7 +349,17 @@ class Partitioner:
         if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
             vals = [self.vary(v) for v in vals]
         conv = eqn.primitive.name == "conv_general_dilated" and self.conv_axes
-        if conv:
+        if conv and len(self.conv_axes) == 1:
+            # One axis (the space axis alone): only a convolution over the batch's rows (a layer or
+            # its input gradient, batch dimension first) is split, its input and result by height.
+            # The kernel stays whole, and a kernel gradient (batch and features swapped) is left
+            # to XLA, which sums the partitions' shares: split over its window, a kernel would be
+            # gathered again for every convolution.
+            dn = params["dimension_numbers"]
+            conv = dn.lhs_spec[0] == 0 and dn.out_spec[0] == 0
+            if conv:
+                vals = [split_spatially(eqn, vals[0], dn.lhs_spec, self.conv_axes), *vals[1:]]
+        elif conv:
             dn = params["dimension_numbers"]
             lhs, rhs = (split_spatially(eqn, v, spec, self.conv_axes) for v, spec in zip(vals, dn[:2], strict=False))
             vals = [lhs, rhs, *vals[2:]]
