@@ -292,6 +292,7 @@ class DataParallelStep:
             independent_rng=self.strategy.rng == "independent",
             platform=self.mesh.devices.flat[0].platform,
             conv_axes=self.partitions if len(self.partitions) > 1 else ((self.space,) if self.space else ()),
+            conv_size=self.mesh.shape[self.space] if self.space else 1,
         )
 
         def local(state_leaves, batch_leaves):
