@@ -595,3 +595,37 @@ def test_validate_refuses_bad_steps_and_workloads_before_measuring():
     ):
         with pytest.raises(ValueError, match=message):
             validate.validate(progress=False, **kw)
+
+
+def test_halo_and_model_axis_bytes_are_the_partition_axis_collectives():
+    """A projected row's halo bytes are the collective-permutes over the space or model axis (the
+    mesh's last), its model-axis bytes the other collectives over that axis (alone, with a data
+    axis, or in groups within a replica that follow no axis); the data axes' sums count in
+    neither. The table shows both columns for a partitioned row."""
+    import io
+
+    from rich.console import Console
+
+    collectives = [
+        {"kind": "collective-permute", "axes": ["y"], "group_size": 4, "buffer_bytes": 3e6},
+        {"kind": "all-reduce", "axes": ["y"], "group_size": 4, "buffer_bytes": 2e6},
+        {"kind": "all-reduce", "axes": ["x", "y"], "group_size": 8, "buffer_bytes": 5e6},
+        {"kind": "all-gather", "axes": [], "group_size": 2, "buffer_bytes": 7e6},
+        {"kind": "all-reduce", "axes": ["x"], "group_size": 2, "buffer_bytes": 11e6},
+        {"kind": "all-gather", "axes": [], "group_size": 8, "buffer_bytes": 13e6},
+    ]
+    assert project_rows.partition_bytes(collectives, {"x": 2, "y": 4}, 4) == (3e6, 2e6 + 5e6 + 7e6)
+    assert project_rows.partition_bytes(collectives, {"data": 8}, 1) == (None, None)
+    figures = dict(
+        chips=4, strategy="replicated", devices=8, topology="t", mesh={"x": 2, "y": 4}, global_batch=8,
+        replica_batch=4, compute_s=0.01, update_s=0.0, communication_s=0.0, exposed_s=0.0, hidden_s=0.0,
+        step_s=0.01, examples_per_s=800.0, mfu=0.1, memory_per_chip=1.0, hbm_per_chip=2.0, fits=True,
+    )  # fmt: skip
+    row = project_rows.Row(**figures, halo_bytes=3e6, model_axis_bytes=14e6)
+    out = io.StringIO()
+    project_rows.render([row], systems.get("tpu-v3"), "m", Console(file=out, width=300))
+    text = out.getvalue()
+    assert "halo MB" in text and "model-axis MB" in text and "3.00" in text and "14.00" in text
+    out = io.StringIO()
+    project_rows.render([project_rows.Row(**figures)], systems.get("tpu-v3"), "m", Console(file=out, width=300))
+    assert "halo MB" not in out.getvalue()

@@ -291,7 +291,8 @@ class DataParallelStep:
             rows,
             independent_rng=self.strategy.rng == "independent",
             platform=self.mesh.devices.flat[0].platform,
-            conv_axes=self.partitions if len(self.partitions) > 1 else (),
+            conv_axes=self.partitions if len(self.partitions) > 1 else ((self.space,) if self.space else ()),
+            conv_size=self.mesh.shape[self.space] if self.space else 1,
             region_axes={
                 role: (axis, self.mesh.shape[axis])
                 for role, axis in (("space", self.space), ("model", self.model))

@@ -5,7 +5,10 @@ partitioner stays manual over the data axes (the batch's rows, partial sums, the
 the space axis is left to XLA (``shard_map(..., axis_names=data axes)``): the images enter
 sharded along their height, and XLA's convolution and windowed-reduction handlers keep that
 sharding, exchanging the halo rows each window needs with the neighbouring partitions
-(collective-permutes), so no device holds a whole activation. A layer whose height the space
+(collective-permutes), so no device holds a whole activation. Up to 4 partitions podscale also
+constrains each image convolution's input and result to that split
+(``partition.core.Partitioner.bind``): XLA's propagation alone ran layers whose height the axis
+does not divide (SSD300's 38 rows over 4) on half the partitions. A layer whose height the space
 axis does not divide stays exact (XLA pads or regroups it); the plan lists those layers. Weights stay replicated over the
 space axis; their gradients are summed over it by XLA, and over the data axes by podscale.
 Batch norm's mean over height and width is a sum over the partitions too, so it equals batch

@@ -40,6 +40,13 @@ class Row:
     collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Per (kind, axes, update or model): runs, buffer bytes, seconds per step, the path."""
     flops_per_device: float | None = None
+    halo_bytes: float | None = None
+    """Bytes each device sends per step in the halo exchanges: the collective-permutes over the
+    space or model axis (:func:`partition_bytes`); ``None`` without such an axis."""
+    model_axis_bytes: float | None = None
+    """Bytes each device contributes per step to the other collectives over the space or model
+    axis (batch-norm statistics, gathers of activations, tensor partitioning's all-reduces, the
+    weights' gradients summed over the axis); ``None`` without such an axis."""
     compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
     with a smaller first axis, scaled as :func:`~podscale.perf.project_cost.cost` says."""
@@ -101,6 +108,7 @@ class _Draft(dict):
             shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded)
             per_device -= shards * (1 - 1 / factor)
         memory = per_device * system.devices_per_chip
+        k = self["strategy"].spatial or self["strategy"].model_parallel or 1
         global_batch = self["replica_batch"] * self["replicas"]
         return Row(
             chips=topology.chips,
@@ -123,10 +131,37 @@ class _Draft(dict):
             fits=memory <= system.hbm_bytes,
             collectives=self["collectives"],
             flops_per_device=module.flops(),
+            **dict(zip(("halo_bytes", "model_axis_bytes"), partition_bytes(self["collectives"], self["target"], k))),
             compiled_mesh=self["compiled_shape"],
             compiler=self["compiler"],
             compile_s=self.get("compile_s"),
         )
+
+
+def partition_bytes(
+    collectives: list[dict[str, Any]], mesh: dict[str, int], k: int
+) -> tuple[float | None, float | None]:
+    """(halo bytes, model-axis bytes) per device per step of a projected row's ``collectives``
+    (:func:`~podscale.perf.project_cost.cost`'s rows, buffer bytes times runs) on ``mesh``, whose
+    last axis is the space or model axis of ``k`` devices: the collective-permutes over it, and
+    the other collectives over it (alone or with data axes). A collective whose groups follow no
+    mesh axis (XLA's groups within a replica, e.g. pairs of the 4 devices of an image split where
+    the height is uneven) counts as over it when its groups are no larger than a replica's ``k``
+    devices and divide them. ``(None, None)`` when ``k`` is 1."""
+    if k <= 1 or not mesh:
+        return None, None
+    axis = list(mesh)[-1]
+    halo = other = 0.0
+    for c in collectives:
+        axes = c["axes"]
+        inside = axis in axes or (not axes and c["group_size"] <= k and k % c["group_size"] == 0)
+        if not inside:
+            continue
+        if c["kind"] == "collective-permute":
+            halo += c["buffer_bytes"]
+        else:
+            other += c["buffer_bytes"]
+    return halo, other
 
 
 def _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module) -> _Draft:
@@ -162,7 +197,9 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     from podscale import report
 
     console = console or Console()
-    numbers = ("compute ms", "update ms", "comm ms (hidden)", "step ms", "examples/s", "MFU", "GiB/chip")
+    partitioned = any(r.halo_bytes is not None for r in rows)
+    moved = ("halo MB", "model-axis MB") if partitioned else ()
+    numbers = ("compute ms", "update ms", "comm ms (hidden)", *moved, "step ms", "examples/s", "MFU", "GiB/chip")
     table = report.table(
         "chips",
         "strategy",
@@ -184,6 +221,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             f"{r.compute_s * 1e3:.3f}",
             f"{r.update_s * 1e3:.3f}",
             f"{r.exposed_s * 1e3:.3f} ({r.hidden_s * 1e3:.3f})",
+            *([_mb(r.halo_bytes), _mb(r.model_axis_bytes)] if partitioned else []),
             f"{r.step_s * 1e3:.3f}",
             f"{r.examples_per_s:,.0f}",
             f"{r.mfu:.1%}",
@@ -208,12 +246,21 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             console.print(f"  {r.chips} chips, {r.strategy}: does not fit: {r.does_not_fit}", markup=False)
         elif r.compiled_mesh != r.mesh:
             console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
+    if partitioned:
+        console.print(
+            "halo MB, model-axis MB = per device per step, the collective-permutes over the space or model axis (the "
+            "halos), and its other collectives' buffers (batch-norm statistics, gathered activations, partial sums)"
+        )
     console.print(
         "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
         "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
         "backward pass). "
         "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
     )
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.2f}"
 
 
 def compiled_text(row: Row) -> str:

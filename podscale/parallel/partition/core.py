@@ -36,6 +36,11 @@ from podscale.parallel.partition.sums import (
     one_replica_sum,
 )
 
+MAX_SPLIT_CONV = 4
+"""With the space axis alone, the image convolutions are split by height explicitly (see
+:meth:`Partitioner.bind`) up to this many partitions: the sizes the suite holds exact (tiny SSD and
+ResNet-50 at 2 and 4, Mask R-CNN on 2x4)."""
+
 
 class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the package docstring."""
@@ -51,6 +56,7 @@ class Partitioner:
         platform: str = "cpu",
         conv_axes: Sequence[str] = (),
         region_axes: dict[str, tuple[str, int]] | None = None,
+        conv_size: int = 1,
     ):
         self.axes, self.n = tuple(axes), n
         self.region_axes = dict(region_axes or {})
@@ -64,7 +70,10 @@ class Partitioner:
         self.conv_axes = tuple(conv_axes)
         """The mesh axes left to XLA that every convolution's operands and result are split over, by
         their spatial dimensions (``contract_rules.split_spatially``): with two of them (data x
-        space x model), where XLA's partitioner is otherwise off by an axis's size."""
+        space x model), where XLA's partitioner is otherwise off by an axis's size; with the space
+        axis alone, the image layers' inputs and results by height (see :meth:`bind`)."""
+        self.conv_size = conv_size
+        """With one of ``conv_axes``: its size (the partitions of each image)."""
         self.upcast_dots = platform == "cpu"
         """How a 16-bit ``dot_general`` or convolution accumulates in float32: on GPUs and TPUs, as
         the op itself (``preferred_element_type=float32``); XLA:CPU has no such kernel for every
@@ -360,7 +369,29 @@ class Partitioner:
         if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
             vals = [self.vary(v) for v in vals]
         conv = eqn.primitive.name == "conv_general_dilated" and self.conv_axes
-        if conv:
+        if conv and len(self.conv_axes) == 1:
+            # One axis (the space axis alone), of at most MAX_SPLIT_CONV partitions: a convolution
+            # over the batch's images (a layer or its input gradient: its batch dimension first,
+            # of the batch's rows) is split, its input and result by height. XLA then splits an
+            # uneven height (SSD's 38 rows over 4) by padding, where its own propagation ran those
+            # layers on 2 of the 4 partitions. The kernel stays whole, and a kernel gradient is
+            # left to XLA, which sums the partitions' shares (split over its window, a kernel
+            # would be gathered again for every convolution). Convolutions over other rows (Mask
+            # R-CNN's regions) are left to XLA's propagation, as is every convolution past
+            # MAX_SPLIT_CONV partitions: at 8, with maps of 1 and 2 rows per partition, XLA's kernel
+            # gradient of a strided convolution came out wrong (tiny Mask R-CNN on 1x8, res4_0's
+            # 3x3 stride-2 kernel 0.19 off, relative), where its propagation alone is exact.
+            dn = params["dimension_numbers"]
+            conv = (
+                self.conv_size <= MAX_SPLIT_CONV
+                and dn.lhs_spec[0] == 0
+                and dn.out_spec[0] == 0
+                and len(dn.lhs_spec) > 2
+                and eqn.invars[0].aval.shape[0] == self.batch_rows
+            )
+            if conv:
+                vals = [split_spatially(eqn, vals[0], dn.lhs_spec, self.conv_axes), *vals[1:]]
+        elif conv:
             dn = params["dimension_numbers"]
             lhs, rhs = (split_spatially(eqn, v, spec, self.conv_axes) for v, spec in zip(vals, dn[:2], strict=False))
             vals = [lhs, rhs, *vals[2:]]
