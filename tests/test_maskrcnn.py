@@ -165,7 +165,7 @@ def test_pasted_masks_and_coco_ap_of_perfect_detections():
     assert ap["box_ap"] == pytest.approx(1.0) and ap["mask_ap"] == pytest.approx(1.0)
 
 
-def _setup(size=16, dtype=jnp.float32):
+def _setup(size=8, dtype=jnp.float32):
     """The tiny model, its initial state and STEPS batches, in ``dtype`` (float64 needs x64 on:
     the parameters, batch statistics and images are widened, and the model computes in it)."""
     data = maskrcnn.tiny_data("train", size=size * STEPS)
@@ -239,14 +239,15 @@ def x64():
 
 
 def _reference(step, state, batches):
-    """One device: its states and losses over the STEPS steps."""
-    if "run" not in _REFERENCE:
+    """One device: its states and losses over the STEPS steps (of batches of this size)."""
+    size = len(batches[0]["index"])
+    if size not in _REFERENCE:
         jstep, s, losses = jax.jit(step), state, []
         for batch in batches:
             s, metrics = jstep(s, batch)
             losses.append(float(metrics["loss"]))
-        _REFERENCE["run"] = jax.device_get(s), losses
-    return _REFERENCE["run"]
+        _REFERENCE[size] = jax.device_get(s), losses
+    return _REFERENCE[size]
 
 
 def test_reordering_rows_on_one_device_moves_the_parameters_as_far(x64):
@@ -276,7 +277,11 @@ def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update
     (backbone, RPN, anchor matching, proposals, RoIAlign, heads) on the partitions, STEPS chained
     steps against one device's on whole canvases: every step's loss within LOSS_RTOL relative,
     the parameters and optimizer state within PARAMS_TOLERANCE."""
-    model, step, state, batches = _setup(dtype=jnp.float64)
+    # 8 images a step (half the run time of 16), 16 for 8 replicas: with one image per replica the
+    # losses were 8e-8 off one device's (the model keeps its boxes' arithmetic in float32; why one
+    # image per replica and not two is not understood yet: the closing note of 2026-12-04), with two
+    # they agree within LOSS_RTOL.
+    model, step, state, batches = _setup(size=16 if k == 1 else 8, dtype=jnp.float64)
     want, want_losses = _reference(step, state, batches)
     assert max_relative_diff(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"
     mesh = make_mesh((replicas, k) if k > 1 else (replicas,), devices=jax.devices()[: replicas * k])

@@ -105,7 +105,7 @@ def _fingerprint(x, size: int | None = None) -> jax.Array:
     """Two 32-bit sums of the words of ``x``'s first ``size`` elements (all by default; a flat,
     padded chunked leaf's own elements), each word hashed with its position (:func:`_mix`): a
     changed or moved word changes them, but for about 2**-64 of changes. Integer sums are exact in any order, so a leaf's fingerprint is its whole value's however
-    it is sharded (:func:`_fingerprint_shards` computes it where the shards lie), and the same
+    it is sharded (:func:`_fingerprints_on_mesh` computes it where the shards lie), and the same
     flat or in its own shape."""
     u = _words(x)
     i = jnp.arange(u.size, dtype=jnp.uint32)
@@ -122,55 +122,74 @@ def _linear(axes, mesh) -> tuple[jax.Array, int]:
     return index, count
 
 
-def _fingerprint_shards(x, size: int | None, sharding: NamedSharding):
-    """:func:`_fingerprint` of ``x`` (a ``NamedSharding`` array) computed on its shards: each device
-    takes its share of its own block (the devices holding the same block split it between them),
-    at the block's global positions, and the partial sums are summed over the mesh. One pass over
-    the state in all, each device's temporaries a piece of its block."""
-    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+def _shard_sums(block, shape: tuple, size: int | None, spec: tuple, mesh):
+    """This device's part of :func:`_fingerprint` of an array of ``shape`` whose block under
+    ``spec`` it holds: its share of its own block (the devices holding the same block split it
+    between them), at the block's global positions. The parts summed over the mesh are the
+    fingerprint."""
+    gstrides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     used = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
-    free = [a for a in mesh.axis_names if a not in used]
-    gstrides = [math.prod(x.shape[d + 1 :]) for d in range(x.ndim)]
+    u = _words(block)
+    k = u.size // max(block.size, 1)  # words per element
+    r, replicas = _linear([a for a in mesh.axis_names if a not in used], mesh)
+    n = u.size
+    if replicas > 1 and n % replicas == 0 and n:
+        share = n // replicas
+        u = jax.lax.dynamic_slice(u.reshape(replicas, share), (r, jnp.uint32(0)), (1, share))[0]
+        j = r * jnp.uint32(share) + jnp.arange(share, dtype=jnp.uint32)
+    else:  # one device of the block's holders takes it all
+        j = jnp.arange(n, dtype=jnp.uint32)
+    word, e = j % jnp.uint32(max(k, 1)), j // jnp.uint32(max(k, 1))
+    flat = jnp.uint32(0)
+    for d in reversed(range(block.ndim)):
+        entry = spec[d]
+        offset = jnp.uint32(0)
+        if entry:
+            index, _ = _linear((entry,) if isinstance(entry, str) else entry, mesh)
+            offset = index * jnp.uint32(block.shape[d])
+        flat = flat + (offset + e % jnp.uint32(block.shape[d])) * jnp.uint32(gstrides[d])
+        e = e // jnp.uint32(block.shape[d])
+    pos = flat * jnp.uint32(max(k, 1)) + word
+    keep = None
+    if size is not None and size < math.prod(shape):
+        keep = pos < jnp.uint32(size * max(k, 1))
+    if replicas > 1 and not (n % replicas == 0 and n):
+        keep = (r == 0) if keep is None else keep & (r == 0)
+    return _mix(u, pos, keep)
 
-    def local(block):
-        u = _words(block)
-        k = u.size // max(block.size, 1)  # words per element
-        r, replicas = _linear(free, mesh)
-        n = u.size
-        if replicas > 1 and n % replicas == 0 and n:
-            share = n // replicas
-            u = jax.lax.dynamic_slice(u.reshape(replicas, share), (r, jnp.uint32(0)), (1, share))[0]
-            j = r * jnp.uint32(share) + jnp.arange(share, dtype=jnp.uint32)
-        else:  # one device of the block's holders takes it all
-            j = jnp.arange(n, dtype=jnp.uint32)
-        word, e = j % jnp.uint32(max(k, 1)), j // jnp.uint32(max(k, 1))
-        flat = jnp.uint32(0)
-        for d in reversed(range(block.ndim)):
-            entry = spec[d]
-            offset = jnp.uint32(0)
-            if entry:
-                index, _ = _linear((entry,) if isinstance(entry, str) else entry, mesh)
-                offset = index * jnp.uint32(block.shape[d])
-            flat = flat + (offset + e % jnp.uint32(block.shape[d])) * jnp.uint32(gstrides[d])
-            e = e // jnp.uint32(block.shape[d])
-        pos = flat * jnp.uint32(max(k, 1)) + word
-        keep = None
-        if size is not None and size < x.size:
-            keep = pos < jnp.uint32(size * max(k, 1))
-        if replicas > 1 and not (n % replicas == 0 and n):
-            keep = (r == 0) if keep is None else keep & (r == 0)
-        return jax.lax.psum(_mix(u, pos, keep), tuple(mesh.axis_names))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=P(*spec), out_specs=P(), check_vma=False)(x)
+def _fingerprints_on_mesh(leaves: list, sizes: list, shardings: list) -> jax.Array:
+    """:func:`_fingerprint` of each of ``leaves`` (``NamedSharding`` arrays on one mesh), computed
+    on their shards (:func:`_shard_sums`) in one ``shard_map``, with one sum over the mesh of all
+    of them (``[len(leaves), 2]``). One pass over the state in all, each device's temporaries a
+    piece of its blocks."""
+    mesh = shardings[0].mesh
+    specs = [tuple(s.spec) + (None,) * (x.ndim - len(s.spec)) for x, s in zip(leaves, shardings, strict=True)]
+    shapes = [x.shape for x in leaves]
+
+    def local(*blocks):
+        parts = [_shard_sums(*a, mesh) for a in zip(blocks, shapes, sizes, specs, strict=True)]
+        return jax.lax.psum(jnp.stack(parts), tuple(mesh.axis_names))
+
+    in_specs = tuple(P(*spec) for spec in specs)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(*leaves)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _fingerprints(state, sizes: tuple, shardings: tuple):
     leaves = jax.tree.leaves(state)
-    return [
-        _fingerprint(x, n) if sharding is None else _fingerprint_shards(x, n, sharding)
-        for x, n, sharding in zip(leaves, sizes, shardings, strict=True)
-    ]
+    prints = [None if sharding else _fingerprint(x, n) for x, n, sharding in zip(leaves, sizes, shardings, strict=True)]
+    meshes: dict = {}
+    for i, sharding in enumerate(shardings):
+        if sharding is not None:
+            meshes.setdefault(sharding.mesh, []).append(i)
+    for group in meshes.values():
+        on_mesh = _fingerprints_on_mesh(
+            [leaves[i] for i in group], [sizes[i] for i in group], [shardings[i] for i in group]
+        )
+        for row, i in enumerate(group):
+            prints[i] = on_mesh[row]
+    return prints
 
 
 def _where(x) -> NamedSharding | None:
