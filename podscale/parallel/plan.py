@@ -327,5 +327,8 @@ def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:
     for leaf in weights:
         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
+            if leaf.table and per_device:  # a table's gradient lives with its rows
+                total += leaf.table_rows * math.prod(leaf.shape[1:]) * itemsize
+                continue
             total += math.prod(leaf.shape) * itemsize // (leaf.model_split if per_device else 1)
     return int(total)
