@@ -218,14 +218,9 @@ class DataParallelStep:
             gt = self.global_trace(abstract, batch)
             min_rows = rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
             looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
-            found = tables.choose(jax.tree.leaves(abstract), looked_up, forward, self.replicas, min_rows)
-            split = [i for i in found if model_dims and model_dims[i] is not None]
-            if split:
-                raise ValueError(
-                    f"state leaf {jax.tree_util.keystr(jax.tree_util.tree_leaves_with_path(abstract)[split[0]][0])} "
-                    "is a table split by rows over the data axes and by a sharding rule over the model axis; drop the "
-                    "rule, or raise min_table_rows above its rows"
-                )
+            ruled = {i for i, d in enumerate(model_dims or ()) if d is not None}  # a rule's split wins
+            found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, self.replicas, min_rows)
+            found = {i: rows for i, rows in found.items() if i not in ruled}
         layout = state_layout.decide(
             abstract,
             self.mesh,

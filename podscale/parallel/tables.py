@@ -33,24 +33,48 @@ from podscale.parallel import _interpret
 
 def looked_up(jaxpr, n_state: int) -> set[int]:
     """Flat indices of the state leaves (the first ``n_state`` inputs of the step's ``jaxpr``)
-    that a ``gather`` indexes by their first dimension, in the step or a sub-program it calls."""
+    that a ``gather`` indexes by their first dimension, in the step or a sub-program it calls,
+    and that no matrix product or convolution reads, directly or through other ops than a gather
+    (a tied embedding, transposed into the output layer's weights, is no table)."""
     found: set[int] = set()
+    contracted: set[int] = set()
 
     def visit(jaxpr, sources: dict):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "gather":
-                dn = eqn.params["dimension_numbers"]
-                src = None if isinstance(eqn.invars[0], core.Literal) else sources.get(eqn.invars[0])
-                if src is not None and tuple(dn.start_index_map) == (0,) and 0 in dn.collapsed_slice_dims:
-                    found.add(src)
-            for sub in _interpret.sub_jaxprs(eqn):
-                if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
-                    pairs = zip(sub.invars, eqn.invars, strict=True)
-                    inner = {s: sources[o] for s, o in pairs if not isinstance(o, core.Literal) and o in sources}
-                    visit(sub, inner)
+        def read(v):
+            return frozenset() if isinstance(v, core.Literal) else sources.get(v, frozenset())
 
-    visit(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_state])})
-    return found
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "gather":
+                dn = eqn.params["dimension_numbers"]
+                if tuple(dn.start_index_map) == (0,) and 0 in dn.collapsed_slice_dims:
+                    found.update(read(eqn.invars[0]))
+                continue  # the looked-up rows are activations, not the table
+            ins = frozenset().union(*(read(v) for v in eqn.invars))
+            if name in ("dot_general", "conv_general_dilated"):
+                contracted.update(ins)
+            subs = list(_interpret.sub_jaxprs(eqn))
+            for sub in subs:
+                if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
+                    inner = {s: read(o) for s, o in zip(sub.invars, eqn.invars, strict=True) if read(o)}
+                    visit(sub, inner)
+                elif ins and _has_product(sub):  # a loop or branch: what it reads may reach a product
+                    contracted.update(ins)
+            if ins:
+                for o in eqn.outvars:
+                    sources[o] = ins
+
+    visit(jaxpr, {v: frozenset([i]) for i, v in enumerate(jaxpr.invars[:n_state])})
+    return found - contracted
+
+
+def _has_product(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            return True
+        if any(_has_product(sub) for sub in _interpret.sub_jaxprs(eqn)):
+            return True
+    return False
 
 
 def choose(state_leaves, candidates: set[int], forward: set[int] | None, n: int, min_rows: int) -> dict[int, int]:
