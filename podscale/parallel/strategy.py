@@ -135,7 +135,7 @@ class Strategy:
     min_table_rows: int | None = _field(
         None,
         "embedding tables (weights looked up by rows) with at least this many rows are split by rows over the "
-        "data axes (default: more rows than the global batch, where splitting moves fewer bytes than all-reducing "
+        "data axes (default: the global batch's rows, from where splitting moves fewer bytes than all-reducing "
         "the table's gradient; see podscale/parallel/tables.py)",
         _count(optional=True, what=" (rows)"),
     )

@@ -1,22 +1,23 @@
 """Which state leaves are embedding tables split by rows over the data axes.
 
 A *table* is a float weight of rank 2 or more that the step looks up by rows (the operand of a
-``gather`` on its first dimension: ``table[ids]``, ``jnp.take(table, ids, axis=0)``) and that has
-more rows than the step's global batch. The placement stores it split by rows over the data axes
+``gather`` on its first dimension: ``table[ids]``, ``jnp.take(table, ids, axis=0)``), that no
+matrix product reads (a tied embedding is the output layer's weight too, and stays one), and that
+has at least as many rows as the step's global batch. The placement stores it split by rows over the data axes
 (each replica holds ``ceil(rows / N)`` consecutive rows, the last block padded with zero rows),
 and so the optimizer-state leaves of its shape (Adagrad's accumulator, momentum): the lookup and
 the gradient run where the rows live (:mod:`podscale.parallel.partition.tables`) and the update
 touches only a replica's own rows. The plan lists each table with where it went and why.
 
-**The threshold: more rows than the global batch.** A replicated table's gradient is all-reduced
+**The threshold: the global batch's rows.** A replicated table's gradient is all-reduced
 densely every step: about ``2 R d`` values per device for ``R`` rows of width ``d`` (a ring
 all-reduce). A table split by rows moves the batch's rows instead: its ``B`` ids all-gathered, its
 ``B`` looked-up rows reduce-scattered back to their examples, and the ``B`` rows of cotangents
 all-gathered for the gradient, about ``2 B d`` values per device (ids aside). Splitting costs less
-wire once ``R > B`` (and saves ``(N - 1) / N`` of the table's memory and of its optimizer state at
+wire once ``R >= B`` (and saves ``(N - 1) / N`` of the table's memory and of its optimizer state at
 any size); below that, the dense all-reduce of a small table is the cheaper, and fused with the
 other gradients. For Google's v0.7 DLRM (batch 55,296) that splits the 8 tables above 400k rows
-(97.6% of the parameters) and keeps the 18 others (the largest 39,043 rows) replicated; that
+(99.9% of the parameters) and keeps the 18 others (the largest 39,043 rows) replicated; that
 submission kept its 13 smallest replicated (the largest 7,420 rows) and the 13 others on the TPU's
 embedding engine. ``Strategy(min_table_rows=...)`` sets another threshold.
 """

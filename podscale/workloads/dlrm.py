@@ -17,7 +17,7 @@ normal, top kernels normal with std ``sqrt(2 / (fan_in + fan_out))``, biases nor
 its rounding at saturated probabilities).
 
 Each table is an ordinary flax parameter looked up as ``table[ids]``; where a table lives is the
-placement's business (``podscale.parallel.tables``: a table with more rows than the global batch
+placement's business (``podscale.parallel.tables``: a table with at least the global batch's rows
 is split by rows over the data axes, looked up and updated where its rows live).
 
 Recipe (``configs["full"]``), the submission's ``run_and_time.sh``: SGD, global batch 55,296 on
