@@ -41,6 +41,8 @@ def plan(plan: Plan, console: Console | None = None) -> None:
             "x".join(map(str, leaf["shape"])) or "()",
             f"1/{plan.replicas * leaf['split']}"
             if leaf["sharded"]
+            else f"rows 1/{plan.replicas}"
+            if leaf.get("table_rows")
             else (f"1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "whole"),
             size(leaf["bytes_per_device"]),
             leaf["reason"],
@@ -118,6 +120,8 @@ def plan(plan: Plan, console: Console | None = None) -> None:
                 f"{r['collective-permute']} collective-permute ({size(r['bytes_per_device'])} per device); "
                 f"{tp['chunked_per_partition']} sharded leaves chunked per model partition"
             )
+    if plan.tables:
+        _tables(plan.tables, console)
     t = plan.traffic
     if t:
         console.print(
@@ -156,6 +160,32 @@ def plan(plan: Plan, console: Console | None = None) -> None:
         console.print(f"[yellow]computed on whole (gathered) values:[/] {', '.join(plan.whole_ops)}")
     if plan.gathered_ops:
         console.print(f"[yellow]computed on gathered values (not sharded):[/] {', '.join(plan.gathered_ops)}")
+
+
+def _tables(tables: dict[str, Any], console: Console) -> None:
+    """Where each embedding table went, then its lookups' and gradients' collectives by kind."""
+    table = Table(
+        title=f"embedding tables (split by rows from {tables['min_table_rows']:,} rows)", title_justify="left"
+    )
+    table.add_column("table", overflow="fold", ratio=2)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("placement", no_wrap=True)
+    table.add_column("bytes/device", justify="right", no_wrap=True)
+    for t in tables["tables"]:
+        table.add_row(t["path"], "x".join(map(str, t["shape"])), t["placement"], size(t["bytes_per_device"]))
+    show(table, console)
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for c in tables["collectives"]:
+        grouped.setdefault((c["kind"], c["why"]), []).append(c["bytes_per_device"])
+    if grouped:
+        ops = Table(title="lookups and table gradients: collectives per step", title_justify="left")
+        ops.add_column("collective", no_wrap=True)
+        ops.add_column("runs", justify="right", no_wrap=True)
+        ops.add_column("buffers", justify="right", no_wrap=True)
+        ops.add_column("what", overflow="fold")
+        for (kind, why), sizes in grouped.items():
+            ops.add_row(kind, str(len(sizes)), size(sum(sizes)), why)
+        show(ops, console)
 
 
 def _per_layer(title: str, rows: list[dict[str, Any]], console: Console) -> None:
@@ -316,6 +346,42 @@ def bench_tp(result: dict[str, Any]) -> None:
         "is split). Axes: bytes each device's collectives move per step (data: the gradient sum; model: the "
         "layers' all-reduces; other: collectives over both axes). CPU devices share one memory: a collective is "
         "a copy here, link hops on a TPU."
+    )
+
+
+def bench_embedding(result: dict[str, Any]) -> None:
+    """What ``podscale bench embedding``: tables split by rows against replicated ones."""
+    cfg = result.pop("config")
+    numbers = ("tables/device", "all-reduce", "reduce-scatter", "all-gather", "temporaries", "peak", "step s", "loss")
+    table = report.table(
+        "tables",
+        *numbers,
+        title=(
+            f"embedding: {cfg['tables']} tables of {cfg['rows']:,} x {cfg['dim']} float32, batch {cfg['batch']} on "
+            f"{cfg['devices']} devices, SGD"
+        ),
+        numbers=numbers,
+    )
+    for name, r in result.items():
+        sent = r["sent_bytes_per_device"]
+        table.add_row(
+            f"{name} ({r['tables_split']} split)" if name == "split" else name,
+            report.size(r["table_bytes_per_device"]),
+            report.size(sent.get("all-reduce", 0)),
+            report.size(sent.get("reduce-scatter", 0)),
+            report.size(sent.get("all-gather", 0)),
+            report.size(r["temporaries_bytes"]),
+            report.size(r["peak_bytes"]),
+            f"{r['step_s']:.4f}",
+            f"{r['final_loss']:.6f}",
+        )
+    console = Console()
+    report.show(table, console)
+    console.print(
+        "Bytes each device's collectives send per step, by kind, from the compiled module. split: the lookups' ids "
+        "all-gathered, the looked-up rows reduce-scattered, the rows' cotangents all-gathered, each table's gradient "
+        "added where its rows live; replicated: the tables' gradients all-reduced densely. CPU devices share one "
+        "memory: a collective is a copy here, link hops on a pod."
     )
 
 

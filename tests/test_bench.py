@@ -58,6 +58,20 @@ def test_bench_tp_splits_weights_and_work_and_computes_the_same_step():
     assert max(r["final_loss"] for r in rows) - min(r["final_loss"] for r in rows) <= 1e-5
 
 
+def test_bench_embedding_splits_tables_by_rows_and_sends_no_table_sized_all_reduce():
+    from podscale.bench.embedding import bench_embedding
+
+    result = bench_embedding(rows=1024, dim=8, tables=2, batch=64, steps=1)
+    split, replicated = result["split"], result["replicated"]
+    assert split["tables_split"] == 2 and replicated["tables_split"] == 0
+    assert split["table_bytes_per_device"] * 8 == replicated["table_bytes_per_device"] == 2 * 1024 * 8 * 4
+    table_gradients = 2 * 1024 * 8 * 4 * 2 * 7 / 8  # a ring all-reduce of both tables' gradients
+    assert replicated["sent_bytes_per_device"]["all-reduce"] >= table_gradients
+    assert split["sent_bytes_per_device"].get("all-reduce", 0) < 1024  # the dense layer's gradient only
+    assert split["sent_bytes_per_device"]["reduce-scatter"] > 0  # the looked-up rows, to their examples
+    assert abs(split["final_loss"] - replicated["final_loss"]) <= 1e-6
+
+
 # -- Every bench flag is checked up front, for each benchmark (issue 23, findings 9 and 10) -------
 
 BAD_FLAGS = [

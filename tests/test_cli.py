@@ -488,6 +488,21 @@ def _passes_the_checker(log, cwd):
     assert proc.returncode == 0 and "SUCCESS" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def test_tiny_dlrm_reaches_its_auc_target_and_logs_it(tmp_path):
+    """The DLRM time-to-target run of docs/benchmarks.md: held-out AUC (scikit-learn's
+    roc_auc_score) at least MLPerf's 0.8025 on the planted click logs, whose teacher's own AUC is
+    0.8850, logged as ``eval_accuracy`` for benchmark ``dlrm``; the compliance checker accepts it."""
+    from podscale.train import mlperf_log
+
+    log = tmp_path / "mllog.txt"
+    args = ["train", "--model", "dlrm", "--config", "tiny", "--steps", "400", "--eval-every", "100"]
+    summary = _train_to_target(*args, "--target", "0.8025", log=log)
+    assert 0.8025 <= summary["eval_value"] < 0.8850 and summary["time_to_target_s"] is not None
+    events = mlperf_log.read(str(log))
+    assert next(e for e in events if e["key"] == "submission_benchmark")["value"] == "dlrm"
+    _passes_the_checker(log, tmp_path)
+
+
 def test_tiny_ssd_reaches_its_map_target_and_logs_it(tmp_path):
     """The SSD time-to-target run of docs/benchmarks.md: COCO mAP by pycocotools at least 0.5,
     with an MLPerf log the compliance checker accepts."""

@@ -11,7 +11,7 @@ import math
 import os
 import re
 
-BENCHMARKS = ("wus", "gradsum", "spatial", "tp", "checkpoint")
+BENCHMARKS = ("wus", "gradsum", "spatial", "tp", "checkpoint", "embedding")
 FLAGS = {
     "model": ("wus", "checkpoint"),
     "config": ("checkpoint",),
@@ -125,7 +125,7 @@ def check_flags(which: str, flags: dict) -> dict:
             if problem:
                 raise ValueError(f"--sizes {text!r}: {problem}")
         return {"sizes_mib": sizes, "repeats": steps}
-    if which == "spatial":
+    if which in ("spatial", "embedding"):
         return {"steps": steps}
     if which == "checkpoint":
         from podscale import workloads

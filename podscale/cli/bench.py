@@ -1,4 +1,5 @@
-"""``podscale bench``: the benchmarks (``wus``, ``gradsum``, ``spatial``, ``tp``, ``checkpoint``) run, their
+"""``podscale bench``: the benchmarks (``wus``, ``gradsum``, ``spatial``, ``tp``, ``checkpoint``,
+``embedding``) run, their
 flags checked before any work; results as tables (:mod:`podscale.render`) or one JSON object."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import spatial, state_layout, tensor
+from podscale.parallel import spatial, state_layout, tables, tensor
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
@@ -212,6 +212,15 @@ class DataParallelStep:
                 strict=self.strict,
             )
             model_dims, notes = assignment.dims, tuple(assignment.notes)
+        found, looked_up, min_rows = {}, set(), 0
+        if batch is not None:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            gt = self.global_trace(abstract, batch)
+            min_rows = rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
+            looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
+            ruled = {i for i, d in enumerate(model_dims or ()) if d is not None}  # a rule's split wins
+            found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, self.replicas, min_rows)
+            found = {i: rows for i, rows in found.items() if i not in ruled}
         layout = state_layout.decide(
             abstract,
             self.mesh,
@@ -222,9 +231,12 @@ class DataParallelStep:
             parts=self.partitions,
             model=self.model,
             model_dims=model_dims,
+            tables=found,
         )
         example = self._batch_placement(batch, abstract) if batch is not None else BatchPlacement()
-        self._placement = Placement(self.mesh, self.roles, layout, example, model_dims, notes)
+        self._placement = Placement(
+            self.mesh, self.roles, layout, example, model_dims, notes, tuple(sorted(looked_up)), min_rows
+        )
         return self._placement
 
     def plan(self, state=None, batch=None, *, compile: bool = False):
@@ -278,9 +290,12 @@ class DataParallelStep:
             self._global = (key, trace_global(self.step, abstract_state, shape_structs(batch), self.group_axis))
         return self._global[1]
 
-    def _local(self, gt: GlobalTrace, state_leaves, batch_leaves) -> tuple[Any, Partitioner]:
+    def _local(self, gt: GlobalTrace, state_leaves, batch_leaves, table_rows=None) -> tuple[Any, Partitioner]:
         """The per-replica program of the global trace: a closed jaxpr, made inside the
-        ``shard_map`` (its inputs typed per replica), with every output whole."""
+        ``shard_map`` (its inputs typed per replica), with every output whole but the tables split
+        by rows (``table_rows``: ``{state leaf index: rows per replica}``, their ``state_leaves``
+        this replica's rows), which stay so."""
+        table_rows = table_rows or {}
         group = self.group_axis
         rows = np.shape(batch_leaves[0])[0] * self.replicas if batch_leaves else None
         part = Partitioner(
@@ -298,12 +313,16 @@ class DataParallelStep:
                 for role, axis in (("space", self.space), ("model", self.model))
                 if axis is not None
             },
+            tables={tuple(gt.closed.jaxpr.invars[i].aval.shape): rows for i, rows in table_rows.items()},
         )
 
         def local(state_leaves, batch_leaves):
-            ins = [(x, REPLICATED) for x in state_leaves] + [(x, Split(0)) for x in batch_leaves]
-            outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins)
-            return [part.whole(v, lay) for v, lay in outs]
+            ins = [(x, Split(0) if i in table_rows else REPLICATED) for i, x in enumerate(state_leaves)]
+            outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins + [(x, Split(0)) for x in batch_leaves])
+            return [
+                part.convert(v, lay, Split(0)) if i < gt.n_state and i in table_rows else part.whole(v, lay)
+                for i, (v, lay) in enumerate(outs)
+            ]
 
         return jax.make_jaxpr(local)(state_leaves, batch_leaves), part
 
@@ -351,7 +370,12 @@ class DataParallelStep:
 
         def body(stored, batch):
             trace = Trace()
-            closed, part = self._local(gt, jax.tree.leaves(abstract_state), jax.tree.leaves(batch))
+            table_rows = {i: leaf.table_rows for i, leaf in enumerate(layout.leaves) if leaf.table}
+            state_in = [
+                x if leaf.table else shape
+                for x, shape, leaf in zip(jax.tree.leaves(stored), jax.tree.leaves(abstract_state), layout.leaves)
+            ]
+            closed, part = self._local(gt, state_in, jax.tree.leaves(batch), table_rows)
             rewriter = Rewriter(chunks, trace)
             args = [
                 Sharded(x, leaf.shape, leaf.by) if leaf.sharded else x
@@ -415,10 +439,17 @@ class DataParallelStep:
     def _finish_state(self, chunks, trace, new_state):
         layout = self.layout
         paths_leaves = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
-        whole = [(p, v) for (p, v), leaf in zip(paths_leaves, layout.leaves, strict=True) if not leaf.sharded]
+        whole = [
+            (p, v)
+            for (p, v), leaf in zip(paths_leaves, layout.leaves, strict=True)
+            if not leaf.sharded and not leaf.table
+        ]
         whole_done = iter(self._finish_full(chunks, trace, whole, "new_state"))
         out = []
         for (path, v), leaf in zip(paths_leaves, layout.leaves, strict=True):
+            if leaf.table:  # this replica's rows, as stored
+                out.append(v)
+                continue
             if not leaf.sharded:
                 out.append(next(whole_done))
                 continue

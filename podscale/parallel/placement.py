@@ -12,6 +12,8 @@ immutable :class:`Placement`:
 - **the state's layout** (:class:`~podscale.parallel.state_layout.StateLayout`): per leaf a
   ``PartitionSpec`` over named axes (a rule's split over the model axis) and, with the sharded
   update, its flat 1/N chunk;
+- **embedding tables** (``looked_up``): weights the step looks up by rows; those with at least
+  ``min_table_rows`` rows are split by rows over the data axes (a state leaf's ``table_rows``);
 - **the batch's layout** (:class:`BatchPlacement`): which leaves are images, split by height over
   the space axis, besides rows over the data axes; the step's windows and the layers a space axis
   does not divide.
@@ -100,6 +102,11 @@ class Placement:
     """With a model axis: per state leaf, the dimension its rule splits (``tensor.assign``)."""
     rule_notes: tuple[str, ...] = ()
     """With a model axis: what the sharding rules left undone."""
+    looked_up: tuple[int, ...] = ()
+    """The state leaves the step looks up by rows (embedding tables), split by rows over the data
+    axes or not (``state.leaves[i].table``; :mod:`podscale.parallel.tables`)."""
+    min_table_rows: int = 0
+    """The rows from which a looked-up table is split by rows (the strategy's, or the batch's)."""
 
     @property
     def replicas(self) -> int:

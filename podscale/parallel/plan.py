@@ -66,6 +66,12 @@ class Plan:
     of the collectives over the axis whose ``op_name`` names the region (one XLA combined with
     another layer's counts whole)."""
 
+    tables: dict[str, Any] | None = None
+    """With embedding tables (weights the step looks up by rows): ``min_table_rows`` and, per
+    table, where it went (``rows over data axes`` or ``replicated``, and why) with its bytes per
+    device, then the lookups' and gradients' collectives over the data axes with their bytes per
+    device per step (:mod:`podscale.parallel.tables`)."""
+
     eval: dict[str, int] | None = None
     """The evaluation step's ``memory_analysis()`` figures per device (``arguments``, ``outputs``,
     ``temporaries``, ``peak``), compiled on the same placement and batch shapes; filled by whoever
@@ -89,7 +95,12 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
             "sharded": leaf.sharded,
-            "shard_shape": [leaf.shard_len // leaf.split] if leaf.sharded else _split_shape(leaf),
+            "table_rows": leaf.table_rows,
+            "shard_shape": [leaf.shard_len // leaf.split]
+            if leaf.sharded
+            else [leaf.table_rows, *leaf.shape[1:]]
+            if leaf.table
+            else _split_shape(leaf),
             "padding_elements": leaf.padding,
             "padding_bytes": leaf.padding_bytes,
             "bytes_per_device": leaf.bytes_per_device(),
@@ -103,6 +114,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
     ]
     weights = [leaf for leaf in layout.leaves if leaf.weight]
     others = [leaf for leaf in layout.leaves if not leaf.weight]
+    summed_weights = [leaf for leaf in weights if not leaf.table]  # a split table's gradient is not summed
     memory = {
         "weights_replicated": sum(leaf.bytes for leaf in weights),
         "weights": sum(leaf.bytes_per_device() for leaf in weights),
@@ -122,7 +134,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             update += sent
         else:
             model += sent
-    summed = _gradient_bytes(weights, grad_sum.dtype, per_device=False)  # as the sum sees them
+    summed = _gradient_bytes(summed_weights, grad_sum.dtype, per_device=False)  # as the sum sees them
     limit = ring_bytes("all-reduce", placement.replicas, summed)
     traffic = {
         "gradient_bytes": summed,
@@ -152,7 +164,46 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
         spatial=_spatial(placement, batch, compiled),
         tensor=_tensor(placement, strategy, compiled),
         regions=_regions(getattr(trace, "regions", []), compiled),
+        tables=_tables(placement, trace),
     )
+
+
+def _tables(placement, trace) -> dict[str, Any] | None:
+    if not placement.looked_up:
+        return None
+    layout = placement.state
+    rows = []
+    for i in placement.looked_up:
+        leaf = layout.leaves[i]
+        if leaf.table:
+            where, why = "rows over data axes", f"{leaf.shape[0]:,} rows >= {placement.min_table_rows:,}"
+        else:
+            where, why = (
+                "replicated",
+                leaf.reason
+                if leaf.model_dim is not None
+                else (
+                    f"{leaf.shape[0]:,} rows < {placement.min_table_rows:,}: its gradient is all-reduced with the others"
+                ),
+            )
+        state = [o for o in layout.leaves if o.table and not o.weight and o.shape == leaf.shape]
+        rows.append(
+            {
+                "path": leaf.path,
+                "shape": list(leaf.shape),
+                "placement": where,
+                "why": why,
+                "bytes": leaf.bytes,
+                "bytes_per_device": leaf.bytes_per_device(),
+                "optimizer_state_bytes_per_device": sum(o.bytes_per_device() for o in state),
+            }
+        )
+    table_ops = [c for c in trace.collectives if "table" in c.why or "looked-up rows" in c.why]
+    return {
+        "min_table_rows": placement.min_table_rows,
+        "tables": rows,
+        "collectives": [dataclasses.asdict(c) for c in table_ops],
+    }
 
 
 def _split_shape(leaf) -> list[int]:
@@ -276,5 +327,8 @@ def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:
     for leaf in weights:
         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
+            if leaf.table and per_device:  # a table's gradient lives with its rows
+                total += leaf.table_rows * math.prod(leaf.shape[1:]) * itemsize
+                continue
             total += math.prod(leaf.shape) * itemsize // (leaf.model_split if per_device else 1)
     return int(total)

@@ -71,6 +71,8 @@ def check_kept_shapes(new_state, layout) -> None:
     pairs = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
     for (path, v), leaf in zip(pairs, layout.leaves, strict=True):
         shape = tuple(v.shape) if isinstance(v, Sharded) else tuple(np.shape(v))
+        if leaf.table:  # a table's rows on this replica
+            shape = (leaf.shape[0], *shape[1:]) if shape == (leaf.table_rows, *leaf.shape[1:]) else shape
         if shape != tuple(leaf.shape):
             raise ValueError(
                 f"the step returned new_state{path_str(path)} with shape {list(shape)}, but was given it with shape "

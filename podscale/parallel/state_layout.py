@@ -52,6 +52,14 @@ class LeafLayout:
     chunk_dim: int | None = None
     """A sharded leaf chunked per model partition (:class:`ByPartition`): the dimension whose
     ``model_split`` slices are chunked over the replicas, each in turn; ``None``: flat chunks."""
+    table_rows: int = 0
+    """An embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`), and
+    the optimizer state of its shape: the rows each replica holds (the last block padded with zero
+    rows); 0 for any other leaf."""
+
+    @property
+    def table(self) -> bool:
+        return self.table_rows > 0
 
     @property
     def by(self) -> ByPartition | None:
@@ -71,6 +79,8 @@ class LeafLayout:
         return self.padding * self.itemsize
 
     def bytes_per_device(self) -> int:
+        if self.table:
+            return self.table_rows * math.prod(self.shape[1:]) * self.itemsize
         if self.sharded:
             return self.shard_len // self.split * self.itemsize
         return self.bytes // self.model_split
@@ -120,13 +130,17 @@ class StateLayout:
         return any(leaf.model_dim is not None for leaf in self.leaves)
 
     def specs(self):
-        return jax.tree.unflatten(self.treedef, [P(self.axes) if leaf.sharded else P() for leaf in self.leaves])
+        return jax.tree.unflatten(
+            self.treedef, [P(self.axes) if leaf.sharded or leaf.table else P() for leaf in self.leaves]
+        )
 
     def _sharding(self, leaf: LeafLayout) -> NamedSharding:
         if leaf.model_dim is not None:
             spec = [None] * len(leaf.shape)
             spec[leaf.model_dim] = self.model
             return NamedSharding(self.mesh, P(*spec))
+        if leaf.table:  # rows over the data axes, whole over a space or model axis
+            return NamedSharding(self.mesh, P(self.axes))
         if not leaf.sharded:
             return NamedSharding(self.mesh, P())
         return NamedSharding(self.mesh, P((*self.axes, *self.parts)))
@@ -183,7 +197,10 @@ class StateLayout:
         return tuple((self.stored_shape(leaf), leaf.dtype) for leaf in self.leaves)
 
     def stored_shape(self, leaf: LeafLayout) -> tuple[int, ...]:
-        """The shape ``leaf`` has on the mesh: flat ``N * chunk`` when sharded, else its own."""
+        """The shape ``leaf`` has on the mesh: flat ``N * chunk`` when sharded, a table's rows
+        padded to ``N`` blocks, else its own."""
+        if leaf.table:
+            return (leaf.table_rows * self.n, *leaf.shape[1:])
         return (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
 
     def check_stored(self, state, what: str = "state") -> None:
@@ -247,15 +264,20 @@ class StateLayout:
         self.check(state)
         leaves = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            leaves.append(self.flat(x, leaf) if leaf.sharded else x)
+            leaves.append(self.flat(x, leaf) if leaf.sharded else self.padded(x, leaf) if leaf.table else x)
         return jax.tree.unflatten(self.treedef, leaves)
 
     def unstore(self, stored):
         """Stored layout -> user layout (drop the padding, restore the shape)."""
         leaves = []
         for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
-            leaves.append(self.whole(x, leaf) if leaf.sharded else x)
+            leaves.append(self.whole(x, leaf) if leaf.sharded else x[: leaf.shape[0]] if leaf.table else x)
         return jax.tree.unflatten(self.treedef, leaves)
+
+    def padded(self, x, leaf: LeafLayout, xp=jnp):
+        """A table's value -> its stored rows: zero rows appended up to ``N`` equal blocks."""
+        extra = leaf.table_rows * self.n - leaf.shape[0]
+        return xp.pad(x, [(0, extra)] + [(0, 0)] * (len(leaf.shape) - 1)) if extra else x
 
     def flat(self, x, leaf: LeafLayout, xp=jnp):
         """A sharded ``leaf``'s value in its own shape -> its stored flat, padded vector (``xp``:
@@ -287,6 +309,8 @@ class StateLayout:
             x = _get(x)
             if leaf.sharded and not _is_key(x):
                 x = self.whole(np.asarray(x), leaf, np)
+            elif leaf.table:
+                x = np.asarray(x)[: leaf.shape[0]]
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
@@ -345,11 +369,13 @@ def _is_key(x) -> bool:
 def _put(x, sharding, leaf: LeafLayout | None = None, layout: StateLayout | None = None):
     if _is_key(x):  # typed PRNG keys travel as their raw key data
         return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
-    if isinstance(x, jax.Array) and x.sharding == sharding and not (leaf and leaf.sharded):
+    if isinstance(x, jax.Array) and x.sharding == sharding and not (leaf and (leaf.sharded or leaf.table)):
         return x
     x = np.asarray(x)
     if leaf is not None and leaf.sharded:
         x = layout.flat(x, leaf, np)
+    elif leaf is not None and leaf.table:
+        x = layout.padded(x, leaf, np)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
@@ -375,6 +401,7 @@ def decide(
     parts: tuple[str, ...] = (),
     model: str | None = None,
     model_dims: tuple[int | None, ...] | None = None,
+    tables: dict[int, int] | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -382,6 +409,8 @@ def decide(
     ``shard=False`` (the replicated update) keeps every leaf replicated over the data axes.
     ``parts``: the axes XLA partitions (space, model), over which every chunk is split too.
     ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``model``.
+    ``tables``: ``{leaf index: rows per replica}`` of the tables split by rows over the data axes
+    (:func:`podscale.parallel.tables.choose`), whatever the weight update.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     by_shape = chunk_dims(state, model_dims) if shard and model and tuple(parts) == (model,) else {}
@@ -398,7 +427,17 @@ def decide(
         )
         dim = model_dims[i] if model_dims else None
         chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
-        if dim is not None and not chunked:
+        if tables and i in tables:
+            what = "table" if kw["weight"] else "a table's optimizer state"
+            leaves.append(
+                LeafLayout(
+                    **kw,
+                    sharded=False,
+                    reason=f"{what}: rows split over the data axes ({n} x {tables[i]} rows), looked up and updated there",
+                    table_rows=tables[i],
+                )
+            )
+        elif dim is not None and not chunked:
             k = mesh.shape[model]
             leaves.append(
                 LeafLayout(

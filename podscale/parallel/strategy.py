@@ -132,6 +132,13 @@ class Strategy:
         "with the sharded update, tensors with fewer elements stay replicated",
         _count(what=" (elements)"),
     )
+    min_table_rows: int | None = _field(
+        None,
+        "embedding tables (weights looked up by rows) with at least this many rows are split by rows over the "
+        "data axes (default: the global batch's rows, from where splitting moves fewer bytes than all-reducing "
+        "the table's gradient; see podscale/parallel/tables.py)",
+        _count(optional=True, what=" (rows)"),
+    )
     bucket_bytes: int = _field(
         DEFAULT_BUCKET_BYTES, "size of the fused gradient buffers in bytes (16 MiB)", _count(what=" (bytes)")
     )

@@ -14,7 +14,10 @@ the model axis, and XLA partitions ``eval_fn`` over it as it does the step; an o
 leaf the sharded update keeps in flat 1/N chunks is passed as stored, since ``eval_fn`` does not
 read it. A chunked leaf that ``eval_fn`` does read (batch norm's running statistics, which the
 training forward pass does not read, so the sharded update may chunk them) is gathered whole for
-it. So evaluation needs no more memory per device than the state takes as stored.
+it. So evaluation needs no more memory per device than the state takes as stored, except for an
+embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`): ``eval_fn``
+runs unpartitioned, so such a table is gathered whole for it (a table's size per device while
+evaluating; the lookup by rows is the train step's only).
 
 ``distributed_eval(eval_fn, mesh)`` is the same for a state replicated on every device, every
 mesh axis a data axis.
@@ -102,9 +105,9 @@ class DistributedEval:
             return jax.jit(mapped, out_shardings=(replicated, replicated))
 
         gather = set()
-        if layout.any_sharded:
+        if layout.any_sharded or any(leaf.table for leaf in layout.leaves):
             read = self._read({k: v for k, v in shape_structs(batch).items() if k != "mask"})
-            gather = {i for i, leaf in enumerate(layout.leaves) if leaf.sharded and i in read}
+            gather = {i for i, leaf in enumerate(layout.leaves) if (leaf.sharded or leaf.table) and i in read}
         specs = jax.tree.leaves(layout.specs())
         specs = jax.tree.unflatten(layout.treedef, [P() if i in gather else s for i, s in enumerate(specs)])
 
@@ -121,8 +124,9 @@ class DistributedEval:
 
         def program(stored, batch):
             leaves = jax.tree.leaves(stored)
-            for i in gather:  # a chunked leaf eval_fn reads: whole (its padding dropped) for it
-                leaves[i] = layout.whole(leaves[i], layout.leaves[i])
+            for i in gather:  # a chunked leaf or table eval_fn reads: whole (its padding dropped) for it
+                leaf = layout.leaves[i]
+                leaves[i] = leaves[i][: leaf.shape[0]] if leaf.table else layout.whole(leaves[i], leaf)
             return mapped(jax.tree.unflatten(layout.treedef, leaves), batch)
 
         return jax.jit(

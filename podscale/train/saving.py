@@ -138,9 +138,10 @@ class CheckpointForm:
         if chunks is not None:  # chunked per model partition: back to its own shape first
             by = ByPartition(tuple(leaf.shape), int(chunks["dim"]), int(chunks["partitions"]))
             x = from_rows(x.reshape(int(chunks["replicas"]), -1), by)
+        whole = jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape)  # a table's padding rows come last
         if leaf.sharded:
-            return self.layout.flat(jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape), leaf)
-        return jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape)
+            return self.layout.flat(whole, leaf)
+        return self.layout.padded(whole, leaf) if leaf.table else whole
 
     def sizes(self, saved_layout: dict[str, dict] | None = None) -> list[int]:
         """Per leaf, the elements its fingerprint covers: its own element count (a flat saved

@@ -13,6 +13,7 @@ _MODULES = {
     "gnmt": "podscale.workloads.gnmt",
     "ssd": "podscale.workloads.ssd",
     "maskrcnn": "podscale.workloads.maskrcnn",
+    "dlrm": "podscale.workloads.dlrm",
 }
 NAMES = tuple(_MODULES)
 

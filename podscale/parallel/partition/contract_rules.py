@@ -10,6 +10,7 @@ import jax
 from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.partition import tables
 from podscale.parallel.partition.jaxprs import _global_shape, _source
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
 from podscale.parallel.partition.sums import _narrow_float
@@ -113,6 +114,8 @@ def _gather(p: Partitioner, eqn, ins):
     obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
     window = [d for d in range(len(oshape)) if d not in dn.collapsed_slice_dims and d not in obatch]
     slice_sizes = list(eqn.params["slice_sizes"])
+    if isinstance(ol, Split) and ol.dim in dn.start_index_map:  # a table split by rows, looked up
+        return tables.lookup(p, eqn, ins)
     # Batching dimensions (take_along_axis): operand rows pair with index rows.
     for d, i in zip(obatch, ibatch, strict=True):
         if ol in (Split(d), REPLICATED) and il in (Split(i), REPLICATED) and (ol == Split(d) or il == Split(i)):
@@ -165,6 +168,10 @@ def _scatter(p: Partitioner, eqn, ins):
             return [(o, Split(d)) for o in p.bind(eqn, vals)]
     if eqn.primitive.name not in ("scatter-add", "scatter_add"):
         return None
+    if oshape in p.tables:  # the gradient of a table split by rows: it stays split by rows
+        out = tables.gradient(p, eqn, ins, p.tables[oshape])
+        if out is not None:
+            return out
     # Rows of updates scattered into a whole operand (an embedding's gradient): each replica adds
     # its rows; the operand is counted once (on replica 0), so the result is a partial sum.
     if isinstance(il, Split) and il.dim < len(ishape) - 1 and il.dim not in ibatch:

@@ -57,8 +57,13 @@ class Partitioner:
         conv_axes: Sequence[str] = (),
         region_axes: dict[str, tuple[str, int]] | None = None,
         conv_size: int = 1,
+        tables: dict[tuple[int, ...], int] | None = None,
     ):
         self.axes, self.n = tuple(axes), n
+        self.tables = dict(tables or {})
+        """The global shapes of the tables the placement splits by rows over the data axes, each
+        with its rows per replica (:mod:`~podscale.parallel.partition.tables`): a gradient
+        scattered into a zero table of such a shape stays split by rows."""
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
@@ -129,6 +134,10 @@ class Partitioner:
         return self.convert(x, REPLICATED, Split(dim))
 
     def _slice_rows(self, x, dim: int):
+        rows = self.tables.get(tuple(x.shape)) if dim == 0 else None
+        if rows:  # a whole value of a table's shape: its rows in the table's padded blocks
+            x = jnp.pad(x, [(0, rows * self.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+            return lax.dynamic_slice_in_dim(x, self.index() * rows, rows, 0)
         size = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
 
@@ -196,6 +205,16 @@ class Partitioner:
             return total if narrow is None else total.astype(narrow)  # rounded once, after the sum
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
         self.record("all-gather", self.axes, x, "rows made whole")
+        if layout.dim == 0:
+            padded = {s[0] for s, rows in self.tables.items() if (rows, *s[1:]) == tuple(x.shape)}
+            if len(padded) > 1:
+                raise NotImplementedError(
+                    f"a value of {list(x.shape)} rows per replica is needed whole, and the tables of {sorted(padded)} "
+                    "rows split by rows both have that many: podscale cannot tell which it is; give min_table_rows "
+                    "above one of them"
+                )
+            if padded:  # a table's rows: drop the padding of the last block
+                out = out[: padded.pop()]
         return out
 
     def record(self, kind: str, axes, buffer, why: str) -> None:
@@ -234,6 +253,8 @@ class Partitioner:
         return self._slice_rows(x, dst.dim)
 
     def splittable(self, shape, dim: int) -> bool:
+        if dim == 0 and tuple(shape) in self.tables:  # a table's shape: split in its padded blocks
+            return True
         return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] > 0
 
     # -- evaluation ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from podscale.parallel.partition.shape_rules import (
     _squeeze,
     _stack,
     _transpose,
+    _unstack,
 )
 from podscale.parallel.partition.sums import WIDE, _narrow_float
 
@@ -199,6 +200,7 @@ _RULES = {
     "concatenate": _concatenate,
     "rev": _rev,
     "stack": _stack,
+    "unstack": _unstack,
     "split": _split_op,
     "optimization_barrier": _optimization_barrier,
     "reduce_window_max": _windowed,

@@ -169,6 +169,14 @@ def _stack(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, vals)[0], Split(dim + 1 if eqn.params["axis"] <= dim else dim))]
 
 
+def _unstack(p: Partitioner, eqn, ins):
+    """The transpose of ``stack``: each piece keeps the split, one dimension lower past the axis."""
+    ((v, lay),) = ins
+    if not isinstance(lay, Split) or lay.dim == eqn.params["axis"]:
+        return None
+    return [(o, Split(lay.dim - 1 if eqn.params["axis"] < lay.dim else lay.dim)) for o in p.bind(eqn, [v])]
+
+
 def _rev(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
     if lay.dim in eqn.params["dimensions"]:

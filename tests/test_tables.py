@@ -1,0 +1,122 @@
+"""Embedding tables split by rows over the data axes (podscale/parallel/tables.py): a small DLRM's
+step on 8 replicas against one device, its tables' layout through the step, and the compiled
+module's collectives (none of a table's size)."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import relative_error, run_parallel, run_single
+
+from podscale import data_parallel, make_mesh
+from podscale.train.tasks import Task, make_train_step
+from podscale.workloads import dlrm
+from podscale.workloads.clicks import ClickLogs
+from podscale.workloads.precision import FLOAT32
+
+CFG = dataclasses.replace(
+    dlrm.TINY, cardinalities=(100, 37, 5, 64), embed_dim=8, bottom=(16, 8), top=(16, 1), global_batch=32
+)
+"""Tables of 100, 37 (8 replicas do not divide it: padded to 8 x 5 rows), 5 and 64 rows; with a
+global batch of 32 the three of 37 rows or more are split by rows, the one of 5 replicated."""
+
+OPTIMIZERS = {"sgd": lambda: dlrm.make_optimizer(CFG, 10), "adagrad": lambda: optax.adagrad(0.05)}
+
+
+@functools.cache
+def _task():
+    data = ClickLogs(4096, CFG.cardinalities)
+    return Task(dlrm.make_model(CFG, FLOAT32), "dlrm", data, None, workload=dlrm.WORKLOAD, config=CFG)
+
+
+def _batches(n=10):
+    return [_task().train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(n)]
+
+
+@functools.cache
+def _single(optimizer):
+    task, tx = _task(), OPTIMIZERS[optimizer]()
+    state = task.init_state(jax.random.key(0), tx)
+    return state, run_single(make_train_step(task, tx), state, _batches())
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_ten_steps_with_tables_split_by_rows_equal_one_device(optimizer, weight_update):
+    task, tx = _task(), OPTIMIZERS[optimizer]()
+    state, (want, want_metrics) = _single(optimizer)
+    # min_shard_size 64: the sharded update shards every dense kernel and its optimizer state
+    dp = data_parallel(
+        make_train_step(task, tx), make_mesh(), weight_update=weight_update, min_shard_size=64, strict=True
+    )
+    got, metrics = run_parallel(dp, state, _batches())
+    if weight_update == "sharded":  # the dense layers' gradients reduce-scattered, updated on 1/8 chunks
+        assert any(c.kind == "reduce-scatter" and c.update for c in dp.trace.collectives)
+        assert sum(leaf.sharded for leaf in dp.layout.leaves) == (0 if optimizer == "sgd" else 3)
+    tables = {leaf.path: leaf for leaf in dp.layout.leaves if leaf.table}
+    split = [p for p in tables if p.startswith(".params")]
+    assert sorted(split) == [".params['table_0']", ".params['table_1']", ".params['table_3']"], split
+    if optimizer == "adagrad":  # its accumulators of the tables' shapes live with their rows
+        assert sum(p.startswith(".opt_state") for p in tables) == 3
+    assert tables[".params['table_1']"].table_rows == 5  # 37 rows: 8 blocks of 5, the last 2 of padding
+    assert relative_error(got, want) <= 1e-5  # summation order only (the dense layers' gradient sums)
+    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+
+
+def test_a_table_stays_split_by_rows_through_the_step_and_no_collective_has_its_size():
+    """Each device holds 1/8 of a split table's rows before and after the step; the compiled step
+    sums no gradient of a table's size (the dense layers' all-reduce only) and moves the lookups'
+    rows by reduce-scatters and all-gathers of the batch's rows."""
+    task, tx = _task(), OPTIMIZERS["adagrad"]()
+    state, _ = _single("adagrad")
+    dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update="sharded", donate_state=False)
+    batch = _batches(1)[0]
+    placed = dp.place_state(jax.device_get(state), batch)
+    after, _ = dp(placed, batch)
+    for stored in (placed, after):
+        table = stored.params["table_0"]
+        assert {s.data.shape for s in table.addressable_shards} == {(13, 8)}  # 100 rows: 8 x 13 (4 padding)
+        assert {s.data.shape for s in stored.opt_state[0].sum_of_squares["table_0"].addressable_shards} == {(13, 8)}
+    text = dp.lower(dp.layout.stored_shapes(), batch).compile().as_text()
+    dense = sum(leaf.bytes for leaf in dp.layout.leaves if leaf.path.startswith(".params") and not leaf.table)
+    sizes = []
+    for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+        for shape in re.findall(rf"= (\w+\[[\d,]*\])[^\n]*? {kind}(?:-start)?\(", text):
+            dims = [int(d) for d in re.findall(r"\d+", shape.split("[")[1])] or [1]
+            sizes.append((kind, int(np.prod(dims)) * 4))
+    assert any(kind == "reduce-scatter" for kind, _ in sizes), sizes  # the looked-up rows, to their examples
+    summed = sum(size for kind, size in sizes if kind == "all-reduce")
+    assert dense <= summed <= dense + 16, (dense, sizes)  # the dense gradients (and the metrics) only
+    plan = dp.plan()
+    why = [c["why"] for c in plan.collectives]
+    assert any("looked-up rows" in w for w in why), why
+
+
+def test_the_full_dlrm_compiles_on_8_devices_with_its_large_tables_an_eighth_per_device():
+    """MLPerf v0.7's DLRM (24 billion parameters, 89.5 GiB of tables) at its per-core batch on 8
+    replicas, compiled only: every table with at least the global batch's 3,456 rows is split by
+    rows (15 of 26, the largest 39,979,771 rows), the weights per device are about 1/8, and the
+    compiled step's all-reduces carry the dense layers' and the small tables' gradients only."""
+    from podscale.train.tasks import make_task
+
+    task = make_task("dlrm", config="full", with_data=False)
+    cfg = task.config
+    tx = task.workload.make_optimizer(cfg, cfg.train_steps)
+    batch = task.batch_shapes(cfg.per_core_batch * 8)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    dp = data_parallel(make_train_step(task, tx), make_mesh())
+    plan = dp.plan(state, batch, compile=True)
+    split = [t for t in plan.tables["tables"] if t["placement"] == "rows over data axes"]
+    assert len(split) == 15 and min(t["shape"][0] for t in split) >= 3456
+    for t in split:
+        assert t["bytes_per_device"] * 8 <= t["bytes"] + 8 * 128 * 4  # 1/8, up to a padded row
+    m = plan.memory
+    assert m["weights"] <= m["weights_replicated"] / 8 * 1.01
+    summed = [c for c in plan.compiled["collectives"] if c["kind"] == "all-reduce"]
+    small = sum(leaf["bytes_per_device"] for leaf in plan.leaves if not leaf["table_rows"])
+    assert sum(c["buffer_bytes"] for c in summed) <= small + 64
+    assert {c["kind"] for c in plan.compiled["collectives"]} == {"all-reduce", "all-gather", "reduce-scatter"}
