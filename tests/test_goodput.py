@@ -49,10 +49,14 @@ def test_step_flops_are_read_from_the_compiled_module():
 
 
 @pytest.mark.slow
-def test_a_run_splits_its_wall_time_and_says_no_peak_is_known_on_cpu(tmp_path):
+def test_a_run_splits_its_wall_time_and_its_workdir_holds_tensorboard_events(tmp_path):
+    """One run: its wall time's parts (summary, stderr, metrics.jsonl), no MFU on the CPU, and the
+    TensorBoard event files (loss, learning rate, examples/s, evaluations, goodput) read back."""
+    from podscale.train import board
+
     args = ["train", "--model", "mlp", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3"]
     proc = subprocess.run(
-        [*PODSCALE, *args, "--workdir", str(tmp_path), "--json", "--no-progress"],
+        [*PODSCALE, *args, "--learning-rate", "0.01", "--workdir", str(tmp_path), "--json", "--no-progress"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -69,33 +73,15 @@ def test_a_run_splits_its_wall_time_and_says_no_peak_is_known_on_cpu(tmp_path):
     assert record["mfu"] is None and "no peak" in record["mfu_note"]
     assert "goodput " in proc.stderr and "MFU: no peak FLOP/s is known" in proc.stderr  # --json: the lines on stderr
     with open(tmp_path / "metrics.jsonl") as f:
-        last = json.loads(f.readlines()[-1])
-    assert last["goodput"]["seconds"] == parts
-
-
-@pytest.mark.slow
-def test_workdir_holds_tensorboard_events_that_read_back(tmp_path):
-    """Loss, learning rate, examples/s, evaluations and goodput, read back from the event files."""
-    from podscale.train import board
-
-    args = ["train", "--model", "mlp", "--steps", "4", "--eval-every", "2", "--learning-rate", "0.01"]
-    proc = subprocess.run(
-        [*PODSCALE, *args, "--workdir", str(tmp_path), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    scalars = board.read(str(tmp_path / "tensorboard"))
-    with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
+    assert records[-1]["goodput"]["seconds"] == parts
+
+    scalars = board.read(str(tmp_path / "tensorboard"))
     losses = [(r["step"], r["loss"]) for r in records if "examples" in r]
-    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([v for _, v in losses], rel=1e-6)
-    assert scalars["train/learning_rate"] == [(s, pytest.approx(0.01)) for s in (1, 2, 3, 4)]
-    assert [s for s, _ in scalars["eval/accuracy"]] == [2, 4]
-    assert len(scalars["train/examples_per_s"]) == 3 and all(v > 0 for _, v in scalars["train/examples_per_s"])
-    last = records[-1]["goodput"]
-    assert scalars["goodput/fraction"] == [(4, pytest.approx(last["goodput"], rel=1e-6))]
-    assert scalars["goodput/checkpointing_s"][0][1] == pytest.approx(last["seconds"]["checkpointing"], rel=1e-6)
+    assert scalars["train/learning_rate"] == [(s, pytest.approx(0.01)) for s in range(1, 7)]
+    assert [s for s, _ in scalars["eval/accuracy"]] == [3, 6]
+    assert len(scalars["train/examples_per_s"]) == 5 and all(v > 0 for _, v in scalars["train/examples_per_s"])
+    assert scalars["goodput/fraction"] == [(6, pytest.approx(record["goodput"], rel=1e-6))]
+    assert scalars["goodput/checkpointing_s"][0][1] == pytest.approx(parts["checkpointing"], rel=1e-6)
