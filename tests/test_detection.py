@@ -1,6 +1,7 @@
 """SSD's pieces against direct references: default boxes, matching, encoding, the loss with hard
 negative mining, NMS, pycocotools mAP, and the digits detection set."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,7 +74,8 @@ def test_ssd_loss_mines_three_negatives_per_positive_like_the_reference():
     labels[0, [2, 9]] = [1, 4]
     labels[1, :20] = 2  # 20 positives: 3 x 20 > the 20 negatives, so all negatives count
     # image 2 has no objects: its loss is 0, not a division by zero
-    got = np.asarray(D.ssd_loss(jnp.asarray(logits), jnp.asarray(offsets), jnp.asarray(labels), jnp.asarray(targets)))
+    loss = jax.jit(D.ssd_loss)  # one program, not op by op
+    got = np.asarray(loss(jnp.asarray(logits), jnp.asarray(offsets), jnp.asarray(labels), jnp.asarray(targets)))
     np.testing.assert_allclose(got, _loss_reference(logits, offsets, labels, targets), rtol=1e-5)
     assert got[2] == 0.0
 

@@ -98,48 +98,54 @@ def test_roi_align_equals_direct_bilinear_interpolation(sr, aligned):
     boxes = np.array(
         [[3.0, 5.0, 30.0, 41.0], [-6.0, -4.0, 10.0, 8.0], [30.0, 40.0, 47.0, 55.0], [8.0, 8.0, 8.5, 9.0]], np.float32
     )  # inside, over the top-left border, over the bottom-right one, smaller than a pixel
-    got = rcnn.roi_align(jnp.asarray(fmap), jnp.asarray(boxes), 5, sr, 0.25, aligned)
+    got = jax.jit(rcnn.roi_align, static_argnums=(2, 3, 4, 5))(
+        jnp.asarray(fmap), jnp.asarray(boxes), 5, sr, 0.25, aligned
+    )
     for box, g in zip(boxes, np.asarray(got), strict=True):
         want = _roi_align_reference(fmap.astype(np.float64), box, 5, sr, 0.25, aligned)
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
 def test_nms_and_proposal_selection_break_ties_by_index_and_pad_empty_images():
+    nms = jax.jit(rcnn.nms, static_argnums=(3, 4))  # one program each, not op by op
+    select_proposals = jax.jit(rcnn.select_proposals, static_argnums=(2, 3, 4, 5))
     boxes = jnp.array([[0, 0, 10, 10], [0, 0, 10, 10], [20, 20, 30, 30], [1, 1, 10, 10]], jnp.float32)
     scores = jnp.array([0.5, 0.5, 0.5, 0.9])
-    keep, found = rcnn.nms(boxes, scores, jnp.ones(4, bool), 0.7, 4)
+    keep, found = nms(boxes, scores, jnp.ones(4, bool), 0.7, 4)
     # 3 is best; 0 and 1 (IoU 0.81 with it) go; 2 stays. Equal scores keep the lower index first.
     assert keep.tolist()[:2] == [3, 2] and found.tolist() == [True, True, False, False]
-    keep, found = rcnn.nms(boxes[:3], scores[:3], jnp.ones(3, bool), 0.99, 3)
+    keep, found = nms(boxes[:3], scores[:3], jnp.ones(3, bool), 0.99, 3)
     assert keep.tolist() == [0, 2, 0] and found.tolist() == [True, True, False]  # 1 duplicates 0
     # Proposal selection: a level of tied scores takes the lowest indices; an image whose boxes
     # are all empty has no valid proposal, and its rows are zero boxes.
     level = jnp.zeros(6)
     spread = jnp.array([[0, 0, 4, 4], [10, 0, 14, 4], [20, 0, 24, 4], [30, 0, 34, 4], [40, 0, 44, 4], [50, 0, 54, 4]])
-    b, s, v = rcnn.select_proposals([level], [spread.astype(jnp.float32)], (64, 64), 3, 4, 0.7)
+    b, s, v = select_proposals([level], [spread.astype(jnp.float32)], (64, 64), 3, 4, 0.7)
     assert v.tolist() == [True, True, True, False] and b[:3, 0].tolist() == [0, 10, 20]
     empty = jnp.zeros((6, 4), jnp.float32)
-    b, s, v = rcnn.select_proposals([level], [empty], (64, 64), 3, 4, 0.7)
+    b, s, v = select_proposals([level], [empty], (64, 64), 3, 4, 0.7)
     assert not v.any() and not b.any() and bool(jnp.all(s == -jnp.inf))
 
 
 def test_sampler_takes_positives_up_to_the_quota_first_and_never_an_ignored_candidate():
+    sample = jax.jit(rcnn.sample, static_argnums=(2, 3))  # one program, not op by op
     labels = jnp.array([1] * 10 + [-1] * 5 + [0] * 20)
-    idx, ok, pos = rcnn.sample(jax.random.key(0), labels, 16, 0.25)
+    idx, ok, pos = sample(jax.random.key(0), labels, 16, 0.25)
     assert ok.all() and pos.tolist() == [True] * 4 + [False] * 12
     assert all(labels[i] == 1 for i in idx[:4]) and all(labels[i] == 0 for i in idx[4:])
     few = jnp.array([1, -1, 0, -1, -1, -1])  # fewer candidates than the sample: padded slots invalid
-    idx, ok, pos = rcnn.sample(jax.random.key(1), few, 4, 0.5)
+    idx, ok, pos = sample(jax.random.key(1), few, 4, 0.5)
     assert ok.tolist() == [True, True, False, False] and pos.tolist() == [True, False, False, False]
 
 
 def test_anchor_labels_keep_each_objects_best_anchor_and_an_empty_image_is_background():
     anchors = jnp.array([[0, 0, 10, 10], [0, 0, 20, 20], [30, 30, 40, 40]], jnp.float32)
     gt = jnp.array([[0, 0, 14, 14], [0, 0, 0, 0]], jnp.float32)
-    labels, best = rcnn.anchor_labels(anchors, gt, jnp.array([True, False]), 0.7, 0.3)
+    anchor_labels = jax.jit(rcnn.anchor_labels, static_argnums=(3, 4))  # one program, not op by op
+    labels, best = anchor_labels(anchors, gt, jnp.array([True, False]), 0.7, 0.3)
     # IoU 0.51 and 0.49: neither passes 0.7, the best one is the object's by the low-quality rule.
     assert labels.tolist() == [1, -1, 0] and best.tolist()[0] == 0
-    labels, _ = rcnn.anchor_labels(anchors, gt, jnp.array([False, False]), 0.7, 0.3)
+    labels, _ = anchor_labels(anchors, gt, jnp.array([False, False]), 0.7, 0.3)
     assert labels.tolist() == [0, 0, 0]
 
 
@@ -147,9 +153,10 @@ def test_mask_targets_of_the_objects_own_box_are_its_crop():
     crop = np.zeros((1, 8, 8), np.float32)
     crop[0, 2:6, 1:4] = 1.0
     box = jnp.array([[8.0, 16.0, 24.0, 32.0]])
-    got = rcnn.mask_targets(jnp.asarray(crop), box, box, 8)
+    mask_targets = jax.jit(rcnn.mask_targets, static_argnums=3)  # one program, not op by op
+    got = mask_targets(jnp.asarray(crop), box, box, 8)
     np.testing.assert_array_equal(np.asarray(got), crop)
-    half = rcnn.mask_targets(jnp.asarray(crop), box, jnp.array([[8.0, 16.0, 40.0, 48.0]]), 8)
+    half = mask_targets(jnp.asarray(crop), box, jnp.array([[8.0, 16.0, 40.0, 48.0]]), 8)
     assert np.asarray(half)[0, 4:, :].sum() == 0 and np.asarray(half)[0, 1:3, 0:2].all()  # outside the box: 0
 
 
