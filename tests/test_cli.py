@@ -106,16 +106,22 @@ def test_two_processes_reach_the_same_parameters_and_loss_as_one(tmp_path):
     assert two["final_train_loss"] == pytest.approx(one["final_train_loss"], abs=1e-6)
 
 
-def _stop_after(args: list[str], workdir, steps: int, sig: int) -> subprocess.Popen:
-    """``podscale ARGS --workdir WORKDIR`` sent ``sig`` once it has logged ``steps`` steps."""
+def _stop_after(args: list[str], workdir, steps: int, sig: int, committed: bool = False) -> subprocess.Popen:
+    """``podscale ARGS --workdir WORKDIR`` sent ``sig`` once it has logged ``steps`` steps (and,
+    with ``committed``, once a checkpoint is complete: a save is asynchronous, so under load the
+    first one may still be in flight steps later). ``proc.logged``: the steps logged by then."""
     proc = subprocess.Popen([*PODSCALE, *args, "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True)
-    metrics = workdir / "metrics.jsonl"
+    metrics, checkpoints = workdir / "metrics.jsonl", workdir / "checkpoints"
     deadline = time.monotonic() + 240
+    logged = 0
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= steps:
+        logged = sum(1 for line in open(metrics) if '"loss"' in line) if metrics.exists() else 0
+        done = not committed or (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()))
+        if logged >= steps and done:
             break
         time.sleep(0.005)
     proc.send_signal(sig)
+    proc.logged = logged
     return proc
 
 
@@ -130,9 +136,10 @@ def test_kill_sigterm_or_ctrl_c_then_resume_is_bit_identical(tmp_path):
 
     kill_after = random.Random().randint(6, 30)
     killed = [*common, "--checkpoint-every", "4"]
-    proc = _stop_after(killed, tmp_path / "killed", kill_after, signal.SIGKILL)
+    proc = _stop_after(killed, tmp_path / "killed", kill_after, signal.SIGKILL, committed=True)
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed (step {kill_after})"
+    kill_after = proc.logged  # at least the draw, and a checkpoint was complete
     # The rest of the run saves rarely (saving does not change the run; 70 saves took 9 s of 16).
     rest = [*common, "--checkpoint-every", "250", "--workdir", str(tmp_path / "killed")]
     resumed = _summary(_run(*rest, "--resume", "--json", "--export", str(tmp_path / "k.npz")))
