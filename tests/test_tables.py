@@ -120,3 +120,36 @@ def test_the_full_dlrm_compiles_on_8_devices_with_its_large_tables_an_eighth_per
     small = sum(leaf["bytes_per_device"] for leaf in plan.leaves if not leaf["table_rows"])
     assert sum(c["buffer_bytes"] for c in summed) <= small + 64
     assert {c["kind"] for c in plan.compiled["collectives"]} == {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+def test_a_flax_embed_looked_up_by_jnp_take_is_a_table_and_a_tied_one_is_not():
+    """``nn.Embed`` looks up through ``jnp.take`` (a call in the traced step): its rows are
+    activations, so the table is one; ``Embed.attend`` (a tied output layer) reads the same table
+    in a matrix product, so a tied embedding stays a weight."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from podscale.parallel import tables
+
+    class Model(nn.Module):
+        tied: bool
+
+        @nn.compact
+        def __call__(self, ids):
+            embed = nn.Embed(100, 8)
+            h = nn.gelu(nn.Dense(8)(embed(ids).mean(axis=1)))
+            return embed.attend(h) if self.tied else nn.Dense(5)(h)
+
+    ids = jnp.zeros((4, 3), jnp.int32)
+    for tied in (False, True):
+        model = Model(tied)
+        params = model.init(jax.random.key(0), ids)["params"]
+
+        def step(params, ids, model=model):
+            grads = jax.grad(lambda p: model.apply({"params": p}, ids).sum())(params)
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+        closed = jax.make_jaxpr(step)(params, ids)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        found = {paths[i] for i in tables.looked_up(closed.jaxpr, len(paths))}
+        assert found == (set() if tied else {"['Embed_0']['embedding']"}), (tied, found)

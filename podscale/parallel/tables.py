@@ -54,16 +54,23 @@ def looked_up(jaxpr, n_state: int) -> set[int]:
             ins = frozenset().union(*(read(v) for v in eqn.invars))
             if name in ("dot_general", "conv_general_dilated"):
                 contracted.update(ins)
-            subs = list(_interpret.sub_jaxprs(eqn))
-            for sub in subs:
+            outs = None  # what each output is derived from, where a call says it exactly
+            for sub in _interpret.sub_jaxprs(eqn):
                 if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                     inner = {s: read(o) for s, o in zip(sub.invars, eqn.invars, strict=True) if read(o)}
                     visit(sub, inner)
+                    if len(sub.outvars) == len(eqn.outvars):  # a lookup's rows (jnp.take's call) are no table
+                        got = [
+                            frozenset() if isinstance(v, core.Literal) else inner.get(v, frozenset())
+                            for v in sub.outvars
+                        ]
+                        outs = got if outs is None else [a | b for a, b in zip(outs, got, strict=True)]
                 elif ins and _has_product(sub):  # a loop or branch: what it reads may reach a product
                     contracted.update(ins)
-            if ins:
-                for o in eqn.outvars:
-                    sources[o] = ins
+            for i, o in enumerate(eqn.outvars):
+                derived = ins if outs is None else outs[i]
+                if derived:
+                    sources[o] = derived
 
     visit(jaxpr, {v: frozenset([i]) for i, v in enumerate(jaxpr.invars[:n_state])})
     return found - contracted
