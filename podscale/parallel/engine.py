@@ -214,9 +214,9 @@ class DataParallelStep:
             model_dims, notes = assignment.dims, tuple(assignment.notes)
         found, looked_up, min_rows = {}, set(), 0
         if batch is not None:
-            rows = jax.tree.leaves(batch)[0].shape[0]
+            batch_rows = jax.tree.leaves(batch)[0].shape[0]
             gt = self.global_trace(abstract, batch)
-            min_rows = rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
+            min_rows = batch_rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
             looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
             ruled = {i for i, d in enumerate(model_dims or ()) if d is not None}  # a rule's split wins
             found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, self.replicas, min_rows)
