@@ -20,6 +20,7 @@ LLVM's level 1 and the machine's whole ISA instead, through ``helpers.long_run_e
 
 import atexit
 import gc
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -42,6 +43,14 @@ if FMA_OFF and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# Every process of the session (the xdist workers, the CLI runs) starts through startup/
+# sitecustomize.py, which spares JAX's shared compilation cache its eviction scan on every write;
+# this process, already started, loads it here (before JAX).
+_STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+if _STARTUP not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_STARTUP, os.environ.get("PYTHONPATH")) if p)
+    _spec = importlib.util.spec_from_file_location("_podscale_test_startup", os.path.join(_STARTUP, "sitecustomize.py"))
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 import jax  # noqa: E402
 
 import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is installed without a TPU)
@@ -54,7 +63,8 @@ import podscale  # noqa: E402, F401  (keeps JAX on the CPU where libtpu is insta
 # compile with the same flags: the cache's key reads XLA_FLAGS as it is when the key is made. The
 # long runs compile with other flags and keep a directory of their own. Reads and writes hold
 # the cache's file lock (eviction on, with a limit no session reaches), so one process never reads
-# an entry another is still writing.
+# an entry another is still writing; the eviction's scan of the whole directory on each write is
+# skipped (startup/sitecustomize.py).
 _CACHE = os.environ.get("PODSCALE_TEST_XLA_CACHE")
 if not _CACHE or not os.path.isdir(_CACHE):
     _CACHE = os.environ["PODSCALE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="podscale-test-xla-cache-")
