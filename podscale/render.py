@@ -362,6 +362,7 @@ def bench_embedding(result: dict[str, Any]) -> None:
         ),
         numbers=numbers,
     )
+    lookups = result.pop("lookups", None)
     for name, r in result.items():
         sent = r["sent_bytes_per_device"]
         table.add_row(
@@ -383,6 +384,29 @@ def bench_embedding(result: dict[str, Any]) -> None:
         "added where its rows live; replicated: the tables' gradients all-reduced densely. CPU devices share one "
         "memory: a collective is a copy here, link hops on a pod."
     )
+    if lookups:
+        kinds = ("all-gather", "reduce-scatter", "all-to-all")
+        numbers = (*kinds, "seconds", "rows off", "gradient off")
+        table = report.table(
+            "lookup",
+            *numbers,
+            title=f"one table's lookup and its gradient, {cfg['batch']} ids, split by rows, two exact ways",
+            numbers=numbers,
+        )
+        for name, r in lookups.items():
+            sent = r["sent_bytes_per_device"]
+            table.add_row(
+                name,
+                *(report.size(sent.get(k, 0)) for k in kinds),
+                f"{r['seconds']:.5f}",
+                f"{r['rows_max_difference']:.1e}",
+                f"{r['gradient_max_difference']:.1e}",
+            )
+        report.show(table, console)
+        console.print(
+            "An exact all-to-all has static room for all of a device's ids at one device: the masked gather's "
+            "bytes, plus the sorting of ids. podscale keeps the masked gather (podscale/bench/lookups.py)."
+        )
 
 
 def bench_gradsum(result: dict[str, Any]) -> None:

@@ -70,6 +70,11 @@ def test_bench_embedding_splits_tables_by_rows_and_sends_no_table_sized_all_redu
     assert split["sent_bytes_per_device"].get("all-reduce", 0) < 1024  # the dense layer's gradient only
     assert split["sent_bytes_per_device"]["reduce-scatter"] > 0  # the looked-up rows, to their examples
     assert abs(split["final_loss"] - replicated["final_loss"]) <= 1e-6
+    lookups = result["lookups"]  # two exact lookups: the rows bit for bit, the same bytes moved
+    assert all(r["rows_max_difference"] == 0 and r["gradient_max_difference"] <= 1e-6 for r in lookups.values())
+    masked, a2a = lookups["masked gather"]["sent_bytes_per_device"], lookups["all-to-all"]["sent_bytes_per_device"]
+    assert set(masked) == {"all-gather", "reduce-scatter"} and set(a2a) == {"all-to-all"}
+    assert a2a["all-to-all"] >= masked["reduce-scatter"]  # room for every id at one device: the rows' buffer
 
 
 # -- Every bench flag is checked up front, for each benchmark (issue 23, findings 9 and 10) -------

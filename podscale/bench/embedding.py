@@ -14,7 +14,8 @@ unmodified step runs twice on the same devices, steps interleaved:
 Figures per run, from the compiled step (:mod:`podscale.perf.hlo`) and the placement: bytes each
 device's collectives move per step by kind, the tables' bytes per device, the compiled step's
 temporaries and peak per device, the median step time; both runs compute one device's step (their
-losses agree to float32 summation order).
+losses agree to float32 summation order). Beside them, the lookup of one table with its gradient
+two exact ways, the masked gather podscale uses against an all-to-all (:mod:`podscale.bench.lookups`).
 
 What a CPU cannot show: the 8 devices are threads sharing one memory, so an all-reduce is a copy,
 not link hops; the bytes and the memory are what a pod's devices would hold and send.
@@ -28,8 +29,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from podscale.bench.lookups import bench_lookups
 from podscale.bench.spatial import interleave
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
@@ -118,4 +121,7 @@ def bench_embedding(
             "step_s": statistics.median(r["times"]),
             "final_loss": r["loss"],
         }
+    # The lookup alone, two exact ways (podscale.bench.lookups): the first table's ids of a batch.
+    ids = np.asarray(batches[0]["sparse"][:, 0])
+    out["lookups"] = bench_lookups(rows, dim, batch, ids, mesh, max(steps, 3))
     return out
