@@ -202,7 +202,7 @@ def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
     outputs = jax.jit(task.eval_outputs)(state, subset.get(np.arange(100)))
     assert all(v.shape == (100,) for v in outputs.values())  # per example
     # A whole-set metric (ssd's COCO mAP) is computed on the host: check its per-example accuracy.
-    metric = task.eval_metric if task.workload.evaluate is None else "accuracy"
+    metric = task.eval_metric if task.workload.score is None else "accuracy"
     per = np.asarray(outputs[metric], np.float64)
     if set(np.unique(per)) <= {0.0, 1.0}:  # counts of 0/1 in float32 are exact
         assert got[metric] == np.sum(per) / 100
