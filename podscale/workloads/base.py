@@ -137,14 +137,20 @@ def _jitted(predict: Callable, model: nn.Module) -> Callable:
     return jax.jit(functools.partial(predict, model))
 
 
-def evaluate_whole_set(
-    predict: Callable, score: Callable, model: nn.Module, variables: dict, data, chunk: int
-) -> dict[str, float]:
-    """A whole-set metric on one device: ``predict`` over ``data`` in batches of ``chunk``
-    examples, then ``score`` on the host (the trainer runs ``predict`` distributed instead)."""
+def predict_whole_set(predict: Callable, model: nn.Module, variables: dict, data, chunk: int):
+    """``predict`` over ``data`` on one device, in batches of ``chunk`` examples: every example's
+    outputs as host numpy arrays, in order."""
     forward = _jitted(predict, model)
     parts = []
     for start in range(0, len(data), chunk):
         batch = data.get(np.arange(start, min(start + chunk, len(data))))
         parts.append(jax.device_get(forward(variables, batch)))
-    return score(model, jax.tree.map(lambda *xs: np.concatenate(xs), *parts), data)
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+def evaluate_whole_set(
+    predict: Callable, score: Callable, model: nn.Module, variables: dict, data, chunk: int
+) -> dict[str, float]:
+    """A whole-set metric on one device: :func:`predict_whole_set`, then ``score`` on the host (the
+    trainer runs ``predict`` distributed instead)."""
+    return score(model, predict_whole_set(predict, model, variables, data, chunk), data)
