@@ -197,8 +197,11 @@ class DistributedEval:
         if self.placement is not None:
             self.placement.state.check_stored(state)  # shapes and dtypes only: no device sync
         totals, count = None, None
+        apart = jax.process_count() > 1
         for batch in batches:
             sums, n = self._compiled(batch)(state, batch)
+            if apart:  # see predict: one program's collectives at a time across processes
+                jax.block_until_ready((sums, n))
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
             count = n if count is None else count + n
         if totals is None:
@@ -209,19 +212,20 @@ class DistributedEval:
     def predict(self, state, batches: Iterable):
         """``eval_fn``'s outputs for every real example of ``batches``, in order: host numpy arrays
         (each output's leading dimension the examples), on every process. Each replica computes its
-        own rows; the padding rows (``mask`` 0) are dropped on the host."""
+        own rows; the padding rows (``mask`` 0) are dropped on the host. One program runs at a time
+        (a batch's, then the gathering of its rows across processes): two batches' programs do not
+        depend on each other, and with several processes (gloo on CPU) their collectives in flight
+        at once can interleave differently on each process and never complete (seen: the small
+        DLRM's eval, its lookups' all-gathers, hung 2 runs of 3 on 2 processes)."""
         if self.placement is not None:
             self.placement.state.check_stored(state)
-        parts, masks, pending = [], [], None
+        parts, masks = [], []
         for batch in batches:
-            out = self._compiled(batch, rows=True)(state, batch)
-            if pending is not None:  # fetch the previous batch's rows while this one runs
-                parts.append(jax.tree.map(_host, pending))
-            pending = out
             masks.append(_host(batch["mask"]))
-        if pending is None:
+            out = jax.block_until_ready(self._compiled(batch, rows=True)(state, batch))
+            parts.append(jax.tree.map(_host, out))
+        if not parts:
             raise ValueError("evaluation got no batches: the held-out data set is empty")
-        parts.append(jax.tree.map(_host, pending))
         real = np.concatenate(masks) > 0
         return jax.tree.map(lambda *xs: np.concatenate(xs)[real], *parts)
 
