@@ -1,6 +1,7 @@
 """Embedding tables split by rows over the data axes (podscale/parallel/tables.py): a small DLRM's
 step on 8 replicas against one device, its tables' layout through the step, and the compiled
-module's collectives (none of a table's size)."""
+module's collectives (none of a table's size); its evaluation (metrics, predictions and AUC) on the
+tables as stored, against one device, and the eval program's collectives and memory."""
 
 import dataclasses
 import functools
@@ -12,8 +13,9 @@ import optax
 import pytest
 from helpers import relative_error, run_parallel, run_single
 
-from podscale import data_parallel, make_mesh
-from podscale.train.tasks import Task, make_train_step
+from podscale import data_parallel, distributed_eval, make_mesh
+from podscale.train.data import padded_eval_batches
+from podscale.train.tasks import Task, make_eval_fn, make_train_step
 from podscale.workloads import dlrm
 from podscale.workloads.clicks import ClickLogs
 from podscale.workloads.precision import FLOAT32
@@ -153,3 +155,81 @@ def test_a_flax_embed_looked_up_by_jnp_take_is_a_table_and_a_tied_one_is_not():
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         found = {paths[i] for i in tables.looked_up(closed.jaxpr, len(paths))}
         assert found == (set() if tied else {"['Embed_0']['embedding']"}), (tied, found)
+
+
+def _held_out(n=100):
+    """``n`` held-out click logs (batches of 32 leave the last one padded)."""
+    return ClickLogs(n, CFG.cardinalities, offset=4096)
+
+
+def _placed_eval(eval_fn):
+    """The state after ten steps, placed as the sharded update's step stores it (the dense kernels
+    in 1/8 chunks, the tables and their Adagrad accumulators split by rows), and ``eval_fn``
+    evaluated where it lives."""
+    task, tx = _task(), OPTIMIZERS["adagrad"]()
+    state = _single("adagrad")[1][0]
+    dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update="sharded", min_shard_size=64)
+    stored = dp.place_state(state, _batches(1)[0])
+    assert sum(leaf.table for leaf in dp.layout.leaves) == 6 and any(leaf.sharded for leaf in dp.layout.leaves)
+    return state, dp, stored, distributed_eval(eval_fn, dp)
+
+
+def test_eval_with_tables_split_by_rows_equals_one_device():
+    """The held-out loss and accuracy of the state as stored (tables split by rows, looked up where
+    their rows live by the step's partitioner) equal one device's on the whole set."""
+    task = _task()
+    state, dp, stored, evaluate = _placed_eval(make_eval_fn(task))
+    held = _held_out()
+    got = evaluate(stored, padded_eval_batches(held, dp, 32))
+    per = jax.jit(make_eval_fn(task))(state, held.get(np.arange(len(held))))
+    assert set(got) == set(per)
+    assert got["accuracy"] == np.sum(np.asarray(per["accuracy"])) / len(held)  # counts of 0/1: exact
+    np.testing.assert_allclose(got["loss"], np.mean(np.asarray(per["loss"], np.float64)), rtol=1e-6)
+
+
+def test_eval_with_tables_split_by_rows_predicts_each_example_and_scores_the_auc_of_one_device():
+    """The trainer's whole-set metric: each replica predicts its own rows' logits, the host drops
+    the last batch's padding and scores the AUC, which equals ``dlrm.evaluate`` on one device."""
+    task = _task()
+    state, dp, stored, evaluate = _placed_eval(task.predict_outputs)
+    held = _held_out()
+    logits = evaluate.predict(stored, padded_eval_batches(held, dp, 32))
+    want = jax.jit(task.predict_outputs)(state, held.get(np.arange(len(held))))
+    assert logits.shape == (len(held),)
+    np.testing.assert_allclose(logits, want, rtol=1e-6, atol=1e-6)  # a replica's rows: the batch's size only
+    auc = dlrm.score(task.model, logits, held)["auc"]
+    one = dlrm.evaluate(task.model, {"params": state.params}, held)["auc"]
+    assert 0.5 < one < 1 and abs(auc - one) <= 1e-6, (auc, one)
+
+
+def test_eval_program_keeps_the_tables_split_and_needs_less_than_a_tables_memory():
+    """The small DLRM with 10x its tables' rows (64 KB of tables, as in the full DLRM the tables
+    outweigh the dense layers and the batch's lookups), compiled: no all-gather or all-reduce
+    moves a table (the batch's ids are all-gathered, its looked-up rows reduce-scattered), and
+    each device's arguments and temporaries take less than the whole tables. Gathering the tables
+    whole for the eval (before this placement) took 76.6 KB per device; this takes 14.6 KB."""
+    from podscale.perf import hlo
+
+    cfg = dataclasses.replace(CFG, cardinalities=(1000, 370, 5, 640))
+    task = Task(dlrm.make_model(cfg, FLOAT32), "dlrm", None, None, workload=dlrm.WORKLOAD, config=cfg)
+    tx = OPTIMIZERS["adagrad"]()
+    batch = task.batch_shapes(32)
+    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    dp = data_parallel(make_train_step(task, tx), make_mesh())
+    dp.prepare(state, batch)
+    tables = [leaf for leaf in dp.layout.leaves if leaf.table and leaf.path.startswith(".params")]
+    assert len(tables) == 3
+    masked = {**batch, "mask": jax.ShapeDtypeStruct((32,), np.float32)}
+    compiled = distributed_eval(make_eval_fn(task), dp).lower(dp.layout.stored_shapes(), masked).compile()
+
+    module = hlo.read(compiled, dp.mesh)
+    smallest = min(leaf.table_rows * cfg.embed_dim * 4 for leaf in tables)  # a table's block of rows
+    for c in module.collectives:
+        whole = c.buffer_bytes * c.group_size if c.kind == "all-gather" else c.buffer_bytes
+        assert c.kind != "all-gather" or whole < smallest, c
+        assert c.kind != "all-reduce" or whole < smallest, c
+    assert sum(c.kind == "reduce-scatter" for c in module.collectives) == 3  # each table's looked-up rows
+    memory = hlo.memory_of(compiled)
+    whole_tables = sum(leaf.bytes for leaf in dp.layout.leaves if leaf.path.startswith(".params['table"))
+    # an eighth of the tables as stored, the dense layers and the batch's lookups: under half the tables
+    assert memory["arguments"] + memory["temporaries"] < whole_tables / 2, (memory, whole_tables)

@@ -182,6 +182,9 @@ class _First:
     def get(self, indices):
         return self.source.get(indices)
 
+    def instance_masks(self, index):
+        return self.source.instance_masks(index)
+
 
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
@@ -202,12 +205,46 @@ def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
     outputs = jax.jit(task.eval_outputs)(state, subset.get(np.arange(100)))
     assert all(v.shape == (100,) for v in outputs.values())  # per example
     # A whole-set metric (ssd's COCO mAP) is computed on the host: check its per-example accuracy.
-    metric = task.eval_metric if task.workload.evaluate is None else "accuracy"
+    metric = task.eval_metric if task.workload.score is None else "accuracy"
     per = np.asarray(outputs[metric], np.float64)
     if set(np.unique(per)) <= {0.0, 1.0}:  # counts of 0/1 in float32 are exact
         assert got[metric] == np.sum(per) / 100
     else:  # masked-LM accuracy: a mean over each sequence's positions, summed in another order
         np.testing.assert_allclose(got[metric], np.sum(per) / 100, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in workloads.NAMES if workloads.get(n).score])
+def test_whole_set_eval_predicted_on_8_replicas_equals_one_devices_evaluate(name):
+    """The trainer's whole-set metric (DLRM's AUC, SSD's COCO mAP, Mask R-CNN's box and mask AP) on
+    the state as the step places it: each replica predicts its rows of one eval batch (12
+    examples of 16, the last 4 padding), the host scores them. The predictions and the metrics equal the
+    workload's ``evaluate`` on one device (1e-6); the state is never gathered."""
+    import sys
+
+    from podscale import distributed_eval
+    from podscale.train.data import padded_eval_batches
+    from podscale.workloads.base import predict_whole_set
+
+    task = make_task(name, config="tiny", policy=FLOAT32)
+    tx = task.workload.make_optimizer(task.config, 10)
+    state = task.init_state(jax.random.key(0), tx)
+    dp = data_parallel(make_train_step(task, tx), make_mesh())
+    stored = dp.place_state(state, task.train_data.get(np.arange(16)))
+    assert name != "dlrm" or any(leaf.table for leaf in dp.layout.leaves)  # its tables split by rows
+    subset = _First(task.eval_data, 12)
+    got = distributed_eval(task.predict_outputs, dp).predict(stored, padded_eval_batches(subset, dp, 16))
+    variables = {"params": state.params, "batch_stats": state.batch_stats}
+    want = predict_whole_set(task.workload.predict, task.model, variables, subset, 64)  # as evaluate() runs it
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape[0] == 12
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    if name == "maskrcnn":
+        assert got["valid"].any()  # detections to score
+    scored = task.workload.score(task.model, got, subset)
+    one = sys.modules[task.workload.predict.__module__].evaluate(task.model, variables, subset)
+    assert set(scored) == set(one) and task.eval_metric in one
+    for k, v in one.items():
+        assert abs(scored[k] - v) <= 1e-6, (k, scored[k], v)
 
 
 @pytest.mark.full_config

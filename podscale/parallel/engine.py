@@ -296,24 +296,13 @@ class DataParallelStep:
         by rows (``table_rows``: ``{state leaf index: rows per replica}``, their ``state_leaves``
         this replica's rows), which stay so."""
         table_rows = table_rows or {}
-        group = self.group_axis
         rows = np.shape(batch_leaves[0])[0] * self.replicas if batch_leaves else None
-        part = Partitioner(
-            self.axes,
-            self.replicas,
-            group,
-            self.mesh.shape[group] if group else 1,
+        part = partitioner(
+            self.mesh,
+            self.roles,
             rows,
+            {tuple(gt.closed.jaxpr.invars[i].aval.shape): per for i, per in table_rows.items()},
             independent_rng=self.strategy.rng == "independent",
-            platform=self.mesh.devices.flat[0].platform,
-            conv_axes=self.partitions if len(self.partitions) > 1 else ((self.space,) if self.space else ()),
-            conv_size=self.mesh.shape[self.space] if self.space else 1,
-            region_axes={
-                role: (axis, self.mesh.shape[axis])
-                for role, axis in (("space", self.space), ("model", self.model))
-                if axis is not None
-            },
-            tables={tuple(gt.closed.jaxpr.invars[i].aval.shape): rows for i, rows in table_rows.items()},
         )
 
         def local(state_leaves, batch_leaves):
@@ -555,6 +544,31 @@ class DataParallelStep:
             return jax.make_array_from_process_local_data(sharding, x, (global_batch, *x.shape[1:]))
 
         return jax.tree.map(put, local_batch, self.batch_shardings(local_batch))
+
+
+def partitioner(
+    mesh: Mesh, roles: Roles, batch_rows: int | None, tables: dict, *, independent_rng: bool = False
+) -> Partitioner:
+    """The :class:`Partitioner` of a program placed by ``roles`` on ``mesh``: over the data axes,
+    its batch of ``batch_rows`` global rows, ``tables`` (``{global shape: rows per replica}``) split
+    by rows, the space and model axes' regions and convolutions as the step partitions them. The
+    step's and the evaluation's replay (:mod:`podscale.train.evaluate`) are made here, alike."""
+    group, space, model, partitions = roles.group, roles.space, roles.model, roles.partitions
+    return Partitioner(
+        roles.data,
+        roles.replicas(mesh),
+        group,
+        mesh.shape[group] if group else 1,
+        batch_rows,
+        independent_rng=independent_rng,
+        platform=mesh.devices.flat[0].platform,
+        conv_axes=partitions if len(partitions) > 1 else ((space,) if space else ()),
+        conv_size=mesh.shape[space] if space else 1,
+        region_axes={
+            role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
+        },
+        tables=tables,
+    )
 
 
 def data_parallel(

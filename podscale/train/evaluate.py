@@ -14,10 +14,17 @@ the model axis, and XLA partitions ``eval_fn`` over it as it does the step; an o
 leaf the sharded update keeps in flat 1/N chunks is passed as stored, since ``eval_fn`` does not
 read it. A chunked leaf that ``eval_fn`` does read (batch norm's running statistics, which the
 training forward pass does not read, so the sharded update may chunk them) is gathered whole for
-it. So evaluation needs no more memory per device than the state takes as stored, except for an
-embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`): ``eval_fn``
-runs unpartitioned, so such a table is gathered whole for it (a table's size per device while
-evaluating; the lookup by rows is the train step's only).
+it. An embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`) stays
+split: where ``eval_fn`` reads one, ``eval_fn`` is traced at the global shapes and each replica
+replays it with the step's partitioner (:func:`podscale.parallel.engine.partitioner`), the table as
+its stored block of rows, looked up where the rows live as in the step (the batch's ids
+all-gathered, the looked-up rows reduce-scattered back to their examples); without a table read,
+``eval_fn`` runs as written on each replica's rows. So evaluation needs no more memory per device
+than the state takes as stored.
+
+:meth:`DistributedEval.predict` returns each example's outputs instead of their means: each
+replica computes its own rows, and every process gets them all on the host, in order, the padding
+dropped (the predictions of a whole-set metric, :attr:`podscale.workloads.Workload.predict`).
 
 ``distributed_eval(eval_fn, mesh)`` is the same for a state replicated on every device, every
 mesh axis a data axis.
@@ -31,18 +38,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale._jax import pe
 from podscale.parallel import regions
+from podscale.parallel.engine import partitioner
 from podscale.parallel.mesh import auto_axes
+from podscale.parallel.partition import REPLICATED, Split
 from podscale.parallel.placement import Placement
 from podscale.parallel.program import shape_structs, signature
 
 
 class DistributedEval:
-    """``run(state, batches) -> {metric: mean over real examples}``; see the module docstring.
+    """``run(state, batches) -> {metric: mean over real examples}``, and :meth:`predict`, each
+    example's outputs; see the module docstring.
 
     :meth:`lower` lowers the program of one batch (a global batch with its ``mask`` leaf; arrays
     or ``ShapeDtypeStruct``) for a stored state, to compile it or read its memory per device."""
@@ -69,21 +81,43 @@ class DistributedEval:
     def replicas(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
-    def _read(self, batch) -> set[int]:
-        """The state leaves (flat indices) ``eval_fn`` reads on ``batch`` (global shapes, no mask),
-        traced on the user layout."""
+    def _trace(self, batch):
+        """``eval_fn`` traced at the global shapes (the user-layout state, ``batch`` without its
+        mask): the closed jaxpr and its output tree."""
         layout = self.placement.state
         user = jax.tree.unflatten(
             layout.treedef,
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type) for leaf in layout.leaves],
         )
-        closed = jax.make_jaxpr(self.eval_fn)(user, shape_structs(batch))
-        _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-        return {i for i, u in enumerate(used[: len(layout.leaves)]) if u}
+        closed, out = jax.make_jaxpr(self.eval_fn, return_shape=True)(user, batch)
+        return closed, jax.tree.structure(out)
 
-    def _build(self, batch):
+    def _replay(self, jaxpr, consts, used: list[bool], out_tree, batch_rows: int) -> Callable:
+        """Each replica's part of ``eval_fn`` on the stored state: its global trace (``jaxpr``, the
+        inputs it reads ``used``) replayed by the step's partitioner, the tables as their blocks of
+        rows (``Split(0)``, padding included), the other leaves whole, the batch split by rows; each
+        output comes back as this replica's rows."""
+        layout, placement = self.placement.state, self.placement
+        tables = {leaf.shape: leaf.table_rows for leaf in layout.leaves if leaf.table}
+
+        def per_example(state, batch):
+            part = partitioner(placement.mesh, placement.roles, batch_rows, tables)
+            state_in = [
+                (x, Split(0) if leaf.table else REPLICATED)
+                for x, leaf in zip(jax.tree.leaves(state), layout.leaves, strict=True)
+            ]
+            ins = [*state_in, *((x, Split(0)) for x in jax.tree.leaves(batch))]
+            outs = part.run(jaxpr, consts, [x for x, u in zip(ins, used, strict=True) if u])
+            return jax.tree.unflatten(out_tree, [part.convert(v, lay, Split(0)) for v, lay in outs])
+
+        return per_example
+
+    def _build(self, batch, rows: bool):
+        """The jitted program of ``batch``'s signature: the masked sums of ``eval_fn``'s outputs
+        and the example count (``rows=False``), or each replica's rows of them (``rows=True``)."""
         axes, layout = self.axes, self.placement and self.placement.state
         eval_fn = self.eval_fn
+        unmasked = {k: v for k, v in shape_structs(batch).items() if k != "mask"}
 
         roles = self.placement.roles if self.placement is not None else None
         hand = {
@@ -92,22 +126,36 @@ class DistributedEval:
             if axis is not None
         }
 
-        def body(state, batch):
-            mask = batch["mask"]
+        def direct(state, batch):
             with regions.by_hand(hand):  # a region of the model: by hand over its axis, as in the step
-                per = eval_fn(state, {k: v for k, v in batch.items() if k != "mask"})
+                return eval_fn(state, batch)
+
+        gather, per_example = set(), direct
+        if layout is not None and (layout.any_sharded or any(leaf.table for leaf in layout.leaves)):
+            closed, out_tree = self._trace(unmasked)
+            jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+            read = {i for i, u in enumerate(used[: len(layout.leaves)]) if u}
+            gather = {i for i, leaf in enumerate(layout.leaves) if leaf.sharded and i in read}
+            if any(layout.leaves[i].table for i in read):  # looked up where its rows live, as in the step
+                rows_in = jax.tree.leaves(unmasked)[0].shape[0]
+                per_example = self._replay(jaxpr, closed.consts, used, out_tree, rows_in)
+
+        def body(state, batch):
+            per = per_example(state, {k: v for k, v in batch.items() if k != "mask"})
+            if rows:
+                return per
+            mask = batch["mask"]
             sums = {k: jax.lax.psum(jnp.sum(v.astype(jnp.float32) * mask), axes) for k, v in per.items()}
             return sums, jax.lax.psum(jnp.sum(mask), axes)
 
         replicated = NamedSharding(self.mesh, P())
+        out_specs, out_shardings = (
+            (P(axes), NamedSharding(self.mesh, P(axes))) if rows else ((P(), P()), (replicated, replicated))
+        )
         if layout is None:  # a replicated state, every mesh axis a data axis
-            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(axes)), out_specs=(P(), P()))
-            return jax.jit(mapped, out_shardings=(replicated, replicated))
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(axes)), out_specs=out_specs)
+            return jax.jit(mapped, out_shardings=out_shardings)
 
-        gather = set()
-        if layout.any_sharded or any(leaf.table for leaf in layout.leaves):
-            read = self._read({k: v for k, v in shape_structs(batch).items() if k != "mask"})
-            gather = {i for i, leaf in enumerate(layout.leaves) if (leaf.sharded or leaf.table) and i in read}
         specs = jax.tree.leaves(layout.specs())
         specs = jax.tree.unflatten(layout.treedef, [P() if i in gather else s for i, s in enumerate(specs)])
 
@@ -117,40 +165,43 @@ class DistributedEval:
             body,
             mesh=self.mesh,
             in_specs=(specs, P(axes)),
-            out_specs=(P(), P()),
+            out_specs=out_specs,
             axis_names=set(axes),
             check_vma=self.replicas > 1,
         )
 
         def program(stored, batch):
             leaves = jax.tree.leaves(stored)
-            for i in gather:  # a chunked leaf or table eval_fn reads: whole (its padding dropped) for it
-                leaf = layout.leaves[i]
-                leaves[i] = leaves[i][: leaf.shape[0]] if leaf.table else layout.whole(leaves[i], leaf)
+            for i in gather:  # a chunked leaf eval_fn reads: whole for it
+                leaves[i] = layout.whole(leaves[i], layout.leaves[i])
             return mapped(jax.tree.unflatten(layout.treedef, leaves), batch)
 
         return jax.jit(
             program,
             in_shardings=(layout.shardings(), self.placement.batch_shardings(shape_structs(batch))),
-            out_shardings=(replicated, replicated),
+            out_shardings=out_shardings,
         )
 
-    def _compiled(self, batch):
-        key = signature(batch)
+    def _compiled(self, batch, rows: bool = False):
+        key = (rows, signature(batch))
         if key not in self._jitted:
-            self._jitted[key] = self._build(batch)
+            self._jitted[key] = self._build(batch, rows)
         return self._jitted[key]
 
-    def lower(self, state, batch):
-        """Lowers the evaluation of one global ``batch`` (with its ``mask``) for the stored ``state``."""
-        return self._compiled(batch).lower(state, batch)
+    def lower(self, state, batch, *, rows: bool = False):
+        """Lowers the evaluation of one global ``batch`` (with its ``mask``) for the stored ``state``:
+        its metrics' sums, or with ``rows=True`` :meth:`predict`'s program."""
+        return self._compiled(batch, rows).lower(state, batch)
 
     def __call__(self, state, batches: Iterable) -> dict[str, float]:
         if self.placement is not None:
             self.placement.state.check_stored(state)  # shapes and dtypes only: no device sync
         totals, count = None, None
+        apart = jax.process_count() > 1
         for batch in batches:
             sums, n = self._compiled(batch)(state, batch)
+            if apart:  # see predict: one program's collectives at a time across processes
+                jax.block_until_ready((sums, n))
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
             count = n if count is None else count + n
         if totals is None:
@@ -158,9 +209,37 @@ class DistributedEval:
         count = float(count)
         return {k: float(v) / count for k, v in totals.items()}
 
+    def predict(self, state, batches: Iterable):
+        """``eval_fn``'s outputs for every real example of ``batches``, in order: host numpy arrays
+        (each output's leading dimension the examples), on every process. Each replica computes its
+        own rows; the padding rows (``mask`` 0) are dropped on the host. One program runs at a time
+        (a batch's, then the gathering of its rows across processes): two batches' programs do not
+        depend on each other, and with several processes (gloo on CPU) their collectives in flight
+        at once can interleave differently on each process and never complete (seen: the small
+        DLRM's eval, its lookups' all-gathers, hung 2 runs of 3 on 2 processes)."""
+        if self.placement is not None:
+            self.placement.state.check_stored(state)
+        parts, masks = [], []
+        for batch in batches:
+            masks.append(_host(batch["mask"]))
+            out = jax.block_until_ready(self._compiled(batch, rows=True)(state, batch))
+            parts.append(jax.tree.map(_host, out))
+        if not parts:
+            raise ValueError("evaluation got no batches: the held-out data set is empty")
+        real = np.concatenate(masks) > 0
+        return jax.tree.map(lambda *xs: np.concatenate(xs)[real], *parts)
+
+
+def _host(x) -> np.ndarray:
+    """A global array's whole value as host numpy, on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
 
 def distributed_eval(eval_fn: Callable, where) -> DistributedEval:
-    """Returns ``run(state, batches) -> {metric: mean over real examples}``.
+    """Returns ``run(state, batches) -> {metric: mean over real examples}``; ``run.predict(state,
+    batches)`` gives each real example's outputs instead, on the host.
 
     ``where`` is the train step (a ``DataParallelStep`` after ``place_state`` or ``prepare``) or
     its ``placement``: the stored state is evaluated where it lives (see the module docstring). A

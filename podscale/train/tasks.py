@@ -110,6 +110,10 @@ class Task:
         logits, _ = self.apply(state, state.params, batch[self.input_key], train=False)
         return self.per_example(logits, batch)
 
+    def predict_outputs(self, state: TrainState, batch):
+        """Each example's outputs for a whole-set metric (``workload.predict``), in inference mode."""
+        return self.workload.predict(self.model, self._variables(state, state.params), batch)
+
     def apply(self, state: TrainState, params, x, train: bool):
         variables = self._variables(state, params)
         if state.batch_stats and train:

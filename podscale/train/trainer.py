@@ -3,9 +3,10 @@
 One step of data flow: the :class:`~podscale.data.Loader` thread prepares this process's rows of
 the next global batch and places them on the mesh; ``DataParallelStep`` runs the user's step on
 every replica; metrics come back one step late so the host never stalls the devices; every
-``eval_every`` steps the held-out set is evaluated sharded over all replicas; every
-``checkpoint_every`` steps orbax saves the stored state, each process its own shards, in the
-background (:mod:`~podscale.train.checkpoint`).
+``eval_every`` steps the held-out set is evaluated on the state as the step stores it, each
+replica on its own rows (a whole-set metric, COCO mAP or AUC: each replica predicts its rows and
+the host scores them all); every ``checkpoint_every`` steps orbax saves the stored state, each
+process its own shards, in the background (:mod:`~podscale.train.checkpoint`).
 
 Around the loop: :mod:`~podscale.train.config` (what a run is, its output paths),
 :mod:`~podscale.train.prepare` (every check before work), :mod:`~podscale.train.resume` (what a
@@ -135,6 +136,8 @@ def _train(
             f"pass a larger --steps to train further"
         )
     evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
+    whole_set = task.workload.score if task.workload else None  # a whole-set metric (COCO mAP, AUC)
+    predict = distributed_eval(task.predict_outputs, dp) if whole_set else None
     _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
     mlog.end(C.INIT_STOP)
     # A resumed segment's log is a whole log of its own (init, configuration, run_start), from step
@@ -249,10 +252,9 @@ def _train(
                     )
                     mlog.start(C.EVAL_START, metadata={"epoch_num": epoch(done), "step_num": done})
                     results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
-                    if task.workload and task.workload.evaluate:  # a whole-set metric (COCO mAP)
-                        whole = dp.gather_state(state)
-                        variables = {"params": whole.params, "batch_stats": whole.batch_stats}
-                        results.update(task.workload.evaluate(task.model, variables, task.eval_data))
+                    if predict is not None:  # each replica predicts its rows; the host scores the whole set
+                        outputs = predict.predict(state, padded_eval_batches(task.eval_data, dp, eval_batch))
+                        results.update(whole_set(task.model, outputs, task.eval_data))
                     at = {"epoch_num": epoch(done), "step_num": done}
                     mlog.end(C.EVAL_STOP, metadata=at)
                     mlog.event(C.EVAL_ACCURACY, accuracy(results), metadata={**at, "metric": task.eval_metric})

@@ -15,16 +15,23 @@ Every config dataclass has at least these fields:
 - ``per_core_batch``: the MLPerf per-core batch, used to compile one replica's step;
 - ``train_steps``: the length of the schedule (``--steps`` overrides it for a run);
 - ``source``: where the hyperparameters come from (a citation, printed by ``podscale models``).
+
+A metric that is not a mean over examples (COCO mAP, AUC) comes in two parts: ``predict``, each
+example's outputs, which the trainer runs where the state lives (each replica its own rows, an
+embedding table split by rows looked up there), and ``score``, the metric of the whole set's
+outputs on the host. The state is never gathered to evaluate it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 
 from podscale.workloads.precision import Policy
@@ -78,10 +85,18 @@ class Workload:
     hparams: Callable[[Any, int], dict[str, Any]] | None = None
     """``(config, total_steps)``: the recipe's hyperparameters under mllog's standard keys
     (``mlperf_logging.mllog.constants``: ``opt_name``, ``opt_base_learning_rate``, warmup, ...)."""
-    evaluate: Callable[[nn.Module, dict, Any], dict[str, float]] | None = None
-    """``(model, variables, eval_data) -> metrics`` over the whole held-out set, on the host, for a
-    metric that is not a mean over examples (COCO mAP); ``eval_metric`` is then one of its keys,
-    and ``eval_metrics`` gives the per-example ones (loss) beside it."""
+    predict: Callable[[nn.Module, dict, Batch], Any] | None = None
+    """``(model, variables, batch) -> outputs``: inference mode, a pytree of arrays whose leading
+    dimension is the batch's examples (DLRM's logits; SSD's class logits and box offsets; Mask
+    R-CNN's detections), for a metric that is not a mean over examples (COCO mAP, AUC). The
+    trainer runs it where the state lives, each replica on its own rows
+    (:meth:`~podscale.train.evaluate.DistributedEval.predict`), and gathers every example's outputs
+    on the host for ``score``. Set with ``score``; ``eval_metric`` is then one of its keys, and
+    ``eval_metrics`` gives the per-example ones (loss) beside it."""
+    score: Callable[[nn.Module, Any, Any], dict[str, float]] | None = None
+    """``(model, predictions, eval_data) -> metrics`` on the host: ``predict``'s outputs for the
+    whole held-out set, in order, as numpy arrays (pycocotools' mAP, scikit-learn's AUC).
+    :func:`evaluate_whole_set` is the same metric on one device."""
     mlperf_accuracy: Callable[[dict[str, float]], Any] | None = None
     """``(results) -> value`` logged as MLPerf's ``eval_accuracy`` (default: the ``eval_metric``'s
     value); Mask R-CNN's is ``{"BBOX": box AP, "SEGM": mask AP}``, as its reference logs it."""
@@ -95,6 +110,8 @@ class Workload:
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
 
     def __post_init__(self):
+        if (self.predict is None) != (self.score is None):
+            raise ValueError(f"workload {self.name!r}: predict and score go together (a whole-set metric)")
         if not self.mlperf_name:
             object.__setattr__(self, "mlperf_name", self.name)
 
@@ -112,3 +129,28 @@ class Workload:
         batch = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in self.batch_shapes(config, 1).items()}
         variables = jax.eval_shape(lambda b: self.init(model, jax.random.key(0), b), batch)
         return sum(int(x.size) for x in jax.tree.leaves(variables["params"]))
+
+
+@functools.cache
+def _jitted(predict: Callable, model: nn.Module) -> Callable:
+    """``predict`` of a model, jitted once per model (every evaluation reuses it)."""
+    return jax.jit(functools.partial(predict, model))
+
+
+def predict_whole_set(predict: Callable, model: nn.Module, variables: dict, data, chunk: int):
+    """``predict`` over ``data`` on one device, in batches of ``chunk`` examples: every example's
+    outputs as host numpy arrays, in order."""
+    forward = _jitted(predict, model)
+    parts = []
+    for start in range(0, len(data), chunk):
+        batch = data.get(np.arange(start, min(start + chunk, len(data))))
+        parts.append(jax.device_get(forward(variables, batch)))
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+def evaluate_whole_set(
+    predict: Callable, score: Callable, model: nn.Module, variables: dict, data, chunk: int
+) -> dict[str, float]:
+    """A whole-set metric on one device: :func:`predict_whole_set`, then ``score`` on the host (the
+    trainer runs ``predict`` distributed instead)."""
+    return score(model, predict_whole_set(predict, model, variables, data, chunk), data)

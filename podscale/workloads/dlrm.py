@@ -43,7 +43,6 @@ reaches AUC 0.8076 at step 300 on 8 CPU replicas (about 20 s to target on this 2
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import flax.linen as nn
@@ -53,7 +52,7 @@ import numpy as np
 import optax
 from mlperf_logging.mllog import constants as C
 
-from podscale.workloads.base import Reference, Workload
+from podscale.workloads.base import Reference, Workload, evaluate_whole_set
 from podscale.workloads.clicks import NUM_DENSE, ClickLogs
 from podscale.workloads.precision import Policy
 
@@ -237,24 +236,26 @@ def eval_metrics(model: DLRM, variables: dict, batch) -> dict[str, jax.Array]:
     return _per_example(model.apply(variables, batch["dense"], batch["sparse"]), batch["label"])
 
 
-@functools.cache
-def _forward(model: DLRM):
-    """The jitted inference of a model, compiled once per model (every evaluation reuses it)."""
-    return jax.jit(lambda v, d, s: model.apply(v, d, s))
+def predict(model: DLRM, variables: dict, batch) -> jax.Array:
+    """Each example's logit (inference)."""
+    return model.apply({"params": variables["params"]}, batch["dense"], batch["sparse"])
+
+
+def score(model: DLRM, logits: np.ndarray, data, chunk: int = 4096) -> dict[str, float]:
+    """AUC of the whole held-out set's ``logits`` (scikit-learn's ``roc_auc_score``; the
+    submission's ``tf.metrics.auc`` approximates it with 1000 thresholds)."""
+    from sklearn.metrics import roc_auc_score
+
+    del model
+    labels = [
+        data.get(np.arange(start, min(start + chunk, len(data))))["label"] for start in range(0, len(data), chunk)
+    ]
+    return {"auc": float(roc_auc_score(np.concatenate(labels), logits))}
 
 
 def evaluate(model: DLRM, variables: dict, data, chunk: int = 4096) -> dict[str, float]:
-    """AUC of the whole held-out set (scikit-learn's ``roc_auc_score``; the submission's
-    ``tf.metrics.auc`` approximates it with 1000 thresholds)."""
-    from sklearn.metrics import roc_auc_score
-
-    forward = _forward(model)
-    logits, labels = [], []
-    for start in range(0, len(data), chunk):
-        batch = data.get(np.arange(start, min(start + chunk, len(data))))
-        logits.append(np.asarray(forward({"params": variables["params"]}, batch["dense"], batch["sparse"])))
-        labels.append(batch["label"])
-    return {"auc": float(roc_auc_score(np.concatenate(labels), np.concatenate(logits)))}
+    """:func:`score` of :func:`predict` over the whole held-out set, on one device."""
+    return evaluate_whole_set(predict, score, model, variables, data, chunk)
 
 
 def learning_rate_schedule(cfg: DLRMConfig, total_steps: int | None = None) -> optax.Schedule:
@@ -310,5 +311,6 @@ WORKLOAD = Workload(
     eval_metrics=eval_metrics,
     eval_metric="auc",
     hparams=hparams,
-    evaluate=evaluate,
+    predict=predict,
+    score=score,
 )

@@ -56,7 +56,7 @@ import optax
 from mlperf_logging.mllog import constants as C
 
 from podscale.workloads import rcnn
-from podscale.workloads.base import Reference, Workload
+from podscale.workloads.base import Reference, Workload, evaluate_whole_set
 from podscale.workloads.datasets import DigitDetection
 
 ASPECT_RATIOS = ((1.0, 1.0), (1.4, 0.7), (0.7, 1.4))
@@ -684,32 +684,36 @@ def eval_metrics(model: MaskRCNN, variables: dict, batch) -> dict[str, jax.Array
     return _losses(model, variables, batch, train=False)[0]
 
 
-@functools.cache
-def _forward(model: MaskRCNN):
-    return jax.jit(lambda v, x: model.apply(v, x, train=False))
+def predict(model: MaskRCNN, variables: dict, batch) -> dict[str, jax.Array]:
+    """Each image's detections (:meth:`MaskRCNN.__call__`: boxes, scores, labels, valid and the
+    28 x 28 mask probabilities of each)."""
+    return model.apply(variables, batch["image"], train=False)
 
 
-def evaluate(model: MaskRCNN, variables: dict, data, chunk: int = 64) -> dict[str, float]:
-    """COCO box and mask AP of the whole held-out set: the detections (on device), their masks
-    pasted into the canvas, pycocotools."""
+def score(model: MaskRCNN, det: dict, data, chunk: int = 64) -> dict[str, float]:
+    """COCO box and mask AP of the whole held-out set's detections: their masks pasted into the
+    canvas, pycocotools."""
     cfg = model.cfg
-    forward = _forward(model)
     h, w = cfg.image_size
     scale = np.array([w, h, w, h], np.float32)
     truth, found = [], []
     for start in range(0, len(data), chunk):
         rows = np.arange(start, min(start + chunk, len(data)))
         batch = data.get(rows)
-        det = jax.device_get(forward(variables, batch["image"]))
         for j, i in enumerate(rows):
             lab = batch["labels"][j]
             truth.append((batch["boxes"][j][lab > 0] * scale, lab[lab > 0], data.instance_masks(int(i))))
-            v = det["valid"][j]
-            boxes = det["boxes"][j][v]
+            v = det["valid"][i]
+            boxes = det["boxes"][i][v]
             found.append(
-                (boxes, det["scores"][j][v], det["labels"][j][v], rcnn.paste_masks(det["masks"][j][v], boxes, (h, w)))
+                (boxes, det["scores"][i][v], det["labels"][i][v], rcnn.paste_masks(det["masks"][i][v], boxes, (h, w)))
             )
     return rcnn.coco_ap(truth, found, (h, w), cfg.num_classes)
+
+
+def evaluate(model: MaskRCNN, variables: dict, data, chunk: int = 64) -> dict[str, float]:
+    """:func:`score` of :func:`predict` over the whole held-out set, on one device."""
+    return evaluate_whole_set(predict, score, model, variables, data, chunk)
 
 
 def mlperf_accuracy(results: dict[str, float]) -> dict[str, float]:
@@ -731,7 +735,8 @@ WORKLOAD = Workload(
     eval_metrics=eval_metrics,
     eval_metric="mask_ap",
     hparams=hparams,
-    evaluate=evaluate,
+    predict=predict,
+    score=score,
     mlperf_accuracy=mlperf_accuracy,
     quality=lambda cfg: {"box_ap": cfg.box_target},
     samples=True,

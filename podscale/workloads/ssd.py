@@ -12,9 +12,9 @@ The tiny config is the same network with narrower stages and one block each, on 
 of the digits detection set (:class:`podscale.workloads.datasets.DigitDetection`), with four maps of 8,
 4, 2 and 1 and 340 default boxes.
 
-The evaluation is COCO mAP@[.5:.95] by pycocotools over the whole held-out set
-(:func:`evaluate`: the reference's post-processing, then ``detection.coco_map``), logged as
-MLPerf's ``eval_accuracy``. Expected result::
+The evaluation is COCO mAP@[.5:.95] by pycocotools over the whole held-out set: each image's
+class logits and box offsets (:func:`predict`, on the devices), then on the host the reference's
+post-processing and ``detection.coco_map`` (:func:`score`), logged as MLPerf's ``eval_accuracy``. Expected result::
 
     podscale train --model ssd --config tiny --steps 704 --eval-every 64 --target 0.5 --no-progress
 
@@ -25,7 +25,6 @@ reaches 0.5 mAP at step 384 (29 s on 8 CPU replicas).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -35,7 +34,7 @@ import optax
 from mlperf_logging.mllog import constants as C
 
 from podscale.workloads import detection
-from podscale.workloads.base import Reference, Workload
+from podscale.workloads.base import Reference, Workload, evaluate_whole_set
 from podscale.workloads.datasets import DigitDetection
 from podscale.workloads.detection import DefaultBoxes
 
@@ -352,25 +351,29 @@ def eval_metrics(model: SSD, variables: dict, batch) -> dict[str, jax.Array]:
     return _per_example(logits, offsets, batch)
 
 
-@functools.cache
-def _forward(model: SSD):
-    """The jitted inference of a model, compiled once per model (every evaluation reuses it)."""
-    return jax.jit(lambda v, x: model.apply(v, x, train=False))
+def predict(model: SSD, variables: dict, batch) -> tuple[jax.Array, jax.Array]:
+    """Each image's class logits and box offsets of its default boxes (inference)."""
+    return model.apply(variables, batch["image"], train=False)
 
 
-def evaluate(model: SSD, variables: dict, data, chunk: int = 64) -> dict[str, float]:
-    """COCO mAP of the whole held-out set: inference, the reference's post-processing (score
-    threshold 0.05, per-class NMS at IoU 0.5, the 200 best), pycocotools."""
+def score(model: SSD, predictions, data, chunk: int = 64) -> dict[str, float]:
+    """COCO mAP of the whole held-out set's ``(logits, offsets)``: the reference's post-processing
+    (score threshold 0.05, per-class NMS at IoU 0.5, the 200 best), pycocotools."""
     cfg = model.cfg
-    forward = _forward(model)
+    logits, offsets = predictions
     xywh = cfg.boxes.xywh()
     truth, found = [], []
     for start in range(0, len(data), chunk):
-        batch = data.get(np.arange(start, min(start + chunk, len(data))))
-        logits, offsets = forward(variables, batch["image"])
-        found += detection.detect(np.asarray(logits), np.asarray(offsets), xywh)
+        rows = slice(start, min(start + chunk, len(data)))
+        batch = data.get(np.arange(rows.start, rows.stop))
+        found += detection.detect(logits[rows], offsets[rows], xywh)
         truth += [(b[lab > 0], lab[lab > 0]) for b, lab in zip(batch["boxes"], batch["labels"], strict=True)]
     return detection.coco_map(truth, found, (cfg.image_size, cfg.image_size), cfg.num_classes)
+
+
+def evaluate(model: SSD, variables: dict, data, chunk: int = 64) -> dict[str, float]:
+    """:func:`score` of :func:`predict` over the whole held-out set, on one device."""
+    return evaluate_whole_set(predict, score, model, variables, data, chunk)
 
 
 WORKLOAD = Workload(
@@ -387,5 +390,6 @@ WORKLOAD = Workload(
     eval_metrics=eval_metrics,
     eval_metric="map",
     hparams=hparams,
-    evaluate=evaluate,
+    predict=predict,
+    score=score,
 )
