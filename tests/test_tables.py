@@ -233,3 +233,35 @@ def test_eval_program_keeps_the_tables_split_and_needs_less_than_a_tables_memory
     whole_tables = sum(leaf.bytes for leaf in dp.layout.leaves if leaf.path.startswith(".params['table"))
     # an eighth of the tables as stored, the dense layers and the batch's lookups: under half the tables
     assert memory["arguments"] + memory["temporaries"] < whole_tables / 2, (memory, whole_tables)
+
+
+def test_a_checkpoint_of_split_tables_restores_bit_for_bit_onto_other_replica_counts(tmp_path):
+    """Tables split by rows are saved as stored, each in its padded blocks (100 rows: 8 x 13 on 8
+    replicas, 37 rows: 8 x 5), and restore onto 4 replicas (4 x 25, 4 x 10) and then 2 (2 x 50,
+    2 x 19), with Adagrad's accumulators of their shapes: the values restored are the values saved,
+    bit for bit, and each placement holds its own blocks."""
+    from test_checkpoint_anywhere import _assert_bits
+
+    from podscale.train.checkpoint import Checkpointer
+    from podscale.train.saving import CheckpointForm
+
+    task, tx = _task(), OPTIMIZERS["adagrad"]()
+    state = task.init_state(jax.random.key(0), tx)
+    batch = _batches(1)[0]
+    ckpt = Checkpointer(str(tmp_path), every=1)
+    for step, (replicas, update) in enumerate([(8, "sharded"), (4, "replicated"), (2, "sharded")], start=1):
+        mesh = make_mesh((replicas,), devices=jax.devices()[:replicas])
+        dp = data_parallel(make_train_step(task, tx), mesh, weight_update=update, min_shard_size=64)
+        form = CheckpointForm(dp.prepare(state, batch).state)
+        if step == 1:
+            stored, _ = dp(dp.place_state(state, batch), batch)  # the accumulators hold values
+        else:
+            restored_step, stored = ckpt.restore(form)
+            assert restored_step == step - 1
+            _assert_bits(dp.gather_state(stored), state)
+        rows = -(-100 // replicas)
+        assert {s.data.shape for s in stored.params["table_0"].addressable_shards} == {(rows, 8)}
+        state = dp.gather_state(stored)
+        assert ckpt.maybe_save(step, stored, form.save_form)
+        ckpt.close()
+        ckpt = Checkpointer(str(tmp_path), every=1)
