@@ -187,9 +187,18 @@ def _zero_carries(p: Partitioner, eqn, first: int, count: int) -> list[int]:
     ]
 
 
+def _scan_counts(prm) -> tuple[int, int]:
+    """How many of a ``scan``'s inputs are consts and carry: JAX 0.10's ``num_consts`` and
+    ``num_carry``, or the trees JAX 0.11 gives instead (``ft_in``: consts, carry, xs)."""
+    if "num_consts" in prm:
+        return prm["num_consts"], prm["num_carry"]
+    consts, carry, _ = prm["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _scan(p: Partitioner, eqn, ins):
     prm = eqn.params
-    body, nc, ncarry = prm["jaxpr"], prm["num_consts"], prm["num_carry"]
+    body, (nc, ncarry) = prm["jaxpr"], _scan_counts(prm)
     consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
     # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
     xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
