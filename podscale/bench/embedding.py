@@ -123,5 +123,5 @@ def bench_embedding(
         }
     # The lookup alone, two exact ways (podscale.bench.lookups): the first table's ids of a batch.
     ids = np.asarray(batches[0]["sparse"][:, 0])
-    out["lookups"] = bench_lookups(rows, dim, batch, ids, mesh, max(steps, 3))
+    out["lookups"] = bench_lookups(rows, dim, ids, mesh, max(steps, 3))
     return out

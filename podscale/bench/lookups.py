@@ -67,14 +67,14 @@ def all_to_all(table, ids, axis: str, n: int):
     return back[owner, slot]
 
 
-def bench_lookups(rows: int, dim: int, batch: int, ids: np.ndarray, mesh, steps: int) -> dict[str, Any]:
-    """Both lookups with their gradients on ``mesh`` (one axis of ``n`` devices), ``ids``
-    (``batch`` ids into ``rows`` rows); see the module docstring."""
+def bench_lookups(rows: int, dim: int, ids: np.ndarray, mesh, steps: int) -> dict[str, Any]:
+    """Both lookups with their gradients on ``mesh`` (one axis of ``n`` devices) of the batch's
+    ``ids`` into ``rows`` rows; see the module docstring."""
     (axis,) = mesh.axis_names
     n = mesh.shape[axis]
-    table = jax.random.normal(jax.random.key(1), (rows, dim), jnp.float32)
-    cotangent = jax.random.normal(jax.random.key(2), (batch, dim), jnp.float32)
     ids = jnp.asarray(ids, jnp.int32)
+    table = jax.random.normal(jax.random.key(1), (rows, dim), jnp.float32)
+    cotangent = jax.random.normal(jax.random.key(2), (ids.shape[0], dim), jnp.float32)
     want_rows = np.asarray(table)[np.asarray(ids)]
     want_grad = np.asarray(jnp.zeros_like(table).at[ids].add(cotangent))
     split = NamedSharding(mesh, P(axis))
