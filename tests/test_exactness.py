@@ -407,13 +407,14 @@ def test_a_depthwise_convolution_runs_on_the_local_rows():
 
 def _loss_scaled_f16_step(lr=2.0**-10):
     """A float16 step with a dynamic loss scale: a step whose gradient is not finite is skipped
-    and the scale halved (as optax's or flax's dynamic scale does)."""
+    and the scale halved (as optax's or flax's dynamic scale does). The weights may be float32
+    master weights, cast to float16 for the product."""
 
     def step(state, batch):
         params, scale = state
 
         def loss_fn(p):
-            out = (batch["x"] @ p["w"]).astype(jnp.float32)[:, 0]
+            out = (batch["x"] @ p["w"].astype(jnp.float16)).astype(jnp.float32)[:, 0]
             return jnp.sum(out * batch["g"]) * scale
 
         g = jax.grad(loss_fn)(params)
@@ -441,9 +442,12 @@ def _f16_batch(row_values):
     ids=["partials overflow, the sum does not", "the sum overflows, the partials do not"],
 )
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-def test_a_float16_gradient_sum_overflows_where_one_device_s_does(rows, weight_update):
+@pytest.mark.parametrize("master", [jnp.float16, jnp.float32], ids=["float16 weight", "float32 weight cast"])
+def test_a_float16_gradient_sum_overflows_where_one_device_s_does(rows, weight_update, master):
+    """Whatever the program casts the product's gradient to afterwards (a float32 master weight's
+    type), one device's sum over the rows is of the product's type: float16, and it overflows."""
     step, batch = _loss_scaled_f16_step(), _f16_batch(rows)
-    state = ({"w": jnp.ones((2, 1), jnp.float16)}, jnp.asarray(1.0))
+    state = ({"w": jnp.ones((2, 1), master)}, jnp.asarray(1.0))
     ref, ref_m = run_single(step, state, [batch])
     par, par_m = run_parallel(
         data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1), state, [batch]
@@ -451,6 +455,37 @@ def test_a_float16_gradient_sum_overflows_where_one_device_s_does(rows, weight_u
     assert bool(par_m["finite"]) == bool(ref_m["finite"])
     np.testing.assert_array_equal(np.asarray(par_m["w_grad"]), np.asarray(ref_m["w_grad"]))
     assert max_abs_diff(par, ref) == 0.0
+
+
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_flax_dynamic_loss_scale_over_float32_master_weights_skips_the_steps_one_device_skips(weight_update):
+    """flax's DynamicScale over float32 weights cast to float16 for the product, 8 steps of rows
+    whose scaled gradient overflows float16 on some steps: the same steps are skipped, the scale
+    follows the same path, and the weights end equal."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    def step(state, batch):
+        params, dyn = state
+
+        def loss_fn(p):
+            out = batch["x"].astype(jnp.float16) @ p["w"].astype(jnp.float16) + p["b"].astype(jnp.float16)
+            return jnp.sum(out.astype(jnp.float32)) / batch["x"].shape[0]
+
+        dyn, finite, loss, g = dyn.value_and_grad(loss_fn)(params)
+        new = jax.tree.map(lambda p, g: jnp.where(finite, p - 2.0**-12 * g, p), params, g)
+        return (new, dyn), {"finite": finite, "scale": dyn.scale, "loss": loss}
+
+    state = ({"w": jnp.ones((2, 3)), "b": jnp.zeros((3,))}, DynamicScale(growth_interval=2, scale=2.0**14))
+    batches = [{"x": jnp.full((32, 2), 3000.0 if i % 3 == 0 else 1.0)} for i in range(8)]
+    jstep = jax.jit(step)
+    dp = data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1)
+    ref, par = state, dp.place_state(state, batches[0])
+    for batch in batches:
+        ref, ref_m = jstep(ref, batch)
+        par, par_m = dp(par, batch)
+        assert bool(par_m["finite"]) == bool(ref_m["finite"]) and float(par_m["scale"]) == float(ref_m["scale"])
+    assert not all(bool(jstep(state, b)[1]["finite"]) for b in batches[:1])  # the first step overflows
+    assert max_abs_diff(dp.gather_state(par), jax.device_get(ref)) == 0.0
 
 
 def _ulps_apart(a, b):
@@ -462,25 +497,32 @@ def _ulps_apart(a, b):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
-def test_16_bit_weight_gradients_are_rounded_once(dtype, weight_update):
+@pytest.mark.parametrize("master", [False, True], ids=["16-bit weight", "float32 weight cast"])
+def test_16_bit_weight_gradients_are_rounded_once(dtype, weight_update, master):
     """A 16-bit layer's weight gradient, a sum over 256 rows on 8 replicas: one device rounds
-    the sum once. Rounding each replica's share first put most elements several steps of the
-    type away from one device's; rounded once, they differ only where float32 summation order
-    moves a sum across a rounding boundary (one step, rarely)."""
+    the sum once, to the product's type, also where the weight is a float32 master weight cast to
+    16 bits for the product (its gradient the 16-bit sum, widened). Rounding each replica's share
+    first put most elements several steps of the type away from one device's; not rounding at all
+    (a float32 sum for a float32 weight) put them 2.1e-3 off; rounded once, they differ only where
+    float32 summation order moves a sum across a rounding boundary (one step, rarely)."""
 
     def step(params, batch):
         def loss_fn(p):
-            return jnp.sum((batch["x"].astype(dtype) @ p["w"]).astype(jnp.float32) * batch["t"]) / 256
+            return jnp.sum((batch["x"].astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32) * batch["t"]) / 256
 
         return params, {"g": jax.grad(loss_fn)(params)["w"]}
 
     k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
-    params = {"w": jax.random.normal(k1, (16, 32)).astype(dtype)}
+    params = {"w": jax.random.normal(k1, (16, 32)).astype(jnp.float32 if master else dtype)}
     batch = {"x": jax.random.normal(k2, (256, 16)), "t": jax.random.normal(k3, (256, 32))}
     _, ref = run_single(step, params, [batch])
     dp = data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1)
     _, par = run_parallel(dp, params, [batch])
-    apart = _ulps_apart(par["g"], ref["g"])
+    assert par["g"].dtype == ref["g"].dtype == params["w"].dtype
+    if master:  # a 16-bit sum widened: every element is of the 16-bit type, exactly
+        for g in (par["g"], ref["g"]):
+            np.testing.assert_array_equal(np.asarray(g.astype(dtype).astype(jnp.float32)), np.asarray(g))
+    apart = _ulps_apart(par["g"].astype(dtype), ref["g"].astype(dtype))
     assert apart.max() <= 1 and np.count_nonzero(apart) <= apart.size // 100, (apart.max(), np.count_nonzero(apart))
 
 

@@ -265,3 +265,61 @@ def test_a_checkpoint_of_split_tables_restores_bit_for_bit_onto_other_replica_co
         assert ckpt.maybe_save(step, stored, form.save_form)
         ckpt.close()
         ckpt = Checkpointer(str(tmp_path), every=1)
+
+
+def _rowwise_adagrad(lr=0.1):
+    """Adagrad with one accumulator per table row (DLRM's row-wise Adagrad), written by hand:
+    state of shape ``(rows,)``, derived from the table's rows but not of the table's shape."""
+
+    def init(params):
+        return {"acc": jax.tree.map(lambda p: jax.numpy.zeros(p.shape[:1]), params)}
+
+    def update(g, state, params=None):
+        acc = jax.tree.map(lambda a, g: a + (jax.numpy.mean(g**2, axis=1) if g.ndim > 1 else g**2), state["acc"], g)
+        scale = jax.tree.map(lambda g, a: jax.lax.rsqrt((a[:, None] if g.ndim > 1 else a) + 1e-8), g, acc)
+        return jax.tree.map(lambda g, s: -lr * g * s, g, scale), {"acc": acc}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "optimizer, weight_update",
+    [(lambda: optax.adafactor(0.01), "replicated"), (_rowwise_adagrad, "sharded")],
+    ids=["adafactor's factored row statistics", "a row-wise accumulator"],
+)
+def test_state_derived_from_the_rows_of_a_table_the_replicas_do_not_divide_equals_one_device(optimizer, weight_update):
+    """1001 rows on 8 replicas: the table is held in blocks of 126 rows, 7 of them padding. A value
+    computed from its rows (a per-row statistic, a max over every row of a table of negative
+    entries, an all over them) is the whole table's: the padding is dropped where the value is
+    made whole and is the identity of a reduction over the rows."""
+    import jax.numpy as jnp
+
+    tx = optimizer()
+    params = {"table": jax.random.normal(jax.random.key(0), (1001, 16)) * 0.1 - 1.0, "w": jnp.full((16, 1), 0.1)}
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss_fn(p):
+            e = jnp.take(p["table"], batch["ids"], axis=0)
+            return jnp.mean(((e @ p["w"])[:, 0] - batch["y"]) ** 2) + 1e-3 * jnp.max(p["table"])
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt = tx.update(g, opt, params)
+        metrics = {"loss": loss, "max": jnp.max(params["table"]), "negative": jnp.all(params["table"] < 0)}
+        return (optax.apply_updates(params, u), opt), metrics
+
+    batches = [
+        {
+            "ids": jax.random.randint(jax.random.key(10 + i), (32,), 0, 1001),
+            "y": jax.random.normal(jax.random.key(i), (32,)),
+        }
+        for i in range(3)
+    ]
+    state = (params, tx.init(params))
+    want, want_metrics = run_single(step, state, batches)
+    dp = data_parallel(step, make_mesh(), weight_update=weight_update)
+    got, metrics = run_parallel(dp, state, batches)
+    assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [126]
+    assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
+    assert float(metrics["max"]) == float(want_metrics["max"]) < 0 and bool(metrics["negative"])

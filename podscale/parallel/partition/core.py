@@ -21,7 +21,7 @@ from podscale.parallel.collectives import Collective
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import _CONTROL
 from podscale.parallel.partition.draws import _random_bits_rows
-from podscale.parallel.partition.jaxprs import _dtype, _is_zero, _source, _vma
+from podscale.parallel.partition.jaxprs import _dtype, _global_shape, _is_zero, _source, _vma
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Layout, Split
 from podscale.parallel.partition.rules import _RULES, ELEMENTWISE, _elementwise
 from podscale.parallel.partition.sums import (
@@ -30,7 +30,6 @@ from podscale.parallel.partition.sums import (
     _LINEAR_UNARY,
     WIDE,
     _feeding_group_sums,
-    _is_float,
     _linear_in_partial,
     _narrow_float,
     one_replica_sum,
@@ -104,6 +103,11 @@ class Partitioner:
         self._memo: dict[tuple, tuple[Any, Any]] = {}
         """Conversions already made, by (id of the local value, source, destination): a partial
         sum read by two ops (Adam's ``g`` and ``g * g``) is summed once."""
+        self._padded: dict[int, tuple[Any, int]] = {}
+        """Values split by rows in padded blocks (a table's rows, and every value computed from
+        them row by row: its gradient, a row-wise statistic), by id: (the value, the rows of the
+        whole value). Their padding rows are held at zero (:meth:`pad_rows`), so that a sum over the
+        rows or a product contracting them is the whole value's; a value made whole drops them."""
         self._wide: dict[int, tuple[Any, np.dtype]] = {}
         """Partial sums held in float32 for a narrow float type, by id: (the value, the program's
         type), which the value is rounded to once it is summed."""
@@ -188,6 +192,37 @@ class Partitioner:
         self._wide[id(x)] = (x, np.dtype(dtype))
         return x
 
+    def padded_rows(self, x, layout: Layout) -> int | None:
+        """The rows of the whole value where ``x`` is split by rows in padded blocks, else ``None``."""
+        hit = self._padded.get(id(x)) if isinstance(layout, Split) else None
+        return hit[1] if hit is not None and hit[0] is x else None
+
+    def pad_rows(self, x, layout: Layout, var):
+        """``x``, split by ``layout`` as the jaxpr variable ``var``: where its blocks over-cover
+        ``var``'s rows (a table's, padded), registered as padded, with its padding rows zero (what
+        an op made of them, ``exp(0)`` say, is not carried on)."""
+        if not isinstance(layout, Split) or self.one or not hasattr(x, "shape"):
+            return x
+        rows = _global_shape(var)[layout.dim] if hasattr(var, "aval") else None
+        if rows is None or x.shape[layout.dim] * self.n == rows:
+            return x
+        if self.padded_rows(x, layout) is None:
+            local = x.shape[layout.dim]
+            row = self.index() * local + lax.broadcasted_iota(jnp.int32, x.shape, layout.dim)
+            x = jnp.where(row < rows, x, jnp.zeros((), x.dtype))
+            self._padded[id(x)] = (x, rows)
+        return x
+
+    def mask_padding(self, x, layout: Layout, fill):
+        """``x`` with its padding rows (if any) set to ``fill``: the identity of a reduction over
+        the rows (``-inf`` for a max, ``True`` for an all)."""
+        rows = self.padded_rows(x, layout)
+        if rows is None:
+            return x
+        local = x.shape[layout.dim]
+        row = self.index() * local + lax.broadcasted_iota(jnp.int32, x.shape, layout.dim)
+        return jnp.where(row < rows, x, jnp.asarray(fill, x.dtype))
+
     def _whole(self, x, layout: Layout):
         if layout is REPLICATED:
             return x
@@ -205,6 +240,9 @@ class Partitioner:
             return total if narrow is None else total.astype(narrow)  # rounded once, after the sum
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
         self.record("all-gather", self.axes, x, "rows made whole")
+        rows = self.padded_rows(x, layout)
+        if rows is not None:  # split in a table's padded blocks: drop the padding of the last block
+            return lax.slice_in_dim(out, 0, rows, axis=layout.dim)
         if layout.dim == 0:
             padded = {s[0] for s, rows in self.tables.items() if (rows, *s[1:]) == tuple(x.shape)}
             if len(padded) > 1:
@@ -273,7 +311,7 @@ class Partitioner:
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)
         for v, (a, lay) in zip(jaxpr.invars, args, strict=True):
-            env[v] = (self.hold(a, lay, _dtype(v)), lay)
+            env[v] = (self.pad_rows(self.hold(a, lay, _dtype(v)), lay, v), lay)
 
         def read(var):
             if isinstance(var, core.Literal):
@@ -289,7 +327,7 @@ class Partitioner:
             with _interpret.source(eqn):
                 outs = self.equation(eqn, ins)
             for var, (out, lay) in zip(eqn.outvars, outs, strict=True):
-                env[var] = (self.hold(out, lay, _dtype(var)), lay)
+                env[var] = (self.pad_rows(self.hold(out, lay, _dtype(var)), lay, var), lay)
         return [read(v) for v in jaxpr.outvars]
 
     def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
@@ -443,16 +481,10 @@ class Partitioner:
             keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
             keeps |= name == "mul" and layouts[0] is REPLICATED
         vals = [v for v, _ in ins]
-        if name == "convert_element_type" and len(ins) == 1:
-            new = np.dtype(eqn.params["new_dtype"])
-            if jnp.issubdtype(new, jnp.floating) and new.itemsize >= WIDE.itemsize:
-                # Widened by the program (a 16-bit gradient cast to a float32 master weight's type):
-                # it stays a partial sum, now of the wide type, with no rounding to 16 bits before
-                # the sum. One device's XLA drops that round trip too where it may keep excess
-                # precision (xla_allow_excess_precision, on by default). A copy, so that the
-                # 16-bit value (if read elsewhere) keeps its own rounding.
-                out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
-                return [(out, PARTIAL)]
+        # No convert_element_type: a float32 partial of a 16-bit sum that the program casts (to
+        # float32, say: a 16-bit product inside a float32 master weight's gradient) is summed and
+        # rounded to its 16-bit type first, as one device rounds the sum to the product's type
+        # whatever the program casts it to afterwards (its float16 sum overflows to inf).
         if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
             vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
             keeps = True
@@ -472,10 +504,8 @@ class Partitioner:
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name in _LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "convert_element_type" and _is_float(eqn.params["new_dtype"]) and _is_float(vals[0].dtype):
-            if np.dtype(eqn.params["new_dtype"]).itemsize >= np.dtype(vals[0].dtype).itemsize:
-                return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-            return None
+        if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) == np.dtype(vals[0].dtype):
+            return [(o, PARTIAL) for o in self.bind(eqn, vals)]  # a weak type made strong: no rounding
         if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):

@@ -86,6 +86,10 @@ def _reduce(p: Partitioner, eqn, ins):
     local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
     if lay.dim not in axes:
         return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if p.padded_rows(v, lay) is not None and name in ("reduce_max", "reduce_min"):  # padding rows: the identity
+        big = jnp.inf if jnp.issubdtype(v.dtype, jnp.inexact) else jnp.iinfo(v.dtype).max
+        v = p.mask_padding(v, lay, -big if name == "reduce_max" else big)
+        local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
     if name == "reduce_sum":
         if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
             local = p.bind(eqn, [v.astype(WIDE)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
@@ -105,6 +109,8 @@ def _reduce_or_and(p: Partitioner, eqn, ins):
     local = p.bind(eqn, [v])[0]
     if lay.dim not in axes:
         return [(local, Split(lay.dim - sum(a < lay.dim for a in axes)))]
+    if p.padded_rows(v, lay) is not None:  # padding rows: the identity (False for any, True for all)
+        local = p.bind(eqn, [p.mask_padding(v, lay, eqn.primitive.name == "reduce_and")])[0]
     if p.one:
         return [(local, REPLICATED)]
     as_int = local.astype(jnp.int32)
