@@ -139,7 +139,7 @@ def test_without_a_space_axis_the_region_is_the_plain_call():
 
 
 def test_a_region_that_mixes_rows_is_left_to_xla_and_stays_exact():
-    """A region whose rows each read the whole batch (scaled by a sum over every row) needs a
+    """A region whose rows each read the whole batch (a running sum over the images) needs a
     collective over the data axes: the partitioner's own rules run it, and the plan says why it
     was not partitioned by hand."""
 
@@ -148,7 +148,7 @@ def test_a_region_that_mixes_rows_is_left_to_xla_and_stays_exact():
             x = jax.lax.conv_general_dilated(
                 batch["image"], w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
             )
-            scaled = sum_over_blocks(lambda b, s: jnp.sum(b[0], 1) / jnp.sum(b[0] ** 2), [x], dim=1, name="scaled")
+            scaled = sum_over_blocks(lambda b, s: jnp.sum(jnp.cumsum(b[0], 0), 1) / 64, [x], dim=1, name="scaled")
             return jnp.sum(jnp.sin(scaled))
 
         value, g = jax.value_and_grad(loss)(w)
@@ -164,7 +164,41 @@ def test_a_region_that_mixes_rows_is_left_to_xla_and_stays_exact():
         placed, _ = dp(placed, batch)
     assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
     (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions
-    assert not row["by_hand"] and "collective" in row["why"]
+    assert not row["by_hand"] and "need a collective inside it: " in row["why"], row["why"]
+
+
+def test_a_region_that_slices_a_weight_at_its_start_runs_by_hand_and_stays_exact():
+    """A positional weight sliced at each block's start (its gradient put back at the start of a
+    zero weight): row by row over the data axes, so partitioned by hand over the space axis."""
+
+    def step(p, batch):
+        def loss(p):
+            x = jax.lax.conv_general_dilated(
+                batch["image"], p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+
+            def fn(b, s, pos):
+                rows = b[0].shape[1]  # pos padded: a block running past the map's end reads zeros
+                weight = jax.lax.dynamic_slice_in_dim(jnp.pad(pos, (0, rows)), s[0], rows)
+                return jnp.sum(b[0] * weight[None, :, None, None], 1)
+
+            return jnp.sum(jnp.sin(sum_over_blocks(fn, [x], p["pos"], dim=1, name="positional")))
+
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), {"loss": value}
+
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(3, 3, 2, 4)), "pos": rng.normal(size=(16,))}
+    batches = [{"image": rng.normal(size=(8, 16, 16, 2))} for _ in range(STEPS)]
+    want = _one_device(step, params, batches)
+    assert max_relative_diff(want, params) > 1e-3, "the parameters did not move: the check would be empty"
+    dp = data_parallel(step, make_mesh((2, 4)), spatial=4)
+    placed = dp.place_state(params, batches[0])
+    for batch in batches:
+        placed, _ = dp(placed, batch)
+    assert max_relative_diff(dp.gather_state(placed), want) <= TOLERANCE
+    (row,) = make_plan(dp.placement, dp.trace, dp.grad_sum, dp.strategy).regions
+    assert row["by_hand"], row["why"]
 
 
 def test_bad_regions_are_refused_naming_the_argument():
@@ -175,9 +209,43 @@ def test_bad_regions_are_refused_naming_the_argument():
         sum_over_blocks(lambda b, s: b, x, dim=1, name="r", over="data")
     with pytest.raises(ValueError, match="give the region a name"):
         sum_over_blocks(lambda b, s: b, x, dim=1, name="")
-    # One device: the function on the whole input, every start 0.
-    out = sum_over_blocks(lambda b, s: b.sum(1) + s, x + 1.0, dim=1, name="r")
+    with pytest.raises(TypeError, match="fn must be a function"):
+        sum_over_blocks("pool", x, dim=1, name="r")
+    with pytest.raises(TypeError, match=r"dim must be an int .* got 2.0"):
+        sum_over_blocks(lambda b, s: b.sum(1), x, dim=2.0, name="r")
+    with pytest.raises(ValueError, match=r"dim=-1 counts from the end, and x's leaves have ranks \[2, 3\]"):
+        sum_over_blocks(lambda b, s: b[0].sum(-1) + b[1].sum(), [x, x[0]], dim=-1, name="r")
+    # One device: the function on the whole input, every start 0; a dimension from the end.
+    out = sum_over_blocks(lambda b, s: b.sum(1), x + 1.0, dim=-2, name="r")
     np.testing.assert_array_equal(out, jnp.full((2, 3), 4.0))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda b, s: jnp.max(b[0], 1),  # a max of the block, not a share of a sum
+        lambda b, s: jnp.sum(b[0] * jnp.arange(b[0].shape[1])[None, :, None], 1),  # its rows' places, not starts
+        lambda b, s: jnp.sum(b[0] + 1.0, 1),  # rows of zeros past the end add to it
+    ],
+    ids=["max", "index in the block", "zero rows count"],
+)
+def test_a_function_that_is_not_a_sum_over_blocks_is_refused_naming_the_region(fn, traced):
+    """The contract is checked on the first trace, on one device too (where the whole is all that
+    runs): a function whose blocks' results do not add up would be silently wrong once split."""
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 8, 3)))
+    call = functools.partial(sum_over_blocks, fn, dim=1, name="bad region")
+    with pytest.raises(
+        ValueError, match=r"region 'bad region' is not a sum over blocks of dim 1: .* rows \[\(4, 8\)\]"
+    ):
+        (jax.jit(lambda x: call([x])) if traced else lambda x: call([x]))(x)
+    ok = sum_over_blocks(
+        lambda b, s: jnp.sum(b[0] * (s[0] + jnp.arange(b[0].shape[1]))[None, :, None], 1),
+        [x],
+        dim=1,
+        name="rows by place",
+    )
+    np.testing.assert_allclose(ok, jnp.sum(x * jnp.arange(8)[None, :, None], 1))
 
 
 def test_the_evaluation_runs_the_region_by_hand_on_the_steps_placement():

@@ -89,6 +89,10 @@ class Region:
 def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "space"):
     """``fn(x, starts=0, *args)``, partitioned over the ``over`` axis by blocks of ``x``'s ``dim``
     where the placement has one: see the module docstring."""
+    if not callable(fn):
+        raise TypeError(
+            f"sum_over_blocks: fn must be a function fn(blocks, starts, *args), got {type(fn).__name__} {fn!r}"
+        )
     if over not in ROLES:
         raise ValueError(
             f"sum_over_blocks: over={over!r} is not a role podscale partitions by hand; use one of {ROLES}"
@@ -99,10 +103,19 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
     arg_leaves, arg_tree = jax.tree.flatten(args)
     if not x_leaves:
         raise ValueError(f"sum_over_blocks {name!r}: x has no arrays to split")
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"sum_over_blocks {name!r}: dim must be an int (a dimension of x's leaves), got {dim!r}")
+    ranks = {np.ndim(leaf) for leaf in x_leaves}
+    if dim < 0 and len(ranks) > 1:
+        raise ValueError(
+            f"sum_over_blocks {name!r}: dim={dim} counts from the end, and x's leaves have ranks {sorted(ranks)}, "
+            "so it names a different dimension in each: give it from the front (dim >= 0)"
+        )
+    given, dim = dim, int(dim) + (ranks.pop() if dim < 0 else 0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(x):
-        if not isinstance(dim, int) or not 0 <= dim < np.ndim(leaf):
+        if not 0 <= dim < np.ndim(leaf):
             raise ValueError(
-                f"sum_over_blocks {name!r}: dim={dim!r} is not a dimension of x{jax.tree_util.keystr(path)} "
+                f"sum_over_blocks {name!r}: dim={given!r} is not a dimension of x{jax.tree_util.keystr(path)} "
                 f"(shape {list(np.shape(leaf))})"
             )
     leaves = [*x_leaves, *arg_leaves]
@@ -117,6 +130,7 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
         tuple(tuple(np.shape(v)) for v in arg_leaves),
         tuple(bool(jnp.issubdtype(jnp.result_type(v), jnp.inexact)) for v in leaves),
     )
+    _check_contract(region, x_leaves, arg_leaves)
     role = (_BY_HAND.get() or {}).get(over)
     if role is not None and role[1] > 1:
         shapes = [np.shape(v) for v in leaves]
@@ -126,6 +140,79 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
     key = next(_COUNT)
     _REGIONS[key] = region
     return jax.tree.unflatten(_out_tree(region, leaves), _call(region, key)(*leaves))
+
+
+_CHECKED: set = set()
+
+
+def _sample(v, rng, is_x: bool):
+    """A value of ``v``'s shape and type for the contract's check: ``v`` itself where it is
+    concrete, else normal (``x``) or uniform on [0, 1) (an argument) floats, zero integers."""
+    if not isinstance(v, jax.core.Tracer):
+        return np.asarray(v)
+    dtype = jnp.result_type(v)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        draw = rng.standard_normal if is_x else rng.uniform
+        return np.asarray(draw(size=np.shape(v)), dtype=dtype)
+    return np.zeros(np.shape(v), dtype)
+
+
+def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
+    """Refuses, naming the region, a function that is not a sum over blocks, on the first trace
+    (then once per function and shapes): on the last rows of each leaf of ``x`` (at most 4, from
+    ``start = n - 4``), ``fn`` on that block must equal the sum of ``fn`` on its two halves, each
+    with its own start, the second half with a row of zeros past ``x``'s end. Where ``x`` is traced,
+    its values are normal draws of its shape (the arguments' uniform on [0, 1), integers zero);
+    the check runs on the host, outside the step."""
+    dtypes = tuple(str(jnp.result_type(v)) for v in (*x_leaves, *arg_leaves))
+    key = (getattr(region.fn, "__code__", id(region.fn)), region.dim, region.x_shapes, region.arg_shapes, dtypes)
+    if key in _CHECKED:
+        return
+    rng = np.random.default_rng(0)
+    xs = [_sample(v, rng, True) for v in x_leaves]
+    args = jax.tree.unflatten(region.arg_tree, [_sample(v, rng, False) for v in arg_leaves])
+    d = region.dim
+    block, first, second = [], [], []
+    for v in xs:
+        n = v.shape[d]
+        t = max(n - 4, 0)
+        h = max((n - t) // 2, 1)
+        rows = lambda a, b, v=v: v[(slice(None),) * d + (slice(a, b),)]  # noqa: E731
+        pad = [(0, 1 if j == d else 0) for j in range(v.ndim)]
+        block.append((rows(t, n), t))
+        first.append((rows(t, t + h), t))
+        second.append((np.pad(rows(t + h, n), pad), t + h))
+
+    def run(parts):
+        x = jax.tree.unflatten(region.x_tree, [b for b, _ in parts])
+        starts = jax.tree.unflatten(region.x_tree, [jnp.asarray(s, jnp.int32) for _, s in parts])
+        return jax.tree.leaves(region.fn(x, starts, *args))
+
+    with jax.ensure_compile_time_eval():
+        whole, a, b = run(block), run(first), run(second)
+        shapes = [[list(np.shape(o)) for o in outs] for outs in (whole, a, b)]
+        if not shapes[0] == shapes[1] == shapes[2]:
+            raise ValueError(
+                f"region {region.name!r}: its function gives {shapes[1]} and {shapes[2]} on two blocks of rows but "
+                f"{shapes[0]} on both together: the results of a sum over blocks must have one shape whatever the "
+                "block (sum_over_blocks)"
+            )
+        for i, (w, p, q) in enumerate(zip(whole, a, b, strict=True)):
+            w, total = np.asarray(w, np.float64), np.asarray(p, np.float64) + np.asarray(q, np.float64)
+            scale = max(float(np.max(np.abs(w), initial=0.0)), float(np.max(np.abs(total), initial=0.0)), 1e-30)
+            eps = float(jnp.finfo(jnp.result_type(p)).eps) if jnp.issubdtype(jnp.result_type(p), jnp.inexact) else 0
+            off = float(np.max(np.abs(w - total), initial=0.0))
+            if not off <= max(1e-4, 64 * eps) * scale:
+                starts = [(s, s + np.shape(b_)[d]) for b_, s in block]
+                raise ValueError(
+                    f"region {region.name!r} is not a sum over blocks of dim {d}: its function on rows {starts} "
+                    f"differs from the sum of its results on the two halves of those rows (each with its own "
+                    f"start) by {off:.3g} (output {i}, largest {scale:.3g}). sum_over_blocks needs fn(blocks, starts, "
+                    "*args) to be a block's share of a sum: the shares of any split of x add up to the whole's, a "
+                    "row's place read from starts, rows of zeros past x's end adding nothing. Write the function "
+                    "so, or call it without sum_over_blocks."
+                )
+    _CHECKED.add(key)
 
 
 def _whole(region: Region, leaves):

@@ -69,7 +69,10 @@ def _region(p: Partitioner, eqn, ins, region, kind: str):
     avals = [tuple(v.aval.shape) for v in eqn.invars]
     why = None
     if len(p.whole_ops) > marks[0] or len(p.collectives) > marks[1] or p.communications > marks[2]:
-        why = "over the data axes it needs a collective (it is not row by row)"
+        needs = p.whole_ops[marks[0] :][:3] or [f"{c.kind} ({c.why})" for c in p.collectives[marks[1] :][:3]]
+        why = "over the data axes the partitioner's rules need a collective inside it: " + (
+            "; ".join(needs) if needs else "a partial sum over the replicas made whole"
+        )
     elif any(lay != (Split(0) if shape[:1] == (rows,) else REPLICATED) for (_, lay), shape in zip(ins, avals)):
         why = "its inputs are not each replica's rows or replicated"
     elif any(lay not in (REPLICATED, Split(0), PARTIAL) for _, lay in outs):

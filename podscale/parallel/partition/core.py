@@ -510,6 +510,12 @@ class Partitioner:
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+        if name == "dynamic_update_slice" and all(lay is REPLICATED for lay in layouts[2:]):
+            # Linear in operand and update together (the gradient of a weight sliced at a start,
+            # put back into a zero weight): a whole one counts once, on replica 0.
+            if all(lay in (PARTIAL, REPLICATED) for lay in layouts[:2]):
+                vals = [self.convert(v, lay, PARTIAL) for v, lay in zip(vals[:2], layouts[:2], strict=True)] + vals[2:]
+                return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name in ("concatenate", "stack") and all(lay is PARTIAL for lay in layouts):
             return [(o, PARTIAL) for o in self.bind(eqn, vals)]
         if name == "scatter-add" and layouts[1] is REPLICATED:
