@@ -167,3 +167,23 @@ def test_a_dry_run_refuses_what_the_run_would_refuse(capsys):
     assert "--batch-size 12 is not divisible by the 8 replicas" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "transformer", "--mesh", "4x2", "--spatial", "2", "--dry-run"]) == 2
     assert "spatial" in capsys.readouterr().err
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but ``-`` and ``_`` dropped."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_between_the_pages_resolves():
+    """README.md is a page of links into docs/: each names a page that exists, at a heading it has."""
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (page.parent / file).resolve() if file else page
+            if not linked.exists() or (anchor and anchor not in _anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
