@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from podscale import Strategy, data_parallel
+from podscale import Strategy, cli, data_parallel
 from podscale.perf import hlo, hlo_cost, hlo_groups, project, project_cost, project_mesh, systems, tpu
 
 needs_libtpu = pytest.mark.skipif(not tpu.available(), reason="libtpu not installed (pip install 'podscale[tpu]')")
@@ -149,11 +149,27 @@ def test_without_libtpu_a_tpu_system_falls_back_to_the_cpu_module_and_says_so(mo
     )
     assert row.compiler == "XLA:CPU" and row.step_s > 0
     assert sum("libtpu is not installed" in line for line in lines) == 1
-    with pytest.raises(ValueError, match="libtpu is not installed"):
+    with pytest.raises(ValueError, match=r"XLA:TPU needs libtpu, which is not installed; install the tpu extra"):
         project.use_tpu_compiler(systems.get("tpu-v3"), "tpu")
     with pytest.raises(ValueError, match="not a TPU system"):
         project.use_tpu_compiler(systems.get("h100"), "tpu")
     assert not project.use_tpu_compiler(systems.get("h100"), "auto")
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_compiler_tpu_without_libtpu_is_one_refusal_naming_the_extra(monkeypatch, capsys, dry_run):
+    """XLA:TPU asked for by name: no fallback notice (it falls back to nothing), one line, exit code 2."""
+    monkeypatch.setattr(tpu, "available", lambda: False)
+    argv = ["project", "--model", "mlp", "--system", "tpu-v3", "--chips", "16", "--compiler", "tpu", *dry_run]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("podscale: error: --compiler tpu: XLA:TPU needs libtpu"), line
+    assert "pip install 'podscale[tpu]'" in line and "costing" not in line and "instead" not in line
+    assert captured.out == ""
+    assert cli.main(["plan", "--model", "mlp", "--system", "tpu-v3", "--chips", "4", *dry_run]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "pip install 'podscale[tpu]'" in line and "costing" not in line, line
 
 
 def test_xla_tpu_replica_groups_in_mesh_form():

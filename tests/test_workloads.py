@@ -157,6 +157,22 @@ def test_podscale_models_lists_every_workload_with_its_counts(capsys, monkeypatc
             assert f"{r['relative_difference']:+.1%}" in text and r["name"] in text
 
 
+@pytest.mark.parametrize("command", ["train", "plan", "verify", "project", "bench"])
+def test_every_command_s_help_names_every_registered_workload(command, capsys, monkeypatch):
+    """The help's lists are read from the registry (podscale/workloads/__init__.py): a workload added
+    there is named by every command that takes one, with nothing else to edit."""
+    from podscale.cli import main
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse would wrap transformer-big at its hyphen
+    monkeypatch.setattr(workloads, "NAMES", (*workloads.NAMES, "a-new-workload"))
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    missing = [name for name in workloads.NAMES if name not in text]
+    assert not missing, f"podscale {command} --help does not name {missing}"
+
+
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_recipes_log_their_hyperparameters_under_mllog_keys(name):
     from mlperf_logging.mllog import constants as C

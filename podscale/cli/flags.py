@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+import podscale.workloads as workloads  # the registry (no flax): every help's list of workloads is read from it
 from podscale.train import distributed
 
 DESCRIPTION = "podscale: run an unmodified single-device JAX training step data-parallel on all devices."
@@ -55,7 +56,7 @@ def add_model_flags(p, model: str = "mlp") -> None:
     p.add_argument(
         "--model",
         default=model,
-        help="mlp, cnn, resnet, transformer, or an MLPerf workload: resnet50, transformer-big, bert-large, gnmt, ssd",
+        help=f"mlp, cnn, resnet, transformer, or an MLPerf workload: {', '.join(workloads.NAMES)}",
     )
     p.add_argument("--config", default=None, help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size)")
     p.add_argument("--data", default=None, help="digits or synthetic (default); MLPerf workloads bring their own")
@@ -259,7 +260,11 @@ def _project_parser(sub) -> None:
         help="measure this CPU, predict each workload's step at 1, 2, 4, 8 replicas and podscale bench wus's "
         "variants, run them, print predicted / measured",
     )
-    p.add_argument("--validate-models", default=None, help="--validate: comma-separated workloads (default all)")
+    p.add_argument(
+        "--validate-models",
+        default=None,
+        help=f"--validate: comma-separated workloads, of {', '.join(workloads.NAMES)} (default all)",
+    )
     p.add_argument("--steps", type=int, default=8, help="--validate: timed steps per run (the fastest counts)")
     add_flags(p, Strategy(weight_update="sharded"))
     for action in p._actions:  # each strategy of --strategies sets these two: refused if given
@@ -292,7 +297,7 @@ def _bench_parser(sub) -> None:
         "--model",
         default=None,
         help="wus: an MLPerf workload (tiny config, its recipe) instead of the decoder; checkpoint: the "
-        "workload whose state is saved (default transformer-big)",
+        f"workload whose state is saved (default transformer-big); one of {', '.join(workloads.NAMES)}",
     )
     p.add_argument("--config", default=None, help="checkpoint: the workload's config, full (default) or tiny")
     p.add_argument("--sizes", default=None, help="gradsum: gradient sizes in MiB per device (default 1,16,128)")

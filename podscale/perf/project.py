@@ -215,7 +215,7 @@ def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str]
         return False
     if not tpu.available():
         if compiler == "tpu":
-            raise ValueError(f"--compiler tpu: {tpu.MISSING}")
+            raise ValueError(f"--compiler tpu: {tpu.NEEDED}; or --compiler auto to cost XLA:CPU's module")
         if say is not None:
             say(tpu.MISSING)
         return False

@@ -27,6 +27,12 @@ MISSING = (
     "libtpu is not installed: costing XLA:CPU's module instead of XLA:TPU's "
     "(pip install 'podscale[tpu]' for the TPU compiler's)"
 )
+"""``compiler="auto"``'s one line where libtpu is missing: it goes on with XLA:CPU's module."""
+NEEDED = (
+    "XLA:TPU needs libtpu, which is not installed; install the tpu extra: pip install 'podscale[tpu]' "
+    "(in a checkout: .venv/bin/pip install -e '.[tpu]')"
+)
+"""The refusal where XLA:TPU was asked for by name (``--compiler tpu``) and libtpu is missing."""
 
 # The compile-only topology of each TPU system: libtpu's name and its options. TPU v4 chips join
 # their two TensorCores into one megacore device (as JAX shows a v4 slice); libtpu's compile-only
@@ -126,7 +132,7 @@ def devices(system_name: str, name: str) -> tuple:
     cores fastest, then the first torus dimension (the order :mod:`podscale.perf.network`
     places a mesh in)."""
     if not available():
-        raise ValueError(MISSING)
+        raise ValueError(NEEDED)
     _quiet_libtpu()
     from jax.experimental import topologies
 

@@ -1,10 +1,15 @@
-"""The MLPerf reference workloads, by ``--model`` name. See ``base.Workload``."""
+"""The MLPerf reference workloads, by ``--model`` name. See ``base.Workload``.
+
+:data:`NAMES` is the registry every list of workloads is read from (the command line's help
+included), so importing it loads neither flax nor a workload: ``base`` is loaded on first use."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from podscale.workloads.base import Reference, Workload
+if TYPE_CHECKING:
+    from podscale.workloads.base import Reference, Workload
 
 _MODULES = {
     "resnet50": "podscale.workloads.resnet50",
@@ -22,6 +27,14 @@ def get(name: str) -> Workload:
     if name not in _MODULES:
         raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(NAMES)}")
     return importlib.import_module(_MODULES[name]).WORKLOAD
+
+
+def __getattr__(name: str):
+    if name in ("Reference", "Workload"):
+        from podscale.workloads import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["NAMES", "Reference", "Workload", "get"]
