@@ -65,7 +65,7 @@ ulps is not judged."""
 EXIT_CANNOT_JUDGE = 4
 """``podscale verify``'s exit code when no strategy failed but one could not be judged (0: every
 strategy passed, 1: one failed, 2: a bad input)."""
-_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+_FLOATS = tuple(np.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,8 +292,8 @@ def run(checked: Checked, steps: int = 3, *, seed: int = 0) -> Verification:
         raise TypeError("state and batch: give arrays to run a verification (shapes only check it)")
     jstep = jax.jit(checked.step)
     spec = _single(jstep, state, batch, steps)
-    key = jax.random.key(seed)
-    moved = [_single(jstep, state, batch, steps, jax.random.fold_in(key, r)) for r in range(RUNS)]
+    rng = np.random.default_rng(seed)
+    moved = [_single(jstep, state, batch, steps, rng) for _ in range(RUNS)]
     spread: dict[str, list[float]] = {}
     ulp: dict[str, float] = {}
     for one in moved:
@@ -432,35 +432,32 @@ def _describe(strategy: Strategy) -> str:
     return ", ".join(changed) or "replicated"
 
 
-@jax.jit
-def _nudge(tree, key):
-    """Every nonzero float element of ``tree`` one unit in the last place up or down, at random."""
-    leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and x.dtype in _FLOATS:
-            up = jax.random.bernoulli(jax.random.fold_in(key, i), shape=x.shape)
-            toward = jnp.where(up, jnp.inf, -jnp.inf).astype(x.dtype)
-            x = jnp.where(x == 0, x, jnp.nextafter(x, toward))
-        out.append(x)
-    return jax.tree.unflatten(treedef, out)
+def _nudge(tree, rng: np.random.Generator):
+    """Every nonzero float element of ``tree`` (on the host) one unit in the last place up or down,
+    at random."""
+
+    def one(x):
+        x = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else x
+        if not isinstance(x, np.ndarray | np.generic) or x.dtype not in _FLOATS:
+            return x  # an integer, a bool, a PRNG key
+        toward = np.where(rng.random(np.shape(x)) < 0.5, np.inf, -np.inf).astype(x.dtype)
+        return np.where(x == 0, x, np.nextafter(x, toward))
+
+    return jax.tree.map(one, tree)
 
 
-def _single(jstep, state, batch, steps: int, key=None) -> list[tuple[Any, Any]]:
+def _single(jstep, state, batch, steps: int, rng: np.random.Generator | None = None) -> list[tuple[Any, Any]]:
     """The plain step, jitted on one device: the (state, metrics) after each step, on the host.
-    With ``key``, the batch's floats are moved by an ulp once and the state's before every step."""
+    With ``rng``, the batch's floats are moved by an ulp once and the state's before every step."""
     device = jax.devices()[0]
-    current = jax.device_put(state, device)
-    placed = jax.device_put(batch, device)
-    if key is not None:
-        batch_key, key = jax.random.split(key)
-        placed = _nudge(placed, batch_key)
+    placed = jax.device_put(batch if rng is None else _nudge(batch, rng), device)
+    current = state
     out = []
-    for s in range(steps):
-        if key is not None:
-            current = _nudge(current, jax.random.fold_in(key, s))
+    for _ in range(steps):
+        current = jax.device_put(current if rng is None else _nudge(current, rng), device)
         current, metrics = jstep(current, placed)
-        out.append(jax.device_get((current, metrics)))
+        current, metrics = jax.device_get((current, metrics))
+        out.append((current, metrics))
     return out
 
 
