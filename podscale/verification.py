@@ -7,11 +7,16 @@ compositions the mesh allows), and compares every state leaf and metric after ev
 
 What "equal" means is measured, not assumed. The **noise floor** of a leaf is how far one device's
 own result moves under rounding-level changes of its inputs: :data:`RUNS` more single-device runs,
-each with every nonzero float element of the batch moved by one unit in the last place, up or down
-at random, and every nonzero float element of the state moved likewise before every step. The rows
-stay where they are, so a row's dropout mask, its random draws, its position in a scan or its
+each with every nonzero float element of the batch moved by one unit in the last place, all of a
+leaf the same way (up or down at random per leaf, so equal elements stay equal and the order is
+kept: a tie in a max-pool over equal pixels stays a tie, as under any strategy). A batch without
+floats (token ids) has the state's float leaves moved so instead, once, before the first step. The
+rows stay where they are, so a row's dropout mask, its random draws, its place in a scan and its
 weight by position are the specification's: only the roundings change, and with them the low bits
-of every sum. At step ``s`` a leaf's floor is its worst relative error over those runs against the
+of every sum, which is all a strategy changes. (Moving the state for a batch with floats would
+re-round every row's own arithmetic too, which no strategy changes: on the built-in ``cnn`` that
+flips the sign of a gradient that is zero up to rounding, 1e-2 where strategies are within 1e-5.)
+At step ``s`` a leaf's floor is its worst relative error over those runs against the
 specification, and never below :data:`ULPS` units in the last place of its dtype (an exactly-zero
 floor, a step whose sums are exact, still admits roundoff).
 
@@ -57,7 +62,7 @@ ULPS = 8
 SCALE_FLOOR = 1e-3
 """A leaf whose largest magnitude is below this compares absolutely (a bias still near zero)."""
 RUNS = 3
-"""Single-device runs with their inputs moved by an ulp that measure the floor."""
+"""Single-device runs with their batch (or state) moved by an ulp that measure the floor."""
 MAX_FLOOR = 1e-2
 """A leaf whose floor is wider than this relative error has no honest floor: within ten times it
 a gradient off by a tenth would pass. A strategy that differs there beyond ``ULPS`` x ``MULTIPLE``
@@ -158,7 +163,7 @@ class Verification:
     def lines(self) -> list[str]:
         """What ``podscale verify`` prints: the floor, then a line or more per strategy, then the verdict."""
         out = [
-            f"noise floor (one device, its float inputs and state moved by an ulp at random, {self.runs} runs), "
+            f"noise floor (one device, its batch's floats, or its state's, moved by an ulp, {self.runs} runs), "
             "the widest leaf's per step: "
             + ", ".join(f"{f:.2e}" for f in self.floor)
             + (f" ({self.floor_leaf[-1]})" if self.floor_leaf and self.floor_leaf[-1] else "")
@@ -250,8 +255,8 @@ def verify(
     seed: int = 0,
 ) -> Verification:
     """Runs ``steps`` steps of ``step(state, batch) -> (state, metrics)`` on one device (the
-    specification), :data:`RUNS` times more with its float inputs and state moved by an ulp (the
-    noise floor), and under each strategy on ``mesh``, all from ``state`` on the same global
+    specification), :data:`RUNS` times more with its batch's floats moved by an ulp (or, for a batch
+    of token ids, its state's; the noise floor), and under each strategy on ``mesh``, all from ``state`` on the same global
     ``batch`` each step; compares every state leaf and metric after every step (see the module).
 
     ``strategies``: a dict of name -> :class:`~podscale.Strategy`, a list of them (named by their
@@ -364,6 +369,11 @@ def _named(strategies, mesh, rules, what: str) -> dict[str, Strategy]:
     ``None`` for :func:`strategies_for`; none empty, unnamed or twice."""
     if strategies is None:
         return strategies_for(mesh, rules)
+    if rules is not None:
+        raise ValueError(
+            f"rules={rules!r} with {what} given: rules make the default strategies' model axis; give each "
+            "Strategy its own (Strategy(model_axis=..., rules=...)), or leave the strategies out"
+        )
     example = "[podscale.Strategy(weight_update='sharded')] or {'sharded': podscale.Strategy(weight_update='sharded')}"
     if isinstance(strategies, Mapping):
         items = list(strategies.items())
@@ -433,29 +443,40 @@ def _describe(strategy: Strategy) -> str:
 
 
 def _nudge(tree, rng: np.random.Generator):
-    """Every nonzero float element of ``tree`` (on the host) one unit in the last place up or down,
-    at random."""
+    """Every nonzero float element of ``tree`` (on the host) one unit in the last place up, or every
+    one down, at random per leaf: all move the same way, so equal elements stay equal and the order
+    is kept (a tie in a max-pool over equal pixels stays a tie, as under any strategy), while every
+    product and sum rounds anew."""
 
     def one(x):
         x = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else x
         if not isinstance(x, np.ndarray | np.generic) or x.dtype not in _FLOATS:
             return x  # an integer, a bool, a PRNG key
-        toward = np.where(rng.random(np.shape(x)) < 0.5, np.inf, -np.inf).astype(x.dtype)
-        return np.where(x == 0, x, np.nextafter(x, toward))
+        moved = np.nextafter(x, np.array(np.inf if rng.random() < 0.5 else -np.inf, x.dtype))
+        return np.where(x == 0, x, moved)
 
     return jax.tree.map(one, tree)
 
 
+def _floats(tree) -> bool:
+    return any(isinstance(x, np.ndarray | np.generic) and x.dtype in _FLOATS for x in jax.tree.leaves(tree))
+
+
 def _single(jstep, state, batch, steps: int, rng: np.random.Generator | None = None) -> list[tuple[Any, Any]]:
     """The plain step, jitted on one device: the (state, metrics) after each step, on the host.
-    With ``rng``, the batch's floats are moved by an ulp once and the state's before every step."""
+    With ``rng``, the batch's floats are moved by an ulp (:func:`_nudge`), or where the batch has
+    none (token ids), the state's floats before the first step."""
     device = jax.devices()[0]
-    placed = jax.device_put(batch if rng is None else _nudge(batch, rng), device)
+    if rng is not None:
+        if _floats(batch):
+            batch = _nudge(batch, rng)
+        else:
+            state = _nudge(state, rng)
+    placed = jax.device_put(batch, device)
     current = state
     out = []
     for _ in range(steps):
-        current = jax.device_put(current if rng is None else _nudge(current, rng), device)
-        current, metrics = jstep(current, placed)
+        current, metrics = jstep(jax.device_put(current, device), placed)
         current, metrics = jax.device_get((current, metrics))
         out.append((current, metrics))
     return out
