@@ -212,7 +212,7 @@ class Verification:
             verdict = (
                 "CANNOT JUDGE: " + ", ".join(self.not_judged) + f" (they differ where one device's own step moves "
                 f"beyond {self.max_floor:g} when its inputs move by an ulp, so no floor says whether they are "
-                "right; verify fewer steps, or a step without that leaf's discontinuity)"
+                "right: sums rounded to 16 bits, a discontinuity, or a leaf decided by rounding noise)"
             )
         out.append("verify: " + verdict)
         return out
