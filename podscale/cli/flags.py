@@ -194,8 +194,9 @@ def _plan_parser(sub) -> None:
 def _verify_parser(sub) -> None:
     p = sub.add_parser(
         "verify",
-        help="run a model's step under every strategy the mesh allows and compare it with one device, "
-        "against the noise floor of the batch's rows permuted (exit code 1 beyond it)",
+        help="run a model's step under every strategy the mesh allows and compare it with one device, against "
+        "the noise floor of one device's own step with its batch's floats moved by an ulp (exit code 1 "
+        "beyond it; 4: cannot judge, a floor beyond 1e-2)",
     )
     add_model_flags(p)
     p.add_argument(
@@ -207,9 +208,12 @@ def _verify_parser(sub) -> None:
     )
     p.add_argument("--replicas", type=int, default=None, help="CPU devices to simulate (default 8 on CPU)")
     p.add_argument(
-        "--strategies", default=None, help="comma-separated names of the strategies to check (default: every one)"
+        "--strategies",
+        default=None,
+        help="comma-separated names of the strategies to check, each once and each one that applies "
+        "(default: every one, those that do not apply named)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="0 or more: the model's init and the ulps the floor moves")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
 

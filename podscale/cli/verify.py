@@ -1,5 +1,6 @@
 """``podscale verify``: a built-in model's step under every strategy the mesh allows, against the
-single-device step (:func:`podscale.verification.verify`); exit code 1 if a strategy leaves the floor."""
+single-device step (:func:`podscale.verification.verify`); exit code 1 if a strategy leaves the
+floor, 4 if none did but one could not be judged (a floor too wide to mean anything)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,24 @@ from podscale.cli.messages import _dry_run_result
 from podscale.train import distributed
 
 
+def _names(text: str, choices) -> list[str]:
+    """``--strategies``'s names: comma-separated, none empty, each known, none twice."""
+    from podscale.parallel.checks import some_of
+
+    items = [item.strip() for item in text.split(",")]
+    if any(not item for item in items):
+        raise ValueError(
+            f"--strategies {text!r}: an empty name; give comma-separated names, e.g. replicated,sharded "
+            f"(of {', '.join(choices)}), or leave the flag out for every one"
+        )
+    return some_of("--strategies", items, list(choices), "strategy")
+
+
 def _run_verify(args) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be 0 or more and below 2**63 (it seeds JAX's generators), got {args.seed}")
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
     import jax
@@ -19,7 +35,7 @@ def _run_verify(args) -> int:
     from podscale.parallel.mesh import make_mesh
     from podscale.parallel.tensor import RULES
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
-    from podscale.verification import strategies_for, verify
+    from podscale.verification import EXIT_CANNOT_JUDGE, check, run, strategies_for
 
     task = make_task(args.model, args.data, config=args.config)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=max(args.steps, 10))
@@ -27,24 +43,29 @@ def _run_verify(args) -> int:
     batch_size = args.batch_size or (task.config.per_core_batch * mesh.size if task.workload else 64)
     if batch_size < 1 or batch_size % mesh.size:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's {mesh.size} devices")
-    strategies = strategies_for(mesh, RULES.get(args.model))
-    if args.strategies:
-        wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
-        unknown = [s for s in wanted if s not in strategies]
-        if unknown:
-            raise ValueError(
-                f"--strategies {','.join(unknown)}: not one on mesh {dict(mesh.shape)}; choose from {', '.join(strategies)}"
-            )
-        strategies = {s: strategies[s] for s in wanted}
-    if args.dry_run:
-        what = {"mesh": dict(mesh.shape), "batch_size": batch_size, "steps": args.steps}
-        return _dry_run_result(args, {**what, "strategies": list(strategies)})
+    rules = RULES.get(args.model)
+    chosen = None  # every strategy the mesh allows, those that do not apply named
+    if args.strategies is not None:
+        every = strategies_for(mesh, rules)
+        chosen = {s: every[s] for s in _names(args.strategies, every)}
     batch = task.example_batch(batch_size)
-    state = task.init_state(jax.random.key(args.seed), tx, batch)
-    result = verify(make_train_step(task, tx, args.seed), state, batch, mesh, strategies, steps=args.steps)
+    step = make_train_step(task, tx, args.seed)
+    key = jax.random.key(args.seed)
+    if args.dry_run:  # every check on the state's shapes: nothing initialised or compiled
+        state = jax.eval_shape(lambda b: task.init_state(key, tx, b), batch)
+        checked = check(step, state, batch, mesh, chosen, rules=rules, what="--strategies")
+        names = [
+            f"{n}: " + (f"does not apply ({p})" if isinstance(p, str) else "would run")
+            for n, (_, p) in checked.prepared.items()
+        ]
+        what = {"mesh": dict(mesh.shape), "batch_size": batch_size, "steps": args.steps}
+        return _dry_run_result(args, {**what, "strategies": names})
+    state = task.init_state(key, tx, batch)
+    checked = check(step, state, batch, mesh, chosen, rules=rules, what="--strategies")
+    result = run(checked, steps=args.steps, seed=args.seed)
     if args.json:
         print(json.dumps({"model": args.model, "mesh": dict(mesh.shape), "batch_size": batch_size, **result.to_dict()}))
     else:
         print(f"model {args.model}, mesh {dict(mesh.shape)}, global batch {batch_size}, {args.steps} steps")
         print("\n".join(result.lines()))
-    return 0 if result.passed else 1
+    return {"passed": 0, "failed": 1}.get(result.outcome, EXIT_CANNOT_JUDGE)
