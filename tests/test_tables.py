@@ -323,3 +323,31 @@ def test_state_derived_from_the_rows_of_a_table_the_replicas_do_not_divide_equal
     assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [126]
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
     assert float(metrics["max"]) == float(want_metrics["max"]) < 0 and bool(metrics["negative"])
+
+
+def test_a_table_split_by_rows_is_not_reported_left_whole_on_the_model_axis():
+    """With a model axis whose rules name no table: a table split by rows over the data axes is
+    not a large weight "left whole"; a large dense weight the rules miss still is."""
+    import warnings
+
+    import jax.numpy as jnp
+
+    from podscale.parallel.tensor import Rules, RuleWarning
+
+    params = {"table": jnp.zeros((512, 8)), "w": jnp.zeros((8, 64)), "v": jnp.zeros((64, 1))}
+
+    def step(p, batch):
+        def loss_fn(p):
+            e = jnp.take(p["table"], batch["ids"], axis=0)
+            return jnp.mean(((e @ p["w"]) @ p["v"])[:, 0] - batch["y"])
+
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss_fn)(p)), {}
+
+    batch = {"ids": np.arange(16) % 512, "y": np.zeros(16, np.float32)}
+    dp = data_parallel(step, make_mesh((4, 2)), model_parallel=2, rules=Rules(((r"^v$", None),)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dp.place_state(params, batch)
+    notes = " ".join(str(w.message) for w in seen if issubclass(w.category, RuleWarning))
+    assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "['table']"] == [128]
+    assert "table" not in notes and "w [8, 64]: a large weight" in notes, notes

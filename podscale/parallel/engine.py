@@ -201,8 +201,16 @@ class DataParallelStep:
                 "weight_update='sharded' needs an example global batch to decide which state "
                 "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
             )
+        found, looked_up, min_rows = {}, set(), 0
+        if batch is not None:
+            batch_rows = jax.tree.leaves(batch)[0].shape[0]
+            gt = self.global_trace(abstract, batch)
+            min_rows = batch_rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
+            looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
         model_dims, notes = None, ()
         if self.model:
+            # The tables split by rows over the data axes where no rule splits them: not "left whole"
+            split_by_rows = set(tables.choose(jax.tree.leaves(abstract), looked_up, forward, self.replicas, min_rows))
             assignment = tensor.assign(
                 self.strategy.rules,
                 abstract,
@@ -210,14 +218,10 @@ class DataParallelStep:
                 self.model,
                 weights=forward,
                 strict=self.strict,
+                split_by_rows=split_by_rows,
             )
             model_dims, notes = assignment.dims, tuple(assignment.notes)
-        found, looked_up, min_rows = {}, set(), 0
         if batch is not None:
-            batch_rows = jax.tree.leaves(batch)[0].shape[0]
-            gt = self.global_trace(abstract, batch)
-            min_rows = batch_rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
-            looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
             ruled = {i for i, d in enumerate(model_dims or ()) if d is not None}  # a rule's split wins
             found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, self.replicas, min_rows)
             found = {i: rows for i, rows in found.items() if i not in ruled}

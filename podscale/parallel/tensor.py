@@ -132,10 +132,20 @@ class Assignment:
     """Per leaf: the rule that applied."""
 
 
-def assign(rules: Rules, state, k: int, axis: str, weights: set[int] | None = None, strict: bool = False) -> Assignment:
+def assign(
+    rules: Rules,
+    state,
+    k: int,
+    axis: str,
+    weights: set[int] | None = None,
+    strict: bool = False,
+    split_by_rows: set[int] = frozenset(),
+) -> Assignment:
     """Applies ``rules`` to every leaf of ``state`` (arrays or ``ShapeDtypeStruct``) for a model
     axis ``axis`` of ``k`` devices. ``weights``: the flat indices of the leaves the forward pass
-    reads (for the large-weight report); default every float leaf of two or more dimensions."""
+    reads (for the large-weight report); default every float leaf of two or more dimensions.
+    ``split_by_rows``: the leaves stored split by rows over the data axes where no rule applies
+    (embedding tables, :mod:`podscale.parallel.tables`): a large one is not left whole."""
     pairs = jax.tree_util.tree_leaves_with_path(state)
     compiled = [(pattern, dim, re.compile(pattern)) for pattern, dim in rules.rules]
     used = [False] * len(compiled)
@@ -175,7 +185,7 @@ def assign(rules: Rules, state, k: int, axis: str, weights: set[int] | None = No
     for i in sorted(weights):
         path, x = pairs[i]
         size = math.prod(np.shape(x))
-        if rule_of[i] is None and total and size >= LARGE_SHARE * total and size >= k:
+        if rule_of[i] is None and i not in split_by_rows and total and size >= LARGE_SHARE * total and size >= k:
             notes.append(
                 f"{path_name(path)} {list(np.shape(x))}: a large weight ({size / total:.0%} of the weights) is left "
                 f"whole on every device of mesh axis {axis!r}; add a rule for it, or one with dimension None to "
