@@ -27,6 +27,8 @@ CLI_CASES = [
     (["--target", "-1"], "--target -1.0: the held-out metric"),
     (["--target", "2.0"], "give a value in [0, 1]"),
     (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--steps", "99999999999999999999"], "--steps 99999999999999999999: the step counter is a 32-bit integer"),
+    (["--schedule-steps", "0"], "--schedule-steps must be at least 1"),
     (["--mesh", "4*2"], "write the mesh shape as 8 or 4x2"),
     (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a positive number of seconds"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --workdir"),

@@ -429,3 +429,23 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
     finally:
         checkpoint._quiet_late_reads(False)
         sys.excepthook, sys.unraisablehook = original
+
+
+def test_a_recipe_resumed_to_more_steps_keeps_its_schedule_and_equals_a_straight_run(tmp_path):
+    """A recipe's learning-rate schedule spans ``--schedule-steps`` (default: the first run's
+    ``--steps``), recorded with the run and kept on resume: a run started to stop early and
+    resumed to its horizon is bit for bit the straight run; past the horizon is refused by name."""
+    base = dict(model="dlrm", config="tiny", checkpoint_every=2)
+    whole = train(_config(tmp_path / "whole", steps=4, export=str(tmp_path / "whole.npz"), **base))
+    assert whole["schedule_steps"] == 4
+    train(_config(tmp_path / "run", steps=2, schedule_steps=4, **base))
+    with pytest.raises(ValueError, match=r"--steps 6: .* schedule over 4 steps \(--schedule-steps 4"):
+        train(_config(tmp_path / "run", steps=6, resume=True, **base))
+    with pytest.raises(ValueError, match="started with --schedule-steps 4 .*, this one asks for 6"):
+        train(_config(tmp_path / "run", steps=4, schedule_steps=6, resume=True, **base))
+    out = train(_config(tmp_path / "run", steps=4, resume=True, export=str(tmp_path / "run.npz"), **base))
+    assert out["resumed_from"] == 2 and out["schedule_steps"] == 4
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "run.npz")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

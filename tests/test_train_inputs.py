@@ -418,3 +418,28 @@ def test_subpackages_are_attributes_after_a_plain_import():
     code = "import podscale; print(podscale.parallel.tensor.Rules.__name__, podscale.workloads.NAMES[0])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split()[0] == "Rules", proc.stderr[-2000:]
+
+
+def test_the_schedules_horizon_is_recorded_and_refused_where_it_means_nothing(tmp_path):
+    from podscale.train.resume import SCHEDULE_STEPS, schedule_steps
+
+    dlrm = make_task("dlrm", config="tiny", with_data=False)
+    assert schedule_steps(TrainConfig(model="dlrm", config="tiny", steps=7), dlrm) == 7
+    assert schedule_steps(TrainConfig(model="dlrm", config="tiny", steps=7, schedule_steps=9), dlrm) == 9
+    # No schedule of the run's length: a constant learning rate, or the Transformer's endless one.
+    assert schedule_steps(TrainConfig(steps=7), make_task("mlp")) is None
+    with pytest.raises(ValueError, match="--schedule-steps 9: optimizer 'adam' runs at a constant learning rate"):
+        schedule_steps(TrainConfig(model="dlrm", config="tiny", optimizer="adam", steps=7, schedule_steps=9), dlrm)
+    big = make_task("transformer-big", config="tiny", with_data=False)
+    assert schedule_steps(TrainConfig(model="transformer-big", config="tiny"), big) is None
+    with pytest.raises(ValueError, match="--steps 9 is more than --schedule-steps 5"):
+        TrainConfig(steps=9, schedule_steps=5)
+    # A run of an older podscale, whose run_config.json has no horizon, is refused naming the flag.
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / RUN_CONFIG).write_text(json.dumps({"model": "dlrm"}))
+    resumed = dict(model="dlrm", config="tiny", workdir=str(workdir), resume=True)
+    with pytest.raises(ValueError, match="does not record .* pass --schedule-steps"):
+        schedule_steps(TrainConfig(**resumed), dlrm)
+    (workdir / RUN_CONFIG).write_text(json.dumps({"model": "dlrm", SCHEDULE_STEPS: 30}))
+    assert schedule_steps(TrainConfig(steps=20, **resumed), dlrm) == 30

@@ -123,6 +123,13 @@ def _train_parser(sub) -> None:
         "segment beside it (mllog.1.txt, mllog.2.txt, ...)",
     )
     p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        help="MLPerf recipes: the steps the learning-rate schedule spans (default --steps), kept on --resume; "
+        "start with the most steps a run may be extended to",
+    )
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
     p.add_argument("--eval-batch-size", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="with --workdir (default 100)")

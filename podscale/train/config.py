@@ -13,6 +13,8 @@ from podscale.parallel.strategy import Strategy
 from podscale.train.distributed import ENV_PROCESS_ID
 
 DEFAULT_CHECKPOINT_EVERY = 100
+MAX_STEPS = 2**31
+"""``--steps`` is below this: the state's step counter is an ``int32``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,12 @@ class TrainConfig:
     workload config's ``global_batch``."""
     steps: int = 100
     """Number of training steps (the run stops earlier when ``target`` is reached)."""
+    schedule_steps: int | None = None
+    """The steps an MLPerf recipe's learning-rate schedule is built over, its horizon (default: the
+    first run's ``steps``). Recorded in ``run_config.json`` and kept on ``resume``, so a resumed run
+    follows the schedule it started on: a run that is to be extended later is started with the most
+    steps it may train here (``--steps 10 --schedule-steps 20``, then ``--resume --steps 20``, is
+    bit-identical to ``--steps 20``). Not for an optimizer of constant learning rate."""
     eval_every: int = 0
     """Evaluate on the held-out set every this many steps; 0 evaluates only at the end."""
     eval_batch_size: int | None = None
@@ -77,9 +85,21 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("batch_size", "steps", "bn_group_size"):
+        for name in ("batch_size", "steps", "schedule_steps", "bn_group_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("steps", "schedule_steps"):
+            if (getattr(self, name) or 0) >= MAX_STEPS:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: the step counter is a 32-bit integer (the "
+                    f"state's step); give fewer than {MAX_STEPS} steps"
+                )
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(
+                f"--steps {self.steps} is more than --schedule-steps {self.schedule_steps}: the learning-rate "
+                "schedule would end before the run does; give --schedule-steps of at least --steps (or leave it "
+                "out: the schedule then spans --steps)"
+            )
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

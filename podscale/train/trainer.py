@@ -138,7 +138,9 @@ def _train(
     evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
     whole_set = task.workload.score if task.workload else None  # a whole-set metric (COCO mAP, AUC)
     predict = distributed_eval(task.predict_outputs, dp) if whole_set else None
-    _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
+    _log_run_config(
+        mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats), run.schedule_steps
+    )
     mlog.end(C.INIT_STOP)
     # A resumed segment's log is a whole log of its own (init, configuration, run_start), from step
     # ``start``: its first block starts there, at the epoch and example the checkpoint holds.
@@ -325,6 +327,7 @@ def _train(
             f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
     summary.update(
         steps=final_step,
+        schedule_steps=run.schedule_steps,
         final_train_loss=last_loss,
         eval_metric=task.eval_metric,
         eval_value=summary["eval"].get(task.eval_metric),
