@@ -449,3 +449,28 @@ def test_a_recipe_resumed_to_more_steps_keeps_its_schedule_and_equals_a_straight
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_dry_run_resume_reads_the_checksums_and_says_the_step_the_run_would_resume_from(tmp_path, capfd, caplog):
+    """``--resume --dry-run`` verifies the step it names as the run's restore does: a damaged newest
+    step is refused as the run refuses it, and with ``--resume-fallback`` the step named is the one
+    the run resumes from; nothing is set aside."""
+    from helpers import podscale_main
+
+    train(_config(tmp_path, steps=6))
+    args = ["train", "--model", "mlp", "--steps", "9", "--workdir", str(tmp_path), "--resume", "--dry-run"]
+    capfd.readouterr()
+    assert podscale_main(args) == 0
+    assert "resume_from 6)" in capfd.readouterr().out
+    _flip_bits(_largest_file(tmp_path / "checkpoints" / "6"), 2)
+    assert podscale_main(args) == 2
+    out = capfd.readouterr()
+    assert re.search(rf"podscale: error: checkpoint step 6 in .* is damaged: {LEAF}", out.err)
+    assert podscale_main([*args, "--resume-fallback"]) == 0
+    out = capfd.readouterr()
+    assert "resume_from 3)" in out.out
+    assert "the run would skip checkpoint step 6: damaged" in out.err
+    assert (tmp_path / "checkpoints" / "6").is_dir() and not (tmp_path / "checkpoints" / "6.damaged").exists()
+    # orbax's "Item "default" was found in the checkpoint, but could not be restored", on every read
+    # of a step's metadata by a manager that was not told its item's handler: not once
+    assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]

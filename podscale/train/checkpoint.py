@@ -347,8 +347,11 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = every
         self.warn = warn
+        # The one item's handler named up front: without it, reading a step's metadata finds the
+        # item ("default") with no handler to read it by, and orbax warns twice on every resume.
         self._manager = _orbax().CheckpointManager(
             self.directory,
+            item_handlers=_orbax().StandardCheckpointHandler(),
             options=_orbax().CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
             ),
@@ -393,13 +396,15 @@ class Checkpointer:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def restore(self, like, fallback: bool = False):
+    def restore(self, like, fallback: bool = False, dry_run: bool = False):
         """Restores the latest step into the structure, shapes and shardings of ``like``, after
         checking every leaf against its checksum; returns ``(step, state)``.
 
         A damaged or unreadable latest step raises :class:`CheckpointError` naming it (and the
         damaged leaves); with ``fallback``, each such step is set aside as ``STEP.damaged``, with
-        a warning naming it, and the newest intact earlier step is restored."""
+        a warning naming it, and the newest intact earlier step is restored. ``dry_run`` (``train
+        --resume --dry-run``) reads and verifies the same steps, changes nothing on disk, and warns
+        of what the run would set aside."""
         self._manager.reload()
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
@@ -423,6 +428,12 @@ class Checkpointer:
                     raise CheckpointError(e.message) from e.__cause__
                 damaged[step] = e.reason
                 continue
+            if dry_run:
+                for s in damaged:
+                    self.warn(f"--resume-fallback: the run would skip checkpoint step {s}: {damaged[s]}")
+                if damaged:
+                    self.warn(f"--resume-fallback: the run would resume from step {step}, the newest intact checkpoint")
+                return step, state
             for s, target in self._set_aside(list(damaged)).items():
                 self.warn(f"--resume-fallback: skipped checkpoint step {s}: {damaged[s]}; moved it to {target}")
             if damaged:

@@ -14,7 +14,13 @@ from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.tensor import RuleWarning, with_model_rules
 from podscale.train.config import TrainConfig, check_output_paths
-from podscale.train.resume import _check_checkpoints, _check_run_config, resolved_run_config, schedule_steps
+from podscale.train.resume import (
+    _check_checkpoints,
+    _check_run_config,
+    check_data_position,
+    resolved_run_config,
+    schedule_steps,
+)
 from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 from podscale.workloads.precision import check_state, policy_by_name
 
@@ -108,3 +114,35 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         warnings.simplefilter("ignore", RuleWarning)
         layout = dp.prepare(shapes, task.batch_shapes(batch_size)).state  # traces the step: its own checks
     return Prepared(mesh, task, optimizer, strategy, dp, batch_size, eval_batch, init, latest, layout, horizon)
+
+
+def resume_step(config: TrainConfig, run: Prepared) -> int | None:
+    """``--resume --dry-run``: the step the run would resume from, read and verified against its
+    checksums as the run's restore does (with ``--resume-fallback``, the newest intact step; a
+    damaged one is refused as the run refuses it), with nothing changed on disk."""
+    if not config.resume:
+        return run.latest_checkpoint
+    import os
+
+    from podscale.train.checkpoint import Checkpointer
+    from podscale.train.config import DEFAULT_CHECKPOINT_EVERY
+    from podscale.train.saving import CheckpointForm
+
+    ckpt = Checkpointer(
+        os.path.join(config.workdir, "checkpoints"), config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+    )
+    try:
+        step, state = ckpt.restore(CheckpointForm(run.layout), fallback=config.resume_fallback, dry_run=True)
+        metadata = ckpt.metadata(step)
+    finally:
+        ckpt.close()
+    del state
+    start = step
+    where = f"checkpoint step {step} in {ckpt.directory}"
+    check_data_position(metadata, start, run.batch_size, where)
+    if start >= config.steps:
+        raise ValueError(
+            f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
+            f"pass a larger --steps to train further"
+        )
+    return step
