@@ -474,3 +474,32 @@ def test_a_dry_run_resume_reads_the_checksums_and_says_the_step_the_run_would_re
     # orbax's "Item "default" was found in the checkpoint, but could not be restored", on every read
     # of a step's metadata by a manager that was not told its item's handler: not once
     assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
+
+
+def test_a_disk_that_fills_during_a_save_is_exit_2_one_line_and_the_earlier_steps_resume(tmp_path):
+    """A full disk, as the kernel says it (a file-size limit, RLIMIT_FSIZE: every write past it
+    fails, as on a full disk): one podscale line naming the step, the cause and the intact steps,
+    exit code 2, no traceback (not the TensorBoard writer's nor orbax's writes still in flight);
+    the steps saved before resume."""
+    import subprocess
+
+    train(_config(tmp_path, steps=3))
+    size = os.path.getsize(_largest_file(tmp_path / "checkpoints" / "3"))
+    # A write past the limit fails (EFBIG) instead of raising SIGXFSZ; set in the child itself.
+    limited = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({size // 2}, {size // 2})); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'podscale.cli', *sys.argv[1:]])"
+    )
+    args = ["train", "--model", "mlp", "--steps", "6", "--checkpoint-every", "3", "--workdir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-c", limited, *args, "--resume", "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("podscale: error:")]
+    assert errors == [
+        f"podscale: error: checkpoint step 6 could not be written in {tmp_path / 'checkpoints'}: File too large; the "
+        "steps saved before it are intact (latest 3). Free space on its disk, then continue with --resume"
+    ], proc.stderr
+    assert train(_config(tmp_path, resume=True))["resumed_from"] == 3

@@ -67,6 +67,36 @@ def test_an_output_file_that_is_a_directory_or_whose_folder_is_missing_is_refuse
         TrainConfig(**{name: str(fifo)})
 
 
+@pytest.mark.parametrize("name", FILES)
+def test_an_output_file_named_as_a_folder_or_on_a_device_that_takes_no_writes_is_refused(tmp_path, name):
+    """A name ending in / is a folder's, though it does not exist yet; a device that refuses every
+    write (/dev/full: no space left) would fail only after the run. Both refused before any work."""
+    with pytest.raises(ValueError, match=f"^{_flag(name)} {tmp_path}/new/: names a folder .*give a file name"):
+        TrainConfig(**{name: f"{tmp_path}/new/"})
+    if name != "export" and os.path.exists("/dev/full"):
+        with pytest.raises(ValueError, match=f"^{_flag(name)} /dev/full: the file cannot be written \\(No space"):
+            TrainConfig(**{name: "/dev/full"})
+        TrainConfig(**{name: "/dev/null"})  # takes every write
+
+
+def test_closing_the_outputs_keeps_the_error_that_stopped_the_run():
+    """A full disk stops a save; the outputs closed after it (the TensorBoard writer, the
+    checkpointer) fail with the same cause, which must not hide the run's own error."""
+    from podscale.train.trainer import _close_all
+
+    closed = []
+
+    def fails():
+        closed.append("fails")
+        raise OSError(28, "No space left on device")
+
+    _close_all([fails, lambda: closed.append("next")], failing=True)  # the run's error is raised by the caller
+    assert closed == ["fails", "next"]
+    with pytest.raises(OSError, match="No space left"):
+        _close_all([fails, lambda: closed.append("next")], failing=False)
+    assert closed == ["fails", "next", "fails", "next"]
+
+
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match="--workdir .*afile: is a file, not a directory"):

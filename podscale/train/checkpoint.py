@@ -28,6 +28,7 @@ A restore that finds no checkpoint, or one that orbax cannot read, also raises
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -322,7 +323,7 @@ def _quiet_late_reads(on: bool) -> None:
             setattr(sys, name, quiet)
         elif not on and current is quiet:
             setattr(sys, name, quiet.wraps)
-    for logger in ("asyncio", "concurrent.futures"):
+    for logger in ("asyncio", "concurrent.futures", "absl"):
         (logging.getLogger(logger).addFilter if on else logging.getLogger(logger).removeFilter)(_LATE_READS)
 
 
@@ -346,6 +347,8 @@ class Checkpointer:
             raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
         self.directory = os.path.abspath(directory)
         self.every = every
+        self._failed: CheckpointError | None = None  # a save that failed: every later wait says so
+        self._saving_step: int | None = None
         self.warn = warn
         # The one item's handler named up front: without it, reading a step's metadata finds the
         # item ("default") with no handler to read it by, and orbax warns twice on every resume.
@@ -359,9 +362,37 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest step on disk, once the saves begun are committed."""
-        self._manager.wait_until_finished()
+        with self._saving():
+            self._manager.wait_until_finished()
         self._manager.reload()
         return self._manager.latest_step()
+
+    @contextlib.contextmanager
+    def _saving(self, step: int | None = None):
+        """Where a save in flight (``step``, or the last begun) can fail: its failure (a full disk,
+        a file-size limit) is a :class:`CheckpointError` naming the step, the cause and the intact
+        steps; reported once (the writes of that save still running then print nothing)."""
+        global _late_reads_pending
+        if self._failed is not None:
+            raise self._failed
+        try:
+            yield
+        except Exception as e:
+            step = self._saving_step if step is None else step
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if m := re.search(r"Failed to write [^:]*: ([^\[]*)", text):
+                text = m.group(1).strip()
+            elif isinstance(e, OSError) and e.strerror:
+                text = e.strerror
+            kept = sorted(s for s in self._manager.all_steps() if s != step)
+            intact = f"the steps saved before it are intact (latest {kept[-1]})" if kept else "no earlier step is kept"
+            self._failed = CheckpointError(
+                f"checkpoint step {step} could not be written in {self.directory}: {text[:300]}; {intact}. Free space "
+                "on its disk, then continue with --resume"
+            )
+            _late_reads_pending = True
+            _quiet_late_reads(True)
+            raise self._failed from None
 
     def maybe_save(self, step: int, state, transform=None, force: bool = False, metadata: dict | None = None) -> bool:
         """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``), with the
@@ -378,12 +409,22 @@ class Checkpointer:
             metadata_all[LAYOUT] = form.saved_layout()
         if metadata:
             metadata_all[RUN_METADATA] = metadata
-        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata_all)
+        with self._saving():  # the save before this one, if it failed, fails here
+            self._manager.wait_until_finished()
+        self._saving_step = step
+        # Should the save fail (a full disk), its failure is reported once, by the next wait: its
+        # writes still in flight then end in orbax's threads, quietly (_quiet_late_reads).
+        global _late_reads_pending
+        _late_reads_pending = True
+        _quiet_late_reads(True)
+        with self._saving(step):
+            self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata_all)
         return True
 
     def wait(self) -> None:
         """Returns once every save begun is committed on disk."""
-        self._manager.wait_until_finished()
+        with self._saving():
+            self._manager.wait_until_finished()
 
     def metadata(self, step: int) -> dict:
         """The ``metadata`` saved with ``step`` (``{}`` for a step saved without, by an older podscale)."""
@@ -547,4 +588,5 @@ class Checkpointer:
         """Waits for the save in flight and closes; a second call does nothing."""
         if not getattr(self, "_closed", False):
             self._closed = True
-            self._manager.close()
+            with self._saving():
+                self._manager.close()

@@ -155,7 +155,13 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
     both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
     ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
     workdir = os.path.abspath(config.workdir) if config.workdir else None
-    if config.export is not None and not str(config.export).endswith(".npz") and not os.path.isdir(config.export):
+    folder_name = str(config.export).endswith(("/", os.sep))  # refused below, as a folder's name
+    if (
+        config.export is not None
+        and not str(config.export).endswith(".npz")
+        and not folder_name
+        and not os.path.isdir(config.export)
+    ):
         raise ValueError(
             f"--export {config.export}: the parameters are written as a NumPy .npz archive; give a name ending in "
             f".npz, e.g. {os.path.splitext(config.export)[0] or 'params'}.npz"
@@ -184,10 +190,9 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
                 raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
             folder = full
         else:
-            if os.path.isdir(full):
-                raise ValueError(
-                    f"{flag} {path}: is a directory; give a file name such as {os.path.join(path, example)}"
-                )
+            if os.path.isdir(full) or str(path).endswith((os.sep, "/")):
+                what = "is a directory" if os.path.isdir(full) else "names a folder (it ends in /)"
+                raise ValueError(f"{flag} {path}: {what}; give a file name such as {os.path.join(path, example)}")
             folder = os.path.dirname(full)
         existing = folder
         while not os.path.lexists(existing):
@@ -265,13 +270,38 @@ def _can_create_file_in(folder: str) -> bool:
 
 
 def _cannot_open_to_write(path: str) -> str | None:
-    """Why an existing file cannot be opened to append to (without changing it), or ``None``."""
+    """Why an existing file cannot be opened to append to (without changing it), or ``None``. A
+    device that is not a terminal is written a newline, which one that takes no writes refuses
+    (``/dev/full``: no space left on it; ``/dev/null`` takes it)."""
+    import stat
+
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
     except OSError as e:
         return e.strerror or type(e).__name__
-    os.close(fd)
+    try:
+        if stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
+            os.write(fd, b"\n")
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    finally:
+        os.close(fd)
     return None
 
 
 RUN_CONFIG = "run_config.json"
+
+
+class WriteError(ValueError):
+    """An output could not be written while the run went on: a full disk (``ENOSPC``), a quota or
+    file-size limit, a device that takes no writes. One ``podscale: error:`` line, exit code 2."""
+
+
+def write_error(what: str, error: OSError) -> WriteError:
+    """The :class:`WriteError` of ``error`` (an ``OSError``) while writing ``what`` (the flag or
+    file and its path): the system's reason, and that the checkpoints saved before it are kept."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return WriteError(
+        f"{what}: cannot be written ({reason}); free space on its disk (or choose another path). The checkpoints "
+        "saved before this, if any, are intact: continue with --resume"
+    )
