@@ -122,8 +122,13 @@ class TrainConfig:
             raise ValueError(f"--seed must be 0 or more (it seeds JAX's and NumPy's generators), got {self.seed}")
         if self.target is not None and not 0 <= self.target <= 1:
             raise ValueError(
-                f"--target {self.target}: the held-out metric it is compared with (accuracy, exact match, "
-                "masked-LM accuracy) is a fraction; give a value in [0, 1]"
+                f"--target {self.target}: the held-out metric it is compared with ({_eval_metric(self.model)}) is a "
+                "fraction; give a value in [0, 1]"
+            )
+        if self.precision != "bf16" and not _is_workload(self.model):
+            raise ValueError(
+                f"--precision {self.precision}: model {self.model!r} always computes in float32; --precision sets the "
+                "compute dtype of an MLPerf workload (its bf16 convolutions and matrix products); drop the flag"
             )
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
@@ -133,6 +138,22 @@ class TrainConfig:
             raise ValueError("--resume-fallback goes with --resume: add --resume to continue the run in --workdir")
         # Process 0 alone writes the files; every process writes its part of --workdir's checkpoints.
         check_output_paths(self, files=os.environ.get(ENV_PROCESS_ID, "0") == "0")
+
+
+def _is_workload(model: str) -> bool:
+    from podscale import workloads
+
+    return model in workloads.NAMES
+
+
+def _eval_metric(model: str) -> str:
+    """The held-out metric ``--target`` compares with for ``model``: its name (``mlp``'s accuracy,
+    dlrm's AUC, ssd's COCO mAP: the workload's own ``eval_metric``)."""
+    from podscale import workloads
+
+    if model in workloads.NAMES:
+        return f"model {model}'s {workloads.get(model).eval_metric}"
+    return f"model {model}'s accuracy"
 
 
 OUTPUT_PATHS = (
