@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import podscale_main
 
@@ -27,6 +28,8 @@ CLI_CASES = [
     (["--target", "-1"], "--target -1.0: the held-out metric"),
     (["--target", "2.0"], "give a value in [0, 1]"),
     (["--seed", "-1"], "--seed must be 0 or more"),
+    (["--steps", "99999999999999999999"], "--steps 99999999999999999999: the step counter is a 32-bit integer"),
+    (["--schedule-steps", "0"], "--schedule-steps must be at least 1"),
     (["--mesh", "4*2"], "write the mesh shape as 8 or 4x2"),
     (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a positive number of seconds"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --workdir"),
@@ -181,3 +184,71 @@ def test_launch_refuses_a_command_that_cannot_run(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("PODSCALE_PROCESS_ID", "abc")
     assert cli.main(["train", "--dry-run"]) == 2
     assert "PODSCALE_PROCESS_ID='abc'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        ("hello", r"batch\['name'\] is a Python str \('hello'\)"),
+        (object(), r"batch\['name'\] is a Python object"),
+        (np.array(["a"] * 8), r"batch\['name'\] is an array of <U1 \(strings or objects\)"),
+        (np.array([None] * 8, dtype=object), r"batch\['name'\] is an array of object"),
+    ],
+    ids=["str", "object", "array of str", "array of objects"],
+)
+def test_a_batch_leaf_that_is_no_array_of_numbers_is_refused_by_its_path_before_tracing(leaf, message):
+
+    def step(state, batch):
+        return {"w": state["w"] - 0.1 * jnp.mean(batch["x"]) * state["w"]}, {}
+
+    dp = podscale.data_parallel(step, podscale.make_mesh())
+    with pytest.raises(ValueError, match=message + ".*encode strings as integer ids"):
+        dp.place_state({"w": jnp.ones(4)}, {"x": jnp.ones((8, 2)), "name": leaf})
+
+
+def test_library_arguments_that_mean_nothing_are_refused_or_warned_by_name():
+    import warnings
+
+    with pytest.raises(ValueError, match=r"make_mesh\(devices=\[\]\): no devices"):
+        podscale.make_mesh(devices=[])
+
+    def step(state, batch):
+        return {"w": state["w"] - 0.1 * jnp.mean(batch) * state["w"]}, {}
+
+    with pytest.raises(TypeError, match="donate_state='yes' is a str; give True or False"):
+        podscale.data_parallel(step, podscale.make_mesh(), donate_state="yes")
+    dp = podscale.data_parallel(step, podscale.make_mesh(), min_table_rows=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp.place_state({"w": jnp.ones(4)}, jnp.ones((8, 2)))
+    assert any("min_table_rows=16: the step looks up no weight by rows" in str(w.message) for w in caught)
+
+
+FLAG_CASES = [
+    (["bench", "embedding", "--replicas", "3", "--dry-run"], "--replicas 3: bench embedding splits its global batch"),
+    (["train", "--model", "dlrm", "--config", "tiny", "--target", "2"], "(model dlrm's auc) is a fraction"),
+    (["train", "--model", "ssd", "--config", "tiny", "--target", "2"], "(model ssd's map) is a fraction"),
+    (["train", "--precision", "float32", "--dry-run"], "--precision float32: model 'mlp' always computes in float32"),
+    (["project", "--system", "a100", "--multi-axis", "ring", "--dry-run"], "--multi-axis ring: system a100 is gpu"),
+    (["train", "--mllog", "/tmp/podscale-no-such-dir/", "--dry-run"], "names a folder (it ends in /)"),
+    (["train", "--metrics-file", "/dev/full", "--dry-run"], "--metrics-file /dev/full: the file cannot be written"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), FLAG_CASES, ids=[" ".join(a[:4]) for a, _ in FLAG_CASES])
+def test_flags_that_mean_nothing_or_would_fail_later_are_refused_naming_the_flag(args, message, capsys):
+    assert podscale_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "project", "verify"])
+def test_every_commands_help_lists_every_workload_and_system(command, capsys):
+    from podscale import workloads
+    from podscale.perf import systems
+
+    assert podscale_main([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in workloads.NAMES), text
+    if command == "project":
+        assert all(name in text for name in systems.SYSTEMS)

@@ -429,3 +429,77 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
     finally:
         checkpoint._quiet_late_reads(False)
         sys.excepthook, sys.unraisablehook = original
+
+
+def test_a_recipe_resumed_to_more_steps_keeps_its_schedule_and_equals_a_straight_run(tmp_path):
+    """A recipe's learning-rate schedule spans ``--schedule-steps`` (default: the first run's
+    ``--steps``), recorded with the run and kept on resume: a run started to stop early and
+    resumed to its horizon is bit for bit the straight run; past the horizon is refused by name."""
+    base = dict(model="dlrm", config="tiny", checkpoint_every=2)
+    whole = train(_config(tmp_path / "whole", steps=4, export=str(tmp_path / "whole.npz"), **base))
+    assert whole["schedule_steps"] == 4
+    train(_config(tmp_path / "run", steps=2, schedule_steps=4, **base))
+    with pytest.raises(ValueError, match=r"--steps 6: .* schedule over 4 steps \(--schedule-steps 4"):
+        train(_config(tmp_path / "run", steps=6, resume=True, **base))
+    with pytest.raises(ValueError, match="started with --schedule-steps 4 .*, this one asks for 6"):
+        train(_config(tmp_path / "run", steps=4, schedule_steps=6, resume=True, **base))
+    out = train(_config(tmp_path / "run", steps=4, resume=True, export=str(tmp_path / "run.npz"), **base))
+    assert out["resumed_from"] == 2 and out["schedule_steps"] == 4
+    a, b = _params(tmp_path / "whole.npz"), _params(tmp_path / "run.npz")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_dry_run_resume_reads_the_checksums_and_says_the_step_the_run_would_resume_from(tmp_path, capfd, caplog):
+    """``--resume --dry-run`` verifies the step it names as the run's restore does: a damaged newest
+    step is refused as the run refuses it, and with ``--resume-fallback`` the step named is the one
+    the run resumes from; nothing is set aside."""
+    from helpers import podscale_main
+
+    train(_config(tmp_path, steps=6))
+    args = ["train", "--model", "mlp", "--steps", "9", "--workdir", str(tmp_path), "--resume", "--dry-run"]
+    capfd.readouterr()
+    assert podscale_main(args) == 0
+    assert "resume_from 6)" in capfd.readouterr().out
+    _flip_bits(_largest_file(tmp_path / "checkpoints" / "6"), 2)
+    assert podscale_main(args) == 2
+    out = capfd.readouterr()
+    assert re.search(rf"podscale: error: checkpoint step 6 in .* is damaged: {LEAF}", out.err)
+    assert podscale_main([*args, "--resume-fallback"]) == 0
+    out = capfd.readouterr()
+    assert "resume_from 3)" in out.out
+    assert "the run would skip checkpoint step 6: damaged" in out.err
+    assert (tmp_path / "checkpoints" / "6").is_dir() and not (tmp_path / "checkpoints" / "6.damaged").exists()
+    # orbax's "Item "default" was found in the checkpoint, but could not be restored", on every read
+    # of a step's metadata by a manager that was not told its item's handler: not once
+    assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
+
+
+def test_a_disk_that_fills_during_a_save_is_exit_2_one_line_and_the_earlier_steps_resume(tmp_path):
+    """A full disk, as the kernel says it (a file-size limit, RLIMIT_FSIZE: every write past it
+    fails, as on a full disk): one podscale line naming the step, the cause and the intact steps,
+    exit code 2, no traceback (not the TensorBoard writer's nor orbax's writes still in flight);
+    the steps saved before resume."""
+    import subprocess
+
+    train(_config(tmp_path, steps=3))
+    size = os.path.getsize(_largest_file(tmp_path / "checkpoints" / "3"))
+    # A write past the limit fails (EFBIG) instead of raising SIGXFSZ; set in the child itself.
+    limited = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({size // 2}, {size // 2})); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'podscale.cli', *sys.argv[1:]])"
+    )
+    args = ["train", "--model", "mlp", "--steps", "6", "--checkpoint-every", "3", "--workdir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-c", limited, *args, "--resume", "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("podscale: error:")]
+    assert errors == [
+        f"podscale: error: checkpoint step 6 could not be written in {tmp_path / 'checkpoints'}: File too large; the "
+        "steps saved before it are intact (latest 3). Free space on its disk, then continue with --resume"
+    ], proc.stderr
+    assert train(_config(tmp_path, resume=True))["resumed_from"] == 3

@@ -597,3 +597,54 @@ def test_plan_of_a_full_config_needs_no_data_set():
     kinds = {c["kind"] for c in plan["compiled"]["collectives"]}
     assert {"reduce-scatter", "all-gather"} <= kinds
     assert plan["memory"]["optimizer_state"] < plan["memory"]["optimizer_state_replicated"] / 4
+
+
+def _marked(mark: str) -> list[int]:
+    """The live processes whose environment holds ``PODSCALE_TEST_MARK=mark`` (orphans too)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if f"PODSCALE_TEST_MARK={mark}".encode() in env.split(b"\0") and not zombie:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stopped_or_killed_launcher_stops_every_process_it_started(tmp_path, sig):
+    """``podscale launch`` itself stopped: SIGTERM is passed on (the run's coordinated save, then
+    exit 143); SIGKILL leaves its processes to notice the lost parent, which stop the same way.
+    Either way no descendant is left running, and the run's checkpoint is saved."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    workdir = tmp_path / "run"
+    args = ["train", "--model", "mlp", "--steps", "1000000", "--checkpoint-every", "100000", "--no-progress"]
+    launcher = subprocess.Popen(
+        [*PODSCALE, "launch", "--processes", "2", "--", *PODSCALE, *args, "--workdir", str(workdir)],
+        env=dict(os.environ, PODSCALE_TEST_MARK=mark),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_steps([launcher], workdir / "metrics.jsonl", 3)
+        assert len(_marked(mark)) == 5  # launch, and each process's supervisor and trainer
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=120)
+        deadline = time.monotonic() + 60
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _marked(mark), f"left running after launch got {sig.name}"
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert launcher.returncode == 128 + sig and "Traceback" not in err, err[-3000:]
+        assert "podscale: interrupted by SIGTERM to the run" in err
+    assert any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())  # the stop's coordinated save

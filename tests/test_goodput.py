@@ -85,3 +85,67 @@ def test_a_run_splits_its_wall_time_and_its_workdir_holds_tensorboard_events(tmp
     assert len(scalars["train/examples_per_s"]) == 5 and all(v > 0 for _, v in scalars["train/examples_per_s"])
     assert scalars["goodput/fraction"] == [(6, pytest.approx(record["goodput"], rel=1e-6))]
     assert scalars["goodput/checkpointing_s"][0][1] == pytest.approx(parts["checkpointing"], rel=1e-6)
+
+
+def _events(tmp_path, steps):
+    from podscale.train.board import Board
+
+    b = Board(str(tmp_path))
+    for step in steps:
+        b.scalar("train/loss", float(step), step)
+    b.close()
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    return path
+
+
+def test_reading_event_files_skips_a_torn_last_record_and_names_what_it_cannot_read(tmp_path):
+    """As TensorBoard does: a torn last record (a kill or a full disk mid-write) is skipped; other
+    files in the folder are left alone; a damaged record before the end, an event-file name on a
+    file that is none, or a missing folder is a ValueError naming the path."""
+    from podscale.train.board import read
+
+    path = _events(tmp_path, [1, 2, 3])
+    whole = path.read_bytes()
+    (tmp_path / "notes.txt").write_text("not an event file")
+    assert [s for s, _ in read(str(tmp_path))["train/loss"]] == [1, 2, 3]
+    for cut in (1, 5, 13):  # inside the last record's CRC, its payload, its length
+        path.write_bytes(whole[:-cut])
+        assert [s for s, _ in read(str(tmp_path))["train/loss"]] == [1, 2], cut
+    stray = tmp_path / "events.out.tfevents.stray"
+    stray.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00abcd\xff\xff\xff\xff\xffabcd" * 2)
+    with pytest.raises(ValueError, match=f"{stray}: the record at byte 0 is damaged"):
+        read(str(tmp_path))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'missing'}: no such folder of TensorBoard event files"):
+        read(str(tmp_path / "missing"))
+
+
+def test_the_board_is_flushed_at_each_checkpoint_and_a_write_the_disk_refuses_names_the_folder(tmp_path, monkeypatch):
+    """After ``kill -9`` the TensorBoard points up to the last checkpoint are on disk, as
+    metrics.jsonl's are; a writer whose disk is full is one WriteError naming its folder, and
+    closing it afterwards does not fail again."""
+    import errno
+
+    from podscale.train import board, trainer
+    from podscale.train.config import WriteError
+    from podscale.train.trainer import TrainConfig, train
+
+    seen = {}
+    save = trainer._save
+
+    def spy(ckpt, step, *args, **kwargs):
+        seen[step] = [s for s, _ in board.read(str(tmp_path / "tensorboard")).get("train/loss", [])]
+        return save(ckpt, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_save", spy)
+    train(TrainConfig(model="mlp", steps=4, checkpoint_every=2, workdir=str(tmp_path), progress=False))
+    assert seen[2] == [1, 2] and seen[4][:4] == [1, 2, 3, 4]
+
+    b = board.Board(str(tmp_path / "full"))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(b.writer, "write_event", full)
+    with pytest.raises(WriteError, match=r"TensorBoard events in .*full: cannot be written \(No space left"):
+        b.scalar("train/loss", 1.0, 1)
+    b.close()  # the writer is gone: nothing more to fail

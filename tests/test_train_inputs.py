@@ -67,6 +67,36 @@ def test_an_output_file_that_is_a_directory_or_whose_folder_is_missing_is_refuse
         TrainConfig(**{name: str(fifo)})
 
 
+@pytest.mark.parametrize("name", FILES)
+def test_an_output_file_named_as_a_folder_or_on_a_device_that_takes_no_writes_is_refused(tmp_path, name):
+    """A name ending in / is a folder's, though it does not exist yet; a device that refuses every
+    write (/dev/full: no space left) would fail only after the run. Both refused before any work."""
+    with pytest.raises(ValueError, match=f"^{_flag(name)} {tmp_path}/new/: names a folder .*give a file name"):
+        TrainConfig(**{name: f"{tmp_path}/new/"})
+    if name != "export" and os.path.exists("/dev/full"):
+        with pytest.raises(ValueError, match=f"^{_flag(name)} /dev/full: the file cannot be written \\(No space"):
+            TrainConfig(**{name: "/dev/full"})
+        TrainConfig(**{name: "/dev/null"})  # takes every write
+
+
+def test_closing_the_outputs_keeps_the_error_that_stopped_the_run():
+    """A full disk stops a save; the outputs closed after it (the TensorBoard writer, the
+    checkpointer) fail with the same cause, which must not hide the run's own error."""
+    from podscale.train.trainer import _close_all
+
+    closed = []
+
+    def fails():
+        closed.append("fails")
+        raise OSError(28, "No space left on device")
+
+    _close_all([fails, lambda: closed.append("next")], failing=True)  # the run's error is raised by the caller
+    assert closed == ["fails", "next"]
+    with pytest.raises(OSError, match="No space left"):
+        _close_all([fails, lambda: closed.append("next")], failing=False)
+    assert closed == ["fails", "next", "fails", "next"]
+
+
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match="--workdir .*afile: is a file, not a directory"):
@@ -418,3 +448,28 @@ def test_subpackages_are_attributes_after_a_plain_import():
     code = "import podscale; print(podscale.parallel.tensor.Rules.__name__, podscale.workloads.NAMES[0])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split()[0] == "Rules", proc.stderr[-2000:]
+
+
+def test_the_schedules_horizon_is_recorded_and_refused_where_it_means_nothing(tmp_path):
+    from podscale.train.resume import SCHEDULE_STEPS, schedule_steps
+
+    dlrm = make_task("dlrm", config="tiny", with_data=False)
+    assert schedule_steps(TrainConfig(model="dlrm", config="tiny", steps=7), dlrm) == 7
+    assert schedule_steps(TrainConfig(model="dlrm", config="tiny", steps=7, schedule_steps=9), dlrm) == 9
+    # No schedule of the run's length: a constant learning rate, or the Transformer's endless one.
+    assert schedule_steps(TrainConfig(steps=7), make_task("mlp")) is None
+    with pytest.raises(ValueError, match="--schedule-steps 9: optimizer 'adam' runs at a constant learning rate"):
+        schedule_steps(TrainConfig(model="dlrm", config="tiny", optimizer="adam", steps=7, schedule_steps=9), dlrm)
+    big = make_task("transformer-big", config="tiny", with_data=False)
+    assert schedule_steps(TrainConfig(model="transformer-big", config="tiny"), big) is None
+    with pytest.raises(ValueError, match="--steps 9 is more than --schedule-steps 5"):
+        TrainConfig(steps=9, schedule_steps=5)
+    # A run of an older podscale, whose run_config.json has no horizon, is refused naming the flag.
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / RUN_CONFIG).write_text(json.dumps({"model": "dlrm"}))
+    resumed = dict(model="dlrm", config="tiny", workdir=str(workdir), resume=True)
+    with pytest.raises(ValueError, match="does not record .* pass --schedule-steps"):
+        schedule_steps(TrainConfig(**resumed), dlrm)
+    (workdir / RUN_CONFIG).write_text(json.dumps({"model": "dlrm", SCHEDULE_STEPS: 30}))
+    assert schedule_steps(TrainConfig(steps=20, **resumed), dlrm) == 30

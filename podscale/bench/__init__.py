@@ -22,6 +22,8 @@ FLAGS = {
 }
 """The flags (``argparse`` names) that only some benchmarks take; ``--steps``, ``--replicas`` and
 ``--json`` apply to every one."""
+EMBEDDING_BATCH = 512
+"""``bench embedding``'s global batch (``bench_embedding``'s ``batch``), which the replicas divide."""
 DEFAULT_SIZES = (1.0, 16.0, 128.0)
 """``bench gradsum``'s gradient sizes, MiB per device."""
 WUS_HEADS = 8
@@ -125,6 +127,14 @@ def check_flags(which: str, flags: dict) -> dict:
             if problem:
                 raise ValueError(f"--sizes {text!r}: {problem}")
         return {"sizes_mib": sizes, "repeats": steps}
+    if which == "embedding":
+        replicas = flags.get("replicas")
+        if replicas is not None and replicas >= 1 and EMBEDDING_BATCH % replicas:
+            fits = ", ".join(str(2**k) for k in range(4) if EMBEDDING_BATCH % 2**k == 0)
+            raise ValueError(
+                f"--replicas {replicas}: bench embedding splits its global batch of {EMBEDDING_BATCH} ids over the "
+                f"replicas, and {replicas} does not divide it; give --replicas that does ({fits}, ...)"
+            )
     if which in ("spatial", "embedding"):
         return {"steps": steps}
     if which == "checkpoint":

@@ -84,7 +84,9 @@ def bench_embedding(
     batch, steps = checks.whole("batch", batch), checks.whole("steps", steps, what=" (timed steps)")
     n = len(jax.devices())
     if batch % n:
-        raise ValueError(f"batch={batch} must be a multiple of the {n} devices")
+        raise ValueError(
+            f"batch={batch} must be a multiple of the {n} devices (replicas); give a batch or replicas that divide it"
+        )
     if rows < batch:
         raise ValueError(f"rows={rows}: a table is split by rows from the global batch's {batch} rows; give more")
     model = Clicks(rows, dim, tables)

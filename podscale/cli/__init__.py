@@ -97,6 +97,19 @@ def _dispatch(args, argv) -> int:  # noqa: C901
     except Interrupted as e:
         print(f"podscale: {e}", file=sys.stderr)
         return 128 + e.signum
+    except OSError as e:
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # A write the system refused where podscale names no output itself: the same one line.
+        from podscale.train.config import write_error
+
+        message = str(write_error(e.filename or "an output", e))
+        print(f"podscale: error: {message}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+        return 2
     except _refusals() as e:
         message = _as_flags(str(e))
         print(f"podscale: error: {message}", file=sys.stderr)

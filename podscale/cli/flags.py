@@ -47,6 +47,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def system_names(kind: str | None = None) -> list[str]:
+    """The systems ``--system`` takes (of ``kind``: ``tpu`` or ``gpu``), from :mod:`podscale.perf.systems`."""
+    from podscale.perf import systems
+
+    return [name for name, system in systems.SYSTEMS.items() if kind is None or system.kind == kind]
+
+
 HEARTBEAT_S, JOIN_S = 30, 60
 """``--heartbeat-timeout`` and ``--join-timeout``'s defaults."""
 
@@ -124,6 +131,13 @@ def _train_parser(sub) -> None:
         "segment beside it (mllog.1.txt, mllog.2.txt, ...)",
     )
     p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        help="MLPerf recipes: the steps the learning-rate schedule spans (default --steps), kept on --resume; "
+        "start with the most steps a run may be extended to",
+    )
     p.add_argument("--eval-every", type=int, default=defaults.eval_every, help="0: evaluate only at the end")
     p.add_argument("--eval-batch-size", type=int, default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="with --workdir (default 100)")
@@ -139,7 +153,8 @@ def _train_parser(sub) -> None:
         "--target",
         type=float,
         default=None,
-        help="held-out metric (accuracy; exact_match or mlm_accuracy for workloads) to stop at; reports time to target",
+        help="the held-out metric to stop at, a fraction (accuracy; an MLPerf workload's own, e.g. exact_match, "
+        "auc, map: podscale models lists each); reports time to target",
     )
     p.add_argument(
         "--mesh", type=parse_shape, default=None, help="mesh shape such as 8 or 4x2 (default: all devices, 1-D)"
@@ -176,7 +191,7 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--system",
         default=None,
-        help="with --chips: compile for that TPU slice with XLA:TPU (tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, tpu-v6e; "
+        help=f"with --chips: compile for that TPU slice with XLA:TPU ({', '.join(system_names('tpu'))}; "
         "libtpu's compile-only devices, pip install 'podscale[tpu]') and show its module's collectives and memory",
     )
     p.add_argument("--chips", type=int, default=None, help="with --system: the slice's chips (--mesh: its devices)")
@@ -226,7 +241,7 @@ def _project_parser(sub) -> None:
         help="project the step time of a model's compiled step to 16-4096 chips of a TPU or GPU system",
     )
     add_model_flags(p)
-    p.add_argument("--system", default="tpu-v3", help="tpu-v3, tpu-v4, tpu-v5p, tpu-v5e, tpu-v6e, a100, h100, h200")
+    p.add_argument("--system", default="tpu-v3", help=", ".join(system_names()))
     p.add_argument("--chips", default="16,64,256,1024", help="comma-separated chip counts")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--per-chip-batch", type=int, default=None, help="examples per chip (default: the workload's)")

@@ -128,6 +128,12 @@ def _run_project(args) -> int:
     from podscale.perf import project_mesh, project_rows, systems
 
     system = systems.get(args.system)
+    if "multi_axis" in given and system.kind != "tpu":
+        raise ValueError(
+            f"--multi-axis {args.multi_axis}: system {system.name} is {system.kind} nodes on a network, not a torus; "
+            "--multi-axis says how a collective over several torus dimensions of a TPU slice is costed, and would "
+            "change nothing here: drop it"
+        )
     chips = _parse_chips(args.chips)
     names = None if args.strategies is None else _parse_list("--strategies", args.strategies, "replicated,sharded")
     effective = names or list(project_mesh.DEFAULT_STRATEGIES)

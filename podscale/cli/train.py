@@ -53,8 +53,11 @@ def _run_train(args) -> int:
 
     import jax
 
-    if args.dry_run:
-        return _dry_run_result(args, check(config).dry_run_summary())
+    if args.dry_run:  # a resume reads and verifies the checkpoint it would restore
+        from podscale.train.prepare import resume_step
+
+        run = check(config)
+        return _dry_run_result(args, run.dry_run_summary() | {"resume_from": resume_step(config, run)})
     summary = train(config)
     if jax.process_index() == 0:
         if summary["time_to_target_s"] is not None:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel import spatial, state_layout, tables, tensor
+from podscale.parallel import checks, spatial, state_layout, tables, tensor
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import REPLICATED, Partitioner, Split
@@ -69,7 +69,7 @@ class DataParallelStep:
     def __init__(self, step: Step, mesh: Mesh, strategy: Strategy | None = None, *, donate_state: bool = True):
         self.step, self.mesh = step, auto_axes(mesh)  # a jax.make_mesh mesh's Explicit axes are taken as Auto
         self.strategy = strategy or Strategy()
-        self.donate_state = donate_state
+        self.donate_state = checks.boolean("donate_state", donate_state)
         self.roles = Roles.of(self.strategy, mesh)
         """Each mesh axis's role, by name (:class:`~podscale.parallel.placement.Roles`)."""
         if self.model and self.strategy.rules is None:
@@ -207,6 +207,12 @@ class DataParallelStep:
             gt = self.global_trace(abstract, batch)
             min_rows = batch_rows if self.strategy.min_table_rows is None else self.strategy.min_table_rows
             looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
+            if self.strategy.min_table_rows is not None and not looked_up:
+                checks.warn(
+                    f"min_table_rows={self.strategy.min_table_rows}: the step looks up no weight by rows (it has no "
+                    "embedding table), so there is nothing to split by rows and it changes nothing; drop it",
+                    checks.PodscaleWarning,
+                )
         model_dims, notes = None, ()
         if self.model:
             # The tables split by rows over the data axes where no rule splits them: not "left whole"

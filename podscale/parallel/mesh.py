@@ -131,6 +131,11 @@ def make_mesh(
     bn_group_size = checks.whole("bn_group_size", bn_group_size, what=" (replicas per batch-norm group)")
     spatial = checks.whole("spatial", spatial, optional=True, what=" (devices per image)")
     given = devices is not None
+    if given and not len(devices):
+        raise ValueError(
+            "make_mesh(devices=[]): no devices to place a mesh over; give at least one device, or leave devices out "
+            "for every device of every process"
+        )
     devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
     n = len(devices)
     if shape is None:

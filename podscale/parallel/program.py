@@ -93,10 +93,30 @@ def as_whole(kind: str, path, x):
     return x
 
 
+def _not_an_array(leaf) -> str | None:
+    """What ``leaf`` is where it is no array of numbers or bools (a str, an object, an array of
+    strings or objects); ``None`` for an array, a shape and dtype, or a number."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        if isinstance(leaf, bool | int | float | complex | np.number):
+            return None
+        return f"a Python {type(leaf).__name__} ({leaf!r:.40})"
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        return None  # a JAX dtype numpy does not know (a PRNG key's)
+    return f"an array of {np.dtype(dtype)} (strings or objects)" if kind in "OUSV" else None
+
+
 def check_batch(batch, n: int, mesh) -> None:
     """Raises a ``ValueError`` naming the leaf when the replicas cannot split ``batch``."""
     first = None
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if problem := _not_an_array(leaf):
+            raise ValueError(
+                f"batch{path_str(path)} is {problem}; every batch leaf must be an array of numbers or bools, one row "
+                "per example (encode strings as integer ids; pass other Python values to the step outside the batch)"
+            )
         shape = np.shape(leaf)
         if not shape:
             raise ValueError(f"batch{path_str(path)} is a scalar; every batch leaf needs a leading batch dimension")

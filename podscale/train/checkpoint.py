@@ -28,6 +28,7 @@ A restore that finds no checkpoint, or one that orbax cannot read, also raises
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -322,7 +323,7 @@ def _quiet_late_reads(on: bool) -> None:
             setattr(sys, name, quiet)
         elif not on and current is quiet:
             setattr(sys, name, quiet.wraps)
-    for logger in ("asyncio", "concurrent.futures"):
+    for logger in ("asyncio", "concurrent.futures", "absl"):
         (logging.getLogger(logger).addFilter if on else logging.getLogger(logger).removeFilter)(_LATE_READS)
 
 
@@ -346,9 +347,14 @@ class Checkpointer:
             raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
         self.directory = os.path.abspath(directory)
         self.every = every
+        self._failed: CheckpointError | None = None  # a save that failed: every later wait says so
+        self._saving_step: int | None = None
         self.warn = warn
+        # The one item's handler named up front: without it, reading a step's metadata finds the
+        # item ("default") with no handler to read it by, and orbax warns twice on every resume.
         self._manager = _orbax().CheckpointManager(
             self.directory,
+            item_handlers=_orbax().StandardCheckpointHandler(),
             options=_orbax().CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
             ),
@@ -356,9 +362,37 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest step on disk, once the saves begun are committed."""
-        self._manager.wait_until_finished()
+        with self._saving():
+            self._manager.wait_until_finished()
         self._manager.reload()
         return self._manager.latest_step()
+
+    @contextlib.contextmanager
+    def _saving(self, step: int | None = None):
+        """Where a save in flight (``step``, or the last begun) can fail: its failure (a full disk,
+        a file-size limit) is a :class:`CheckpointError` naming the step, the cause and the intact
+        steps; reported once (the writes of that save still running then print nothing)."""
+        global _late_reads_pending
+        if self._failed is not None:
+            raise self._failed
+        try:
+            yield
+        except Exception as e:
+            step = self._saving_step if step is None else step
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if m := re.search(r"Failed to write [^:]*: ([^\[]*)", text):
+                text = m.group(1).strip()
+            elif isinstance(e, OSError) and e.strerror:
+                text = e.strerror
+            kept = sorted(s for s in self._manager.all_steps() if s != step)
+            intact = f"the steps saved before it are intact (latest {kept[-1]})" if kept else "no earlier step is kept"
+            self._failed = CheckpointError(
+                f"checkpoint step {step} could not be written in {self.directory}: {text[:300]}; {intact}. Free space "
+                "on its disk, then continue with --resume"
+            )
+            _late_reads_pending = True
+            _quiet_late_reads(True)
+            raise self._failed from None
 
     def maybe_save(self, step: int, state, transform=None, force: bool = False, metadata: dict | None = None) -> bool:
         """Saves ``transform(state)`` at multiples of ``every`` (or when ``force``), with the
@@ -375,12 +409,22 @@ class Checkpointer:
             metadata_all[LAYOUT] = form.saved_layout()
         if metadata:
             metadata_all[RUN_METADATA] = metadata
-        self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata_all)
+        with self._saving():  # the save before this one, if it failed, fails here
+            self._manager.wait_until_finished()
+        self._saving_step = step
+        # Should the save fail (a full disk), its failure is reported once, by the next wait: its
+        # writes still in flight then end in orbax's threads, quietly (_quiet_late_reads).
+        global _late_reads_pending
+        _late_reads_pending = True
+        _quiet_late_reads(True)
+        with self._saving(step):
+            self._manager.save(step, args=_orbax().args.StandardSave(state), force=True, custom_metadata=metadata_all)
         return True
 
     def wait(self) -> None:
         """Returns once every save begun is committed on disk."""
-        self._manager.wait_until_finished()
+        with self._saving():
+            self._manager.wait_until_finished()
 
     def metadata(self, step: int) -> dict:
         """The ``metadata`` saved with ``step`` (``{}`` for a step saved without, by an older podscale)."""
@@ -393,13 +437,15 @@ class Checkpointer:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def restore(self, like, fallback: bool = False):
+    def restore(self, like, fallback: bool = False, dry_run: bool = False):
         """Restores the latest step into the structure, shapes and shardings of ``like``, after
         checking every leaf against its checksum; returns ``(step, state)``.
 
         A damaged or unreadable latest step raises :class:`CheckpointError` naming it (and the
         damaged leaves); with ``fallback``, each such step is set aside as ``STEP.damaged``, with
-        a warning naming it, and the newest intact earlier step is restored."""
+        a warning naming it, and the newest intact earlier step is restored. ``dry_run`` (``train
+        --resume --dry-run``) reads and verifies the same steps, changes nothing on disk, and warns
+        of what the run would set aside."""
         self._manager.reload()
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
@@ -423,6 +469,12 @@ class Checkpointer:
                     raise CheckpointError(e.message) from e.__cause__
                 damaged[step] = e.reason
                 continue
+            if dry_run:
+                for s in damaged:
+                    self.warn(f"--resume-fallback: the run would skip checkpoint step {s}: {damaged[s]}")
+                if damaged:
+                    self.warn(f"--resume-fallback: the run would resume from step {step}, the newest intact checkpoint")
+                return step, state
             for s, target in self._set_aside(list(damaged)).items():
                 self.warn(f"--resume-fallback: skipped checkpoint step {s}: {damaged[s]}; moved it to {target}")
             if damaged:
@@ -536,4 +588,5 @@ class Checkpointer:
         """Waits for the save in flight and closes; a second call does nothing."""
         if not getattr(self, "_closed", False):
             self._closed = True
-            self._manager.close()
+            with self._saving():
+                self._manager.close()

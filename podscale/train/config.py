@@ -13,6 +13,8 @@ from podscale.parallel.strategy import Strategy
 from podscale.train.distributed import ENV_PROCESS_ID
 
 DEFAULT_CHECKPOINT_EVERY = 100
+MAX_STEPS = 2**31
+"""``--steps`` is below this: the state's step counter is an ``int32``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,12 @@ class TrainConfig:
     workload config's ``global_batch``."""
     steps: int = 100
     """Number of training steps (the run stops earlier when ``target`` is reached)."""
+    schedule_steps: int | None = None
+    """The steps an MLPerf recipe's learning-rate schedule is built over, its horizon (default: the
+    first run's ``steps``). Recorded in ``run_config.json`` and kept on ``resume``, so a resumed run
+    follows the schedule it started on: a run that is to be extended later is started with the most
+    steps it may train here (``--steps 10 --schedule-steps 20``, then ``--resume --steps 20``, is
+    bit-identical to ``--steps 20``). Not for an optimizer of constant learning rate."""
     eval_every: int = 0
     """Evaluate on the held-out set every this many steps; 0 evaluates only at the end."""
     eval_batch_size: int | None = None
@@ -77,9 +85,21 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("batch_size", "steps", "bn_group_size"):
+        for name in ("batch_size", "steps", "schedule_steps", "bn_group_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("steps", "schedule_steps"):
+            if (getattr(self, name) or 0) >= MAX_STEPS:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: the step counter is a 32-bit integer (the "
+                    f"state's step); give fewer than {MAX_STEPS} steps"
+                )
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(
+                f"--steps {self.steps} is more than --schedule-steps {self.schedule_steps}: the learning-rate "
+                "schedule would end before the run does; give --schedule-steps of at least --steps (or leave it "
+                "out: the schedule then spans --steps)"
+            )
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
@@ -102,8 +122,13 @@ class TrainConfig:
             raise ValueError(f"--seed must be 0 or more (it seeds JAX's and NumPy's generators), got {self.seed}")
         if self.target is not None and not 0 <= self.target <= 1:
             raise ValueError(
-                f"--target {self.target}: the held-out metric it is compared with (accuracy, exact match, "
-                "masked-LM accuracy) is a fraction; give a value in [0, 1]"
+                f"--target {self.target}: the held-out metric it is compared with ({_eval_metric(self.model)}) is a "
+                "fraction; give a value in [0, 1]"
+            )
+        if self.precision != "bf16" and not _is_workload(self.model):
+            raise ValueError(
+                f"--precision {self.precision}: model {self.model!r} always computes in float32; --precision sets the "
+                "compute dtype of an MLPerf workload (its bf16 convolutions and matrix products); drop the flag"
             )
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 or more, got {self.eval_every}")
@@ -113,6 +138,22 @@ class TrainConfig:
             raise ValueError("--resume-fallback goes with --resume: add --resume to continue the run in --workdir")
         # Process 0 alone writes the files; every process writes its part of --workdir's checkpoints.
         check_output_paths(self, files=os.environ.get(ENV_PROCESS_ID, "0") == "0")
+
+
+def _is_workload(model: str) -> bool:
+    from podscale import workloads
+
+    return model in workloads.NAMES
+
+
+def _eval_metric(model: str) -> str:
+    """The held-out metric ``--target`` compares with for ``model``: its name (``mlp``'s accuracy,
+    dlrm's AUC, ssd's COCO mAP: the workload's own ``eval_metric``)."""
+    from podscale import workloads
+
+    if model in workloads.NAMES:
+        return f"model {model}'s {workloads.get(model).eval_metric}"
+    return f"model {model}'s accuracy"
 
 
 OUTPUT_PATHS = (
@@ -135,7 +176,13 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
     both probed for real (as root, ``os.access`` says yes even to ``/proc``). Without
     ``files`` (a process other than 0, which writes none of them), only ``--workdir``."""
     workdir = os.path.abspath(config.workdir) if config.workdir else None
-    if config.export is not None and not str(config.export).endswith(".npz") and not os.path.isdir(config.export):
+    folder_name = str(config.export).endswith(("/", os.sep))  # refused below, as a folder's name
+    if (
+        config.export is not None
+        and not str(config.export).endswith(".npz")
+        and not folder_name
+        and not os.path.isdir(config.export)
+    ):
         raise ValueError(
             f"--export {config.export}: the parameters are written as a NumPy .npz archive; give a name ending in "
             f".npz, e.g. {os.path.splitext(config.export)[0] or 'params'}.npz"
@@ -164,10 +211,9 @@ def check_output_paths(config: TrainConfig, files: bool = True) -> None:
                 raise ValueError(f"{flag} {path}: is a file, not a directory; choose a directory")
             folder = full
         else:
-            if os.path.isdir(full):
-                raise ValueError(
-                    f"{flag} {path}: is a directory; give a file name such as {os.path.join(path, example)}"
-                )
+            if os.path.isdir(full) or str(path).endswith((os.sep, "/")):
+                what = "is a directory" if os.path.isdir(full) else "names a folder (it ends in /)"
+                raise ValueError(f"{flag} {path}: {what}; give a file name such as {os.path.join(path, example)}")
             folder = os.path.dirname(full)
         existing = folder
         while not os.path.lexists(existing):
@@ -245,13 +291,38 @@ def _can_create_file_in(folder: str) -> bool:
 
 
 def _cannot_open_to_write(path: str) -> str | None:
-    """Why an existing file cannot be opened to append to (without changing it), or ``None``."""
+    """Why an existing file cannot be opened to append to (without changing it), or ``None``. A
+    device that is not a terminal is written a newline, which one that takes no writes refuses
+    (``/dev/full``: no space left on it; ``/dev/null`` takes it)."""
+    import stat
+
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
     except OSError as e:
         return e.strerror or type(e).__name__
-    os.close(fd)
+    try:
+        if stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd):
+            os.write(fd, b"\n")
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    finally:
+        os.close(fd)
     return None
 
 
 RUN_CONFIG = "run_config.json"
+
+
+class WriteError(ValueError):
+    """An output could not be written while the run went on: a full disk (``ENOSPC``), a quota or
+    file-size limit, a device that takes no writes. One ``podscale: error:`` line, exit code 2."""
+
+
+def write_error(what: str, error: OSError) -> WriteError:
+    """The :class:`WriteError` of ``error`` (an ``OSError``) while writing ``what`` (the flag or
+    file and its path): the system's reason, and that the checkpoints saved before it are kept."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return WriteError(
+        f"{what}: cannot be written ({reason}); free space on its disk (or choose another path). The checkpoints "
+        "saved before this, if any, are intact: continue with --resume"
+    )

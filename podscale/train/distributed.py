@@ -309,13 +309,29 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     children = []
     for pid in range(processes):
         env = supervise.users_env(
-            **{ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(pid)}
+            **{
+                ENV_COORDINATOR: address,
+                ENV_NUM_PROCESSES: str(processes),
+                ENV_PROCESS_ID: str(pid),
+                supervise.ENV_LAUNCHER: str(os.getpid()),
+            }
         )
-        children.append(subprocess.Popen(command, env=env))
+        children.append(subprocess.Popen(command, env=env, preexec_fn=_end_with_parent(os.getpid())))
     exits: list[tuple[int, bool]] = []  # (code, killed by launch) of the failing children, as noticed
     noticed: set[int] = set()
     killed: set[int] = set()
     failed_at = None
+    stopped: list[int] = []  # the signals that reached launch itself
+
+    def stop(signum, frame):
+        # Launch stopped (SIGTERM, a scheduler's preemption): the processes are told, as each would
+        # be (the run's coordinated save at one step, then exit); a second signal kills them.
+        stopped.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM) if len(stopped) == 1 else child.kill()
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         while len(noticed) < processes:
             for pid, child in enumerate(children):
@@ -342,7 +358,37 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
         for child in children:
             child.wait()
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        print(
+            f"podscale launch: stopped by {name}; its {processes} processes were told and have ended", file=sys.stderr
+        )
+        code = _exit_code(exits)
+        return code if code else 128 + stopped[0]
     return _exit_code(exits)
+
+
+def _end_with_parent(parent: int):
+    """What a process launch starts runs first (``preexec_fn``): on Linux, the kernel sends it
+    SIGTERM when launch dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), which it takes as a
+    stop (the run's coordinated save); if launch is gone already, it ends at once. Elsewhere
+    nothing (a supervised podscale process also watches its parent, :func:`supervise.run`)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # found before the fork; only called after it
+    pr_set_pdeathsig = 1
+
+    def arm():
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # launch died before the call
+            os._exit(128 + int(signal.SIGTERM))
+
+    return arm
 
 
 def _by_signal(code: int) -> bool:

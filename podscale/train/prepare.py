@@ -14,7 +14,13 @@ from podscale.parallel.mesh import BN_GROUP, make_mesh
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.tensor import RuleWarning, with_model_rules
 from podscale.train.config import TrainConfig, check_output_paths
-from podscale.train.resume import _check_checkpoints, _check_run_config, resolved_run_config
+from podscale.train.resume import (
+    _check_checkpoints,
+    _check_run_config,
+    check_data_position,
+    resolved_run_config,
+    schedule_steps,
+)
 from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
 from podscale.workloads.precision import check_state, policy_by_name
 
@@ -34,6 +40,8 @@ class Prepared:
     latest_checkpoint: int | None
     layout: Any
     """The state's stored layout (``dp.prepare(...).state``: the step traced at the global batch's shapes)."""
+    schedule_steps: int | None = None
+    """The steps the learning-rate schedule is built over (``None``: no schedule of the run's length)."""
 
     def dry_run_summary(self) -> dict[str, Any]:
         """What ``--dry-run`` prints: the run as it would start."""
@@ -44,6 +52,7 @@ class Prepared:
             "batch_size": self.batch_size,
             "eval_batch_size": self.eval_batch,
             "resume_from": self.latest_checkpoint,
+            "schedule_steps": self.schedule_steps,
         }
 
 
@@ -64,7 +73,8 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         policy=policy_by_name(config.precision),
         bn_axis=BN_GROUP if config.bn_group_size > 1 else None,
     )
-    optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, config.steps)
+    horizon = schedule_steps(config, task)  # a resumed run keeps the schedule it started on
+    optimizer = make_task_optimizer(task, config.optimizer, config.learning_rate, horizon or config.steps)
     batch_size = resolved_run_config(config, task)["batch_size"]
     strategy = with_model_rules(config.strategy, config.model)
     dp = data_parallel(make_train_step(task, optimizer, config.seed), mesh, strategy)
@@ -89,7 +99,7 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
         )
     latest = _check_checkpoints(config)
     if config.workdir:
-        _check_run_config(config, task, write=write and lead)
+        _check_run_config(config, task, write=write and lead, horizon=horizon)
 
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)
@@ -103,4 +113,36 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
     with warnings.catch_warnings():  # the rules' notes (a RuleWarning) are printed once, by the run
         warnings.simplefilter("ignore", RuleWarning)
         layout = dp.prepare(shapes, task.batch_shapes(batch_size)).state  # traces the step: its own checks
-    return Prepared(mesh, task, optimizer, strategy, dp, batch_size, eval_batch, init, latest, layout)
+    return Prepared(mesh, task, optimizer, strategy, dp, batch_size, eval_batch, init, latest, layout, horizon)
+
+
+def resume_step(config: TrainConfig, run: Prepared) -> int | None:
+    """``--resume --dry-run``: the step the run would resume from, read and verified against its
+    checksums as the run's restore does (with ``--resume-fallback``, the newest intact step; a
+    damaged one is refused as the run refuses it), with nothing changed on disk."""
+    if not config.resume:
+        return run.latest_checkpoint
+    import os
+
+    from podscale.train.checkpoint import Checkpointer
+    from podscale.train.config import DEFAULT_CHECKPOINT_EVERY
+    from podscale.train.saving import CheckpointForm
+
+    ckpt = Checkpointer(
+        os.path.join(config.workdir, "checkpoints"), config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+    )
+    try:
+        step, state = ckpt.restore(CheckpointForm(run.layout), fallback=config.resume_fallback, dry_run=True)
+        metadata = ckpt.metadata(step)
+    finally:
+        ckpt.close()
+    del state
+    start = step
+    where = f"checkpoint step {step} in {ckpt.directory}"
+    check_data_position(metadata, start, run.batch_size, where)
+    if start >= config.steps:
+        raise ValueError(
+            f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
+            f"pass a larger --steps to train further"
+        )
+    return step

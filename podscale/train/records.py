@@ -28,7 +28,14 @@ def _flat_params(params) -> dict[str, np.ndarray]:
 
 
 def _log_run_config(
-    mlog: RunLog, config: TrainConfig, task, dp, batch_size: int, eval_batch: int, batch_norm: bool
+    mlog: RunLog,
+    config: TrainConfig,
+    task,
+    dp,
+    batch_size: int,
+    eval_batch: int,
+    batch_norm: bool,
+    schedule_steps: int | None = None,
 ) -> None:
     """The MLPerf log's run configuration: submission, batch, seed, data sizes, hyperparameters."""
     # MLPerf's benchmark names (resnet, transformer, bert, gnmt); the small models log their own.
@@ -46,7 +53,9 @@ def _log_run_config(
     if task.workload and config.optimizer is None:
         cfg = recipe_config(task, config.learning_rate)
         hparams = (
-            task.workload.hparams(cfg, config.steps) if task.workload.hparams else {C.OPT_BASE_LR: cfg.learning_rate}
+            task.workload.hparams(cfg, schedule_steps or config.steps)
+            if task.workload.hparams
+            else {C.OPT_BASE_LR: cfg.learning_rate}
         )
     else:
         hparams = {C.OPT_NAME: config.optimizer or "adam", C.OPT_BASE_LR: config.learning_rate or 1e-3}

@@ -25,7 +25,8 @@ FIXED_ON_RESUME = (
     "bn_group_size",
 )
 """What a resumed run must repeat: the model, its data and their order, the optimizer and its
-state. The rest may change on resume: ``--steps``, ``--mesh`` / ``--replicas`` / the process
+state. The rest may change on resume: ``--steps`` (up to the learning-rate schedule's horizon,
+:func:`schedule_steps`, which is kept), ``--mesh`` / ``--replicas`` / the process
 count (a restore converts the saved layout into the run's own), ``--eval-every``, ``--eval-batch-size``,
 ``--checkpoint-every``, ``--target``, the strategy (every strategy computes the same step) and
 where logs and exports go."""
@@ -56,22 +57,29 @@ def resolved_run_config(config: TrainConfig, task, values: dict | None = None) -
     return v
 
 
-def _check_run_config(config: TrainConfig, task, write: bool) -> None:
-    """A fresh run records the resolved ``FIXED_ON_RESUME`` values (:func:`resolved_run_config`:
-    what it used, not the flags as typed) in ``WORKDIR/run_config.json``; ``--resume`` refuses,
-    before any work, a run that resolves to another value of one of them, naming the flag."""
+SCHEDULE_STEPS = "schedule_steps"
+"""The key of the learning-rate schedule's horizon in ``run_config.json`` (``None``: no schedule)."""
+
+
+def has_schedule(task, config: TrainConfig) -> bool:
+    """Whether the run's learning rate follows a schedule over the run's length: an MLPerf
+    workload's own recipe whose hyperparameters change with the steps it is built for (the
+    Transformer's warmup-rsqrt schedule has no end, so it has no horizon)."""
+    workload = task.workload
+    if not workload or config.optimizer is not None:
+        return False
+    if workload.hparams is None:
+        return True
+    cfg = recipe_config(task, config.learning_rate)
+    return workload.hparams(cfg, 1000) != workload.hparams(cfg, 2000)
+
+
+def _saved_run_config(config: TrainConfig) -> dict | None:
+    """``run_config.json`` of the run ``--resume`` continues (``None``: none there yet)."""
     path = os.path.join(config.workdir, RUN_CONFIG)
-    mine = resolved_run_config(config, task)
-    if not config.resume:
-        if write and not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
-            os.makedirs(config.workdir, exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(mine, f, indent=1)
-            os.replace(path + ".tmp", path)
-        return
     if not os.path.exists(path):
         if not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
-            return  # nothing to resume: the checkpoint restore says so
+            return None  # nothing to resume: the checkpoint restore says so
         raise ValueError(
             f"--resume: {path} is missing, so podscale cannot check that this run continues the one in "
             f"--workdir {config.workdir}; start a new --workdir"
@@ -86,6 +94,71 @@ def _check_run_config(config: TrainConfig, task, write: bool) -> None:
             f"--resume: {path} cannot be read ({e}), so podscale cannot check that this run continues the one "
             f"in --workdir {config.workdir}; start a new --workdir"
         ) from None
+    return saved
+
+
+def schedule_steps(config: TrainConfig, task) -> int | None:
+    """The steps the run's learning-rate schedule is built over (``None``: the learning rate follows
+    no schedule of the run's length, :func:`has_schedule`): ``--schedule-steps``, else on
+    ``--resume`` the horizon the run recorded in ``run_config.json`` when it started, else
+    ``--steps``. A resumed run keeps its schedule: ``--steps`` past the recorded horizon, or
+    another ``--schedule-steps``, is refused naming it (the same steps could not follow the
+    schedule a straight run of that length follows)."""
+    if not has_schedule(task, config):
+        if config.schedule_steps is not None:
+            why = (
+                f"optimizer {config.optimizer!r} runs at a constant learning rate"
+                if config.optimizer is not None or not task.workload
+                else f"model {config.model!r}'s recipe has a schedule of no set length"
+            )
+            raise ValueError(
+                f"--schedule-steps {config.schedule_steps}: {why}, so no schedule has steps; drop the flag"
+            )
+        return None
+    saved = _saved_run_config(config) if config.resume and config.workdir else None
+    if saved is None:
+        return config.schedule_steps or config.steps
+    where = f"the run in {config.workdir}"
+    recorded = saved.get(SCHEDULE_STEPS)
+    if not isinstance(recorded, int) or isinstance(recorded, bool):
+        if config.schedule_steps is None:  # an older podscale's run: its horizon was its --steps, unrecorded
+            raise ValueError(
+                f"--resume: {where} follows its recipe's learning-rate schedule, whose length its {RUN_CONFIG} does "
+                "not record (an older podscale built it over each run's --steps); pass --schedule-steps with the "
+                "--steps that run started with, to continue on its schedule"
+            )
+        return config.schedule_steps
+    if config.schedule_steps is not None and config.schedule_steps != recorded:
+        raise ValueError(
+            f"--resume: {where} was started with --schedule-steps {recorded} (its learning-rate schedule's length), "
+            f"this one asks for {config.schedule_steps}; resume with the same --schedule-steps, or leave it out"
+        )
+    if config.steps > recorded:
+        raise ValueError(
+            f"--steps {config.steps}: {where} follows its recipe's learning-rate schedule over {recorded} steps "
+            f"(--schedule-steps {recorded}, recorded when it started), which a resumed run keeps, so it ends at step "
+            f"{recorded}; give --steps of at most {recorded}. To extend a run later, start it with --schedule-steps "
+            "set to the most steps it may train; or start a new --workdir"
+        )
+    return recorded
+
+
+def _check_run_config(config: TrainConfig, task, write: bool, horizon: int | None = None) -> None:
+    """A fresh run records the resolved ``FIXED_ON_RESUME`` values (:func:`resolved_run_config`:
+    what it used, not the flags as typed) in ``WORKDIR/run_config.json``; ``--resume`` refuses,
+    before any work, a run that resolves to another value of one of them, naming the flag."""
+    path = os.path.join(config.workdir, RUN_CONFIG)
+    mine = resolved_run_config(config, task)
+    if not config.resume:
+        if write and not os.path.isdir(os.path.join(config.workdir, "checkpoints")):
+            os.makedirs(config.workdir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(mine | ({SCHEDULE_STEPS: horizon} if horizon is not None else {}), f, indent=1)
+            os.replace(path + ".tmp", path)
+        return
+    saved = _saved_run_config(config)
+    if saved is None:
+        return
     theirs = resolved_run_config(config, task, {k: saved[k] for k in FIXED_ON_RESUME if k in saved})
     for key in FIXED_ON_RESUME:
         if theirs[key] != mine[key]:
@@ -94,7 +167,8 @@ def _check_run_config(config: TrainConfig, task, write: bool) -> None:
             raise ValueError(
                 f"--resume: the run in {config.workdir} was started with {flag} {theirs[key]}{hint}, this one asks "
                 f"for {mine[key]}; resume with the same {flag} (or start a new --workdir). What may change on "
-                "resume: --steps, --mesh/--replicas, --eval-every, --checkpoint-every, --target, the strategy"
+                "resume: --steps (up to --schedule-steps, the schedule's length, where a recipe has one), "
+                "--mesh/--replicas, --eval-every, --checkpoint-every, --target, the strategy"
             )
 
 

@@ -28,6 +28,9 @@ import time
 
 ENV_SUPERVISED = "PODSCALE_SUPERVISED"
 """Set in the child: it trains, and watches that its supervisor is alive."""
+ENV_LAUNCHER = "PODSCALE_LAUNCHER"
+"""Set by ``podscale launch`` in each process it starts: its own process id. A supervisor whose
+launcher is gone stops its process of the run as a SIGTERM would (:func:`run`)."""
 ENV_STDERR_TTY = "PODSCALE_STDERR_TTY"
 """Set in the child when the supervisor's stderr is a terminal: the progress bar draws as usual."""
 EXIT_PEER_LOST = 3
@@ -76,6 +79,7 @@ def run(
                 child.kill()
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _watch_launcher(received)
     try:
         # A session of its own: a terminal's Ctrl-C reaches the supervisor only, which passes it
         # on once.
@@ -105,6 +109,23 @@ def run(
     if json_out:
         print(json.dumps({"error": message, "exit_code": EXIT_PEER_LOST}), flush=True)
     return EXIT_PEER_LOST
+
+
+def _watch_launcher(received: list) -> None:
+    """Under ``podscale launch``: when the launcher dies (even by SIGKILL), this process of the run
+    stops as on a SIGTERM (the run's coordinated save), also where the kernel does not say so
+    (Linux's ``PR_SET_PDEATHSIG``, which launch sets, sends the SIGTERM itself)."""
+    launcher = os.environ.get(ENV_LAUNCHER, "")
+    if not launcher.isdigit() or os.getppid() != int(launcher):
+        return
+
+    def watch():
+        while os.getppid() == int(launcher):
+            time.sleep(0.5)
+        if not received:  # not told already (Linux's PR_SET_PDEATHSIG): one SIGTERM, a stop, not a kill
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="podscale-launcher-watch", daemon=True).start()
 
 
 def _relay(pipe) -> tuple[bytes, bool]:

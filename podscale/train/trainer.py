@@ -16,6 +16,7 @@ configuration) and :mod:`~podscale.train.saving` (checkpoints, finite only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +34,13 @@ from podscale.report import Ticker, heartbeat
 from podscale.train import goodput
 from podscale.train.board import Board
 from podscale.train.checkpoint import Checkpointer
-from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, TrainConfig, make_output_folders, mllog_path
+from podscale.train.config import (
+    DEFAULT_CHECKPOINT_EVERY,
+    TrainConfig,
+    make_output_folders,
+    mllog_path,
+    write_error,
+)
 from podscale.train.data import Loader, data_position, padded_eval_batches
 from podscale.train.evaluate import distributed_eval
 from podscale.train.interrupt import Interrupted, StopRequest
@@ -80,15 +87,30 @@ def train(config: TrainConfig) -> dict[str, Any]:
     closing: list = []  # the checkpointer, closed (its save in flight finished) however the run ends
     try:
         with stop:
-            return _train(config, mlog, run_start, lead, stop, closing)
+            summary = _train(config, mlog, run_start, lead, stop, closing)
     except BaseException:
         if mlog.running:
-            mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
+            with contextlib.suppress(OSError):  # a full disk: the error that stopped the run says so
+                mlog.end(C.RUN_STOP, metadata={"status": C.ABORTED})
+        _close_all([mlog.close, *closing], failing=True)
         raise
-    finally:
-        mlog.close()
-        for close in closing:
+    _close_all([mlog.close, *closing], failing=False)
+    return summary
+
+
+def _close_all(closing: list, failing: bool) -> None:
+    """Closes every output (the MLPerf log, the checkpointer, the TensorBoard writer), each even if
+    another fails. Where the run is failing already (a full disk stopped a save), what its outputs
+    fail with on closing is the same cause and would hide it: the run's own error is kept. Otherwise
+    the first failure is raised, once all are closed."""
+    first = None
+    for close in closing:
+        try:
             close()
+        except Exception as e:
+            first = first or e
+    if first is not None and not failing:
+        raise first
 
 
 def _train(
@@ -138,7 +160,9 @@ def _train(
     evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
     whole_set = task.workload.score if task.workload else None  # a whole-set metric (COCO mAP, AUC)
     predict = distributed_eval(task.predict_outputs, dp) if whole_set else None
-    _log_run_config(mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats))
+    _log_run_config(
+        mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats), run.schedule_steps
+    )
     mlog.end(C.INIT_STOP)
     # A resumed segment's log is a whole log of its own (init, configuration, run_start), from step
     # ``start``: its first block starts there, at the epoch and example the checkpoint holds.
@@ -174,8 +198,11 @@ def _train(
     def record(entry):
         board.record(entry)
         if log:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
+            try:
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            except OSError as e:
+                raise write_error(f"the metrics file {metrics_path}", e) from None
 
     loader = Loader(task.train_data, dp, batch_size, config.seed, start_step=start)
     summary: dict[str, Any] = {"time_to_target_s": None, "eval": {}}
@@ -240,6 +267,7 @@ def _train(
                 if ckpt and done % ckpt.every == 0:
                     last_loss = _log_step(pending, record, batch_size, ckpt)  # this step's loss, before saving it
                     pending = None
+                    board.flush()  # the points up to a checkpoint outlive a kill -9, as metrics.jsonl's do
                     with clock.part("checkpointing"):
                         _save(ckpt, done, state, checkpointed.save_form, metadata=position(done))
                 reached = False
@@ -265,6 +293,7 @@ def _train(
                         force=True,
                     )
                     record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
+                    board.flush()
                     reached = targets is not None and all(results[k] >= v for k, v in targets.items())
                     if reached:
                         summary["target_step"] = done
@@ -279,6 +308,7 @@ def _train(
                     if pending is not None:
                         last_loss = _log_step(pending, record, batch_size, ckpt)
                         pending = None
+                    board.flush()
                     if ckpt:
                         _save(ckpt, done, state, checkpointed.save_form, force=True, metadata=position(done))
                         ckpt.close()
@@ -310,7 +340,10 @@ def _train(
             ckpt.close()
     elapsed = timed_until - timed_from - excluded if timed_from else 0.0
     if config.export and lead:
-        np.savez(config.export, **_flat_params(dp.gather_state(state).params))
+        try:
+            np.savez(config.export, **_flat_params(dp.gather_state(state).params))
+        except OSError as e:
+            raise write_error(f"--export {config.export}", e) from None
     step_s = elapsed / timed_steps if timed_steps and elapsed > 0 else None
     device_kind = jax.devices()[0].device_kind
     flops = None
@@ -321,10 +354,14 @@ def _train(
     board.goodput(summary["goodput"], final_step)
     board.close()
     if lead and metrics_path:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
+        try:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
+        except OSError as e:
+            raise write_error(f"the metrics file {metrics_path}", e) from None
     summary.update(
         steps=final_step,
+        schedule_steps=run.schedule_steps,
         final_train_loss=last_loss,
         eval_metric=task.eval_metric,
         eval_value=summary["eval"].get(task.eval_metric),
