@@ -526,6 +526,48 @@ def test_16_bit_weight_gradients_are_rounded_once(dtype, weight_update, master):
     assert apart.max() <= 1 and np.count_nonzero(apart) <= apart.size // 100, (apart.max(), np.count_nonzero(apart))
 
 
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_cast_16_bit_gradients_leave_a_layer_scan_unsummed_and_a_weight_used_twice_is_summed_per_use(weight_update):
+    """float32 master weights cast to bfloat16 for each product: scanned layers, and a weight
+    used in two products (two casts). One device rounds each product's gradient to bfloat16 and
+    adds the two uses in float32: podscale sums each use apart (the plan counts those bytes) and
+    the layers' gradients once, after the loop (reduce-scattered by the sharded update), each
+    rounded as one device rounds it."""
+    dtype, n = jnp.bfloat16, 64
+
+    def step(params, batch):
+        def loss_fn(p):
+            def layer(h, w):
+                return jnp.tanh(h.astype(dtype) @ w.astype(dtype)).astype(jnp.float32), None
+
+            h, _ = jax.lax.scan(layer, batch["x"], p["layers"])
+            out = (h.astype(dtype) @ p["shared"].astype(dtype)) @ p["shared"].astype(dtype)
+            return jnp.sum(out.astype(jnp.float32) * batch["t"]) / n
+
+        g = jax.grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), {"g": g}
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    params = {"layers": jax.random.normal(k1, (3, 16, 16)) / 4, "shared": jax.random.normal(k2, (16, 16)) / 4}
+    batch = {"x": jax.random.normal(k3, (n, 16)), "t": jax.random.normal(k4, (n, 16))}
+    _, ref = run_single(step, params, [batch])
+    dp = data_parallel(step, make_mesh(), weight_update=weight_update, min_shard_size=1)
+    _, par = run_parallel(dp, params, [batch])
+    a, b = par["g"]["layers"], ref["g"]["layers"]  # rounded once, to bfloat16: of that type
+    np.testing.assert_array_equal(np.asarray(a.astype(dtype).astype(jnp.float32)), np.asarray(a))
+    apart = _ulps_apart(a.astype(dtype), b.astype(dtype))
+    assert apart.max() <= 1 and np.count_nonzero(apart) <= apart.size // 50, apart.max()
+    # Two bfloat16 terms added in float32: a term one step off (float32 summation order, rarely)
+    a, b = np.asarray(par["g"]["shared"]), np.asarray(ref["g"]["shared"])
+    off = np.abs(a - b) > 0
+    assert np.count_nonzero(off) <= a.size // 50 and np.all(np.abs(a - b) <= 2.0**-7 * np.abs(b)), np.abs(a - b).max()
+    plan = dp.plan()
+    assert plan.traffic["summed_apart_bytes"] == 16 * 16 * 4  # the second use of "shared"
+    assert not [c for c in plan.collectives if "inside" in c["why"]], plan.collectives  # none in the loop
+    if weight_update == "sharded":
+        assert "reduce-scatter" in {c["kind"] for c in plan.collectives}
+
+
 # -- host callbacks ------------------------------------------------------------------------------
 
 

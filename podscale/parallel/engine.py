@@ -390,6 +390,7 @@ class DataParallelStep:
             check_kept_shapes(new_state, layout)
             trace.whole_ops = list(part.whole_ops)
             trace.regions = list(part.regions)
+            trace.summed_apart_bytes = part.summed_apart_bytes
             trace.collectives[:0] = part.collectives
             new_state = self._finish_state(chunks, trace, new_state)
             pairs = jax.tree_util.tree_leaves_with_path(metrics, is_leaf=lambda x: isinstance(x, Sharded))

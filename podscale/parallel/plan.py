@@ -135,9 +135,13 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
         else:
             model += sent
     summed = _gradient_bytes(summed_weights, grad_sum.dtype, per_device=False)  # as the sum sees them
-    limit = ring_bytes("all-reduce", placement.replicas, summed)
+    # A weight used in several 16-bit products: one device rounds each use's gradient to 16 bits
+    # before adding them, so each is summed over the replicas apart (exactness's own bytes).
+    apart = getattr(trace, "summed_apart_bytes", 0)
+    limit = ring_bytes("all-reduce", placement.replicas, summed + apart)
     traffic = {
         "gradient_bytes": summed,
+        "summed_apart_bytes": apart,
         "all_reduce_bytes": limit,
         "update_bytes": update,
         "model_bytes": model,

@@ -117,14 +117,15 @@ def _remat(p: Partitioner, eqn, ins):
     @_scoped(p)
     def body(*vals):
         outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
-        found.append([lay for _, lay in outs])
+        found.append(([lay for _, lay in outs], _casts(p, outs)))
         return [v for v, _ in outs]
 
     vals = [v for v, _ in ins]
     closed = jax.make_jaxpr(body)(*vals)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     outs = eqn.primitive.bind(*closed.consts, *vals, **dict(eqn.params, jaxpr=jaxpr))
-    return list(zip(outs, found[-1], strict=True))
+    out_layouts, casts = found[-1]
+    return list(zip(_recast(p, outs, casts), out_layouts, strict=True))
 
 
 def _scoped(p: Partitioner):
@@ -156,7 +157,22 @@ def _fit(p: Partitioner, vals_layouts, targets, pinned: frozenset, guessed: froz
             new_targets[i], retry = REPLICATED, True
     if retry:
         raise _Retry(new_targets)
+    # A cast 16-bit partial sum's rounding is not in its type, which is all the next iteration (or
+    # the branch's caller) reads: it is summed and rounded before it leaves.
+    vals_layouts = [
+        (p.whole(v, lay), REPLICATED) if p.cast_type(v) is not None else (v, lay) for v, lay in vals_layouts
+    ]
     return [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(vals_layouts, targets, strict=True)]
+
+
+def _casts(p: Partitioner, outs) -> list:
+    """Per value of a body's outputs: ``(narrow, wide)`` where it is a cast 16-bit partial sum
+    (``Partitioner.cast_type``), which the caller registers again on what comes out; else ``None``."""
+    return [(p.narrow_type(v), p.cast_type(v)) if p.cast_type(v) is not None else None for v, _ in outs]
+
+
+def _recast(p: Partitioner, vals, casts) -> list:
+    return [v if c is None else p.hold_cast(v, *c) for v, c in zip(vals, casts, strict=True)]
 
 
 def _fixed_point(p: Partitioner, attempt, initial, limit: int = 16, guessed=()):
@@ -207,6 +223,7 @@ def _scan(p: Partitioner, eqn, ins):
     xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
     x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
     ys_layouts: list = []
+    ys_casts: list = []
 
     def attempt(carry_layouts, pinned, guessed):
         carry0 = _vary_all(
@@ -222,7 +239,10 @@ def _scan(p: Partitioner, eqn, ins):
             # layer's weight gradient out of the backward scan over layers is summed once, after
             # the loop, where the sharded update can reduce-scatter it); a partial ``xs`` is sliced
             # into partial rows the same way.
+            # A cast 16-bit partial sum (a float32 master weight's gradient) stacks as it is too,
+            # registered again on the stack: its rounding commutes with stacking.
             ys_layouts[:] = [lay for _, lay in ys]
+            ys_casts[:] = _casts(p, ys)
             return new, [v for v, _ in ys]
 
         carry, ys = lax.scan(
@@ -235,7 +255,7 @@ def _scan(p: Partitioner, eqn, ins):
             _split_transpose=prm.get("_split_transpose", False),
         )
         ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
-        return [*zip(carry, carry_layouts), *zip(ys, ys_out)]
+        return [*zip(carry, carry_layouts), *zip(_recast(p, ys, ys_casts), ys_out)]
 
     return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, nc, ncarry))
 

@@ -33,7 +33,13 @@ from podscale.parallel.partition.sums import (
     _linear_in_partial,
     _narrow_float,
     one_replica_sum,
+    widen,
 )
+
+_MOVES = frozenset("neg reshape transpose squeeze expand_dims slice broadcast_in_dim rev copy copy_p".split())
+"""Ops that only move (or negate) elements: they commute with rounding each element."""
+_REBOUND = frozenset(("scan", "while", "cond", "remat2", "checkpoint"))
+"""Control flow whose bodies are traced anew (their inputs read by their types)."""
 
 MAX_SPLIT_CONV = 4
 """With the space axis alone, the image convolutions are split by height explicitly (see
@@ -108,9 +114,16 @@ class Partitioner:
         them row by row: its gradient, a row-wise statistic), by id: (the value, the rows of the
         whole value). Their padding rows are held at zero (:meth:`pad_rows`), so that a sum over the
         rows or a product contracting them is the whole value's; a value made whole drops them."""
-        self._wide: dict[int, tuple[Any, np.dtype]] = {}
-        """Partial sums held in float32 for a narrow float type, by id: (the value, the program's
-        type), which the value is rounded to once it is summed."""
+        self.summed_apart_bytes = 0
+        """Bytes per replica of partial sums summed apart because one device rounds each term of
+        their sum apart (:meth:`sums_apart`): beyond each weight's one gradient sum, for the plan."""
+        self._apart: dict[int, Any] = {}
+        """Sums of such terms, by id: a further term added to one is summed apart too."""
+        self._wide: dict[int, tuple[Any, np.dtype, np.dtype]] = {}
+        """Partial sums held in float32 whose sum one device rounds to a narrow float type, by id:
+        (the value, that narrow type, the value's type in the program). The program's type is the
+        narrow type itself, or a wider one the program cast the narrow sum to (a float32 master
+        weight's gradient of a 16-bit product): the sum is rounded to the narrow type, then cast."""
 
     # -- conversions ---------------------------------------------------------------------------
     @property
@@ -159,9 +172,9 @@ class Partitioner:
                 operand, idx, upd = (self.vary(v) for v in (operand, idx, upd))
             prm = eqn.params
             out = lax.scatter_add(
-                operand.astype(WIDE),
+                widen(operand),
                 idx,
-                upd.astype(WIDE),
+                widen(upd),
                 prm["dimension_numbers"],
                 indices_are_sorted=prm["indices_are_sorted"],
                 unique_indices=prm["unique_indices"],
@@ -170,14 +183,35 @@ class Partitioner:
             return [out]
         dtypes = {np.dtype(v.dtype) for v in vals if hasattr(v, "dtype")}
         if self.upcast_dots or WIDE in dtypes:  # a wide operand beside a 16-bit one: one type for both
-            vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+            vals = [widen(v) for v in vals]
         return self.bind(eqn, vals, **changes, preferred_element_type=WIDE)
 
     def narrow_type(self, x):
-        """The program's type of ``x`` where ``x`` is a partial sum held in float32 for a narrow
-        float type, else ``None``."""
+        """The narrow float type the sum of ``x`` is rounded to, where ``x`` is a partial sum held
+        in float32 for one, else ``None``."""
         hit = self._wide.get(id(x))
         return hit[1] if hit is not None and hit[0] is x else None
+
+    def cast_type(self, x):
+        """Where ``x`` is a partial sum held in float32 whose narrow sum the program then casts to a
+        wider type (:meth:`narrow_type`), that type; else ``None``."""
+        hit = self._wide.get(id(x))
+        return hit[2] if hit is not None and hit[0] is x and hit[2] != hit[1] else None
+
+    def hold_cast(self, x, narrow, dtype):
+        """``x``, a partial sum in float32 whose sum one device rounds to ``narrow`` and the
+        program holds as ``dtype`` (wider): registered so, rounded then cast once summed."""
+        self._wide[id(x)] = (x, np.dtype(narrow), np.dtype(dtype))
+        return x
+
+    def rounded(self, total, x):
+        """``total``, the sum of the partial sums ``x`` over the replicas, rounded as one device
+        rounds it: to the narrow type, then cast to the program's, where ``x`` is held wide."""
+        hit = self._wide.get(id(x))
+        if hit is None or hit[0] is not x:
+            return total
+        total = total.astype(hit[1])  # rounded once, after the sum
+        return total if hit[2] == hit[1] else total.astype(hit[2])
 
     def hold(self, x, layout: Layout, dtype=None):
         """``x`` as the partitioner holds a value of the program's type ``dtype`` (``x``'s own
@@ -188,8 +222,8 @@ class Partitioner:
         if self.narrow_type(x) is not None:
             return x
         if np.dtype(x.dtype) != WIDE:
-            x = x.astype(WIDE)  # a partial that no reduction made (a value on replica 0): exact
-        self._wide[id(x)] = (x, np.dtype(dtype))
+            x = widen(x)  # a partial that no reduction made (a value on replica 0): exact
+        self._wide[id(x)] = (x, np.dtype(dtype), np.dtype(dtype))
         return x
 
     def padded_rows(self, x, layout: Layout) -> int | None:
@@ -228,16 +262,13 @@ class Partitioner:
             return x
         self.communications += not self.one
         if self.one:  # one replica: its value is the whole value
-            narrow = self.narrow_type(x) if layout is PARTIAL else None
-            x = one_replica_sum(x)  # marks where the sum would be, for forward_used
-            return x if narrow is None else x.astype(narrow)
+            total = one_replica_sum(x)  # marks where the sum would be, for forward_used
+            return self.rounded(total, x) if layout is PARTIAL else total
         if layout is GROUP:  # the groups' values averaged (their running statistics, say)
             self.record("all-reduce", self.axes, x, "mean over batch-norm groups")
             return lax.pmean(x, self.axes)
         if layout is PARTIAL:
-            narrow = self.narrow_type(x)
-            total = lax.psum(x, self.axes)
-            return total if narrow is None else total.astype(narrow)  # rounded once, after the sum
+            return self.rounded(lax.psum(x, self.axes), x)
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
         self.record("all-gather", self.axes, x, "rows made whole")
         rows = self.padded_rows(x, layout)
@@ -324,14 +355,21 @@ class Partitioner:
             if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
                 self._zeros.add(eqn.outvars[0])
             ins = [read(v) for v in eqn.invars]
+            apart = self.sums_apart(eqn, ins)
             with _interpret.source(eqn):
                 outs = self.equation(eqn, ins)
+            if apart:
+                self._apart.update((id(o), o) for o, _ in outs)
             for var, (out, lay) in zip(eqn.outvars, outs, strict=True):
                 env[var] = (self.pad_rows(self.hold(out, lay, _dtype(var)), lay, var), lay)
         return [read(v) for v in jaxpr.outvars]
 
     def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
         name = eqn.primitive.name
+        if name in _REBOUND and any(self.cast_type(v) is not None for v, _ in ins):
+            # A body traced anew (a loop, a branch, a remat) reads its inputs by their types, and
+            # a cast sum's rounding is not in its type: it enters summed.
+            ins = [(self.whole(v, lay), REPLICATED) if self.cast_type(v) is not None else (v, lay) for v, lay in ins]
         if name not in _CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
             out = self.wide_rule(eqn, ins)
             if out is not None:
@@ -399,12 +437,11 @@ class Partitioner:
         statistic over the group's rows."""
         if lay is PARTIAL:
             self.communications += not self.one
-            groups, narrow = self.n // self.group_size, self.narrow_type(v)
+            groups = self.n // self.group_size
             total = one_replica_sum(v) if self.one else lax.psum(v, self.group_axis)
             if not self.one:
                 self.record("all-reduce", (self.group_axis,), total, "batch-norm group statistic")
-            total = total * jnp.asarray(groups, total.dtype)
-            return (total if narrow is None else total.astype(narrow), GROUP)
+            return (self.rounded(total * jnp.asarray(groups, total.dtype), v), GROUP)
         return (v, lay)  # already whole: a sum over one member
 
     def fallback(self, eqn, ins):
@@ -471,6 +508,19 @@ class Partitioner:
             return [self.group_sum(v, lay) for v, lay in ins]
         if name in _IDENTITY and len(ins) == 1:
             return [ins[0]]
+        if any(self.cast_type(v) is not None for v, _ in ins):
+            return self.cast_rule(eqn, ins)
+        vals = [v for v, _ in ins]
+        if name == "convert_element_type" and len(ins) == 1 and self.narrow_type(vals[0]) is not None:
+            new = np.dtype(eqn.params["new_dtype"])
+            if jnp.issubdtype(new, jnp.floating) and new.itemsize >= WIDE.itemsize:
+                # A 16-bit partial sum the program casts to a wide type (a float32 master weight's
+                # gradient of a 16-bit product): still partial, its sum rounded to the 16-bit type
+                # before the cast, as one device rounds the sum to the product's type whatever the
+                # program casts it to afterwards (a float16 sum past 65504 is inf). A new value, so
+                # that the 16-bit one (if read elsewhere) keeps its own registration.
+                out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
+                return [(self.hold_cast(out, self.narrow_type(vals[0]), new), PARTIAL)]
         keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
             name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
         )
@@ -480,11 +530,6 @@ class Partitioner:
         if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
             keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
             keeps |= name == "mul" and layouts[0] is REPLICATED
-        vals = [v for v, _ in ins]
-        # No convert_element_type: a float32 partial of a 16-bit sum that the program casts (to
-        # float32, say: a 16-bit product inside a float32 master weight's gradient) is summed and
-        # rounded to its 16-bit type first, as one device rounds the sum to the product's type
-        # whatever the program casts it to afterwards (its float16 sum overflows to inf).
         if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
             vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
             keeps = True
@@ -492,8 +537,46 @@ class Partitioner:
             return None
         if name in ("scatter-add", "scatter_add", "dot_general", "conv_general_dilated"):
             return [(o, PARTIAL) for o in self.wide_bind(eqn, vals)]
-        vals = [v.astype(WIDE) if _narrow_float(getattr(v, "dtype", None)) else v for v in vals]
+        vals = [widen(v) for v in vals]
         return [(o, PARTIAL) for o in self.bind(eqn, vals)]
+
+    def sums_apart(self, eqn, ins) -> bool:
+        """Whether ``eqn`` adds terms of a sum that one device rounds apart: cast 16-bit partial sums
+        (a weight used twice in 16-bit products, each use's gradient rounded to 16 bits, then
+        added in float32), each summed over the replicas on its own. Their bytes past one term's
+        are counted in :attr:`summed_apart_bytes`."""
+        if eqn.primitive.name not in _LINEAR_SUMS:
+            return False
+        apart = [v for v, _ in ins if self.cast_type(v) is not None or self._apart.get(id(v)) is v]
+        terms = [v for v, lay in ins if lay is PARTIAL or self._apart.get(id(v)) is v]
+        if not apart or len(terms) < 2:
+            return False
+        var = eqn.outvars[0]
+        self.summed_apart_bytes += (len(terms) - 1) * math.prod(var.aval.shape) * WIDE.itemsize
+        return True
+
+    def cast_rule(self, eqn, ins):
+        """Equations through which a cast 16-bit partial sum (:meth:`cast_type`) stays partial, or
+        ``None`` (then it is summed first): only those that move its elements, which commute with
+        the rounding one device makes before the cast; its type goes with it."""
+        name = eqn.primitive.name
+        layouts = [lay for _, lay in ins]
+        vals = [v for v, _ in ins]
+        if name in _MOVES and len(ins) == 1:
+            keeps = True
+        elif name == "pad" or name == "dynamic_slice":
+            keeps = self.cast_type(vals[0]) is not None and all(lay is REPLICATED for lay in layouts[1:])
+            keeps &= name != "pad" or _is_zero(eqn.invars[1])
+        elif name == "concatenate":
+            tags = {(self.narrow_type(v), self.cast_type(v)) for v in vals}
+            keeps = len(tags) == 1 and None not in tags.pop() and all(lay is PARTIAL for lay in layouts)
+        else:
+            keeps = False
+        if not keeps:
+            return None
+        narrow = self.narrow_type(vals[0])
+        outs = self.bind(eqn, vals)
+        return [(self.hold_cast(o, narrow, _dtype(var)), PARTIAL) for o, var in zip(outs, eqn.outvars, strict=True)]
 
     def partial_rule(self, eqn, ins):
         """Equations through which a partial sum stays partial, or ``None``."""

@@ -29,7 +29,7 @@ from podscale.parallel.partition.shape_rules import (
     _transpose,
     _unstack,
 )
-from podscale.parallel.partition.sums import WIDE, _narrow_float
+from podscale.parallel.partition.sums import _narrow_float, widen
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -92,7 +92,7 @@ def _reduce(p: Partitioner, eqn, ins):
         local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
     if name == "reduce_sum":
         if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
-            local = p.bind(eqn, [v.astype(WIDE)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
+            local = p.bind(eqn, [widen(v)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
         return [(local, PARTIAL)]
     collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
     if collective is None:

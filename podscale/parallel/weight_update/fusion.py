@@ -35,6 +35,9 @@ class Trace:
     """Ops of the global program computed on whole values (see ``partition.Partitioner``)."""
     regions: list[dict] = dataclasses.field(default_factory=list)
     """The step's :mod:`~podscale.parallel.regions`, each pass's partitioning (``Partitioner.regions``)."""
+    summed_apart_bytes: int = 0
+    """Bytes per replica of gradient terms summed apart, as one device rounds each apart
+    (``Partitioner.summed_apart_bytes``): 16-bit products of one weight added in float32."""
 
 
 def _record(trace: Trace, phases: list[Collective], tensors: int, why: str, update: bool) -> None:
