@@ -162,7 +162,7 @@ def test_a_resumed_run_logs_its_segment_to_a_file_of_its_own_and_each_passes_the
     ``eval_accuracy`` at MLPerf's target, 0.759: here 0.83 at step 50, its first evaluation)."""
     workdir = tmp_path / "run"
     base = dict(model="resnet50", config="tiny", workdir=str(workdir), progress=False)
-    first = train(TrainConfig(steps=50, **base))
+    first = train(TrainConfig(steps=50, schedule_steps=55, **base))  # its schedule spans the resumed run
     assert first["mllog"] == str(workdir / "mllog.txt")
     before = (workdir / "mllog.txt").read_text()
     second = train(TrainConfig(steps=55, resume=True, **base))

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -143,18 +144,24 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
 
 
 _CHECKED: set = set()
+CHECK_MEMORY = 2 * 2**30
+"""The most host memory the contract check of a region may take (its arguments at full shape)."""
 
 
-def _sample(v, rng, is_x: bool):
-    """A value of ``v``'s shape and type for the contract's check: ``v`` itself where it is
-    concrete, else normal (``x``) or uniform on [0, 1) (an argument) floats, zero integers."""
+def _last_rows(v, dim: int, rng) -> tuple[np.ndarray, int]:
+    """The last rows of ``x``'s leaf ``v`` along ``dim`` (at most 4) and the first one's index: ``v``'s
+    own where it is concrete, else normal draws of their shape and type (floats; integers zero).
+    Drawn on the host: a few rows."""
+    n = np.shape(v)[dim]
+    t = max(n - 4, 0)
     if not isinstance(v, jax.core.Tracer):
-        return np.asarray(v)
+        return np.asarray(v)[(slice(None),) * dim + (slice(t, n),)], t
+    shape = list(np.shape(v))
+    shape[dim] = n - t
     dtype = jnp.result_type(v)
     if jnp.issubdtype(dtype, jnp.inexact):
-        draw = rng.standard_normal if is_x else rng.uniform
-        return np.asarray(draw(size=np.shape(v)), dtype=dtype)
-    return np.zeros(np.shape(v), dtype)
+        return np.asarray(rng.standard_normal(size=shape), dtype=dtype), t
+    return np.zeros(shape, dtype), t
 
 
 def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
@@ -162,34 +169,68 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
     (then once per function and shapes): on the last rows of each leaf of ``x`` (at most 4, from
     ``start = n - 4``), ``fn`` on that block must equal the sum of ``fn`` on its two halves, each
     with its own start, the second half with a row of zeros past ``x``'s end. Where ``x`` is traced,
-    its values are normal draws of its shape (the arguments' uniform on [0, 1), integers zero);
-    the check runs on the host, outside the step."""
+    its rows are normal draws of their shape; a traced argument is drawn uniform on [0, 1)
+    (integers zero) inside the check's program. The check is one compiled program, run outside the
+    step: the arguments may be a full config's feature maps (Mask R-CNN's RoIAlign), too large for
+    a host copy or an op-by-op run."""
     dtypes = tuple(str(jnp.result_type(v)) for v in (*x_leaves, *arg_leaves))
-    key = (getattr(region.fn, "__code__", id(region.fn)), region.dim, region.x_shapes, region.arg_shapes, dtypes)
+    ranks = tuple(len(s) for s in (*region.x_shapes, *region.arg_shapes))
+    # The contract is the function's: checked once per function, dimension, types and ranks (a
+    # full config's call after the tiny config's is not checked again).
+    key = (getattr(region.fn, "__code__", id(region.fn)), region.dim, ranks, dtypes)
     if key in _CHECKED:
         return
-    rng = np.random.default_rng(0)
-    xs = [_sample(v, rng, True) for v in x_leaves]
-    args = jax.tree.unflatten(region.arg_tree, [_sample(v, rng, False) for v in arg_leaves])
     d = region.dim
-    block, first, second = [], [], []
-    for v in xs:
-        n = v.shape[d]
-        t = max(n - 4, 0)
-        h = max((n - t) // 2, 1)
-        rows = lambda a, b, v=v: v[(slice(None),) * d + (slice(a, b),)]  # noqa: E731
-        pad = [(0, 1 if j == d else 0) for j in range(v.ndim)]
-        block.append((rows(t, n), t))
-        first.append((rows(t, t + h), t))
-        second.append((np.pad(rows(t + h, n), pad), t + h))
+    rng = np.random.default_rng(0)
+    blocks = [_last_rows(v, d, rng) for v in x_leaves]
+    traced = [isinstance(v, jax.core.Tracer) for v in arg_leaves]
+    concrete = [None if t else v for v, t in zip(arg_leaves, traced, strict=True)]
+    specs = [(tuple(np.shape(v)), jnp.result_type(v)) for v in arg_leaves]
 
-    def run(parts):
-        x = jax.tree.unflatten(region.x_tree, [b for b, _ in parts])
-        starts = jax.tree.unflatten(region.x_tree, [jnp.asarray(s, jnp.int32) for _, s in parts])
-        return jax.tree.leaves(region.fn(x, starts, *args))
+    def outputs(draw_key, rows, given):
+        keys = jax.random.split(draw_key, max(len(specs), 1))
+        leaves = []
+        for k, (shape, dtype), c in zip(keys, specs, given, strict=False):
+            if c is not None:
+                leaves.append(c)
+            elif jnp.issubdtype(dtype, jnp.inexact):
+                leaves.append(jax.random.uniform(k, shape, dtype))
+            else:
+                leaves.append(jnp.zeros(shape, dtype))
+        args = jax.tree.unflatten(region.arg_tree, leaves)
 
+        def run(parts):
+            x = jax.tree.unflatten(region.x_tree, [b for b, _ in parts])
+            starts = jax.tree.unflatten(region.x_tree, [jnp.asarray(s, jnp.int32) for _, s in parts])
+            return jax.tree.leaves(region.fn(x, starts, *args))
+
+        block, first, second = [], [], []
+        for v, (_, t) in zip(rows, blocks, strict=True):
+            m = v.shape[d]
+            h = max(m // 2, 1)
+            cut = lambda a, b, v=v: lax.slice_in_dim(v, a, b, axis=d)  # noqa: E731
+            pad = [(0, 1 if j == d else 0) for j in range(v.ndim)]
+            block.append((v, t))
+            first.append((cut(0, h), t))
+            second.append((jnp.pad(cut(h, m), pad), t + h))
+        return run(block), run(first), run(second)
+
+    inputs = (jax.random.key(0), [jnp.asarray(v) for v, _ in blocks], concrete)
     with jax.ensure_compile_time_eval():
-        whole, a, b = run(block), run(first), run(second)
+        compiled = jax.jit(outputs).lower(*inputs).compile()
+        memory = compiled.memory_analysis()
+        need = getattr(memory, "temp_size_in_bytes", 0) + getattr(memory, "output_size_in_bytes", 0)
+        if need > CHECK_MEMORY:
+            warnings.warn(
+                f"region {region.name!r}: checking that its function is a sum over blocks would take "
+                f"{need / 2**30:.1f} GiB on this host at these shapes (its arguments {[list(s) for s in region.arg_shapes]}), "
+                f"over {CHECK_MEMORY / 2**30:.0f} GiB: not checked here. It is checked where it first runs at smaller "
+                "shapes in a process (a tiny config, say); run it once so before trusting a partitioned result.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        whole, a, b = compiled(*inputs)
         shapes = [[list(np.shape(o)) for o in outs] for outs in (whole, a, b)]
         if not shapes[0] == shapes[1] == shapes[2]:
             raise ValueError(
@@ -203,7 +244,7 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
             eps = float(jnp.finfo(jnp.result_type(p)).eps) if jnp.issubdtype(jnp.result_type(p), jnp.inexact) else 0
             off = float(np.max(np.abs(w - total), initial=0.0))
             if not off <= max(1e-4, 64 * eps) * scale:
-                starts = [(s, s + np.shape(b_)[d]) for b_, s in block]
+                starts = [(s, s + np.shape(b_)[d]) for b_, s in blocks]
                 raise ValueError(
                     f"region {region.name!r} is not a sum over blocks of dim {d}: its function on rows {starts} "
                     f"differs from the sum of its results on the two halves of those rows (each with its own "
