@@ -61,6 +61,20 @@ def run_parallel(dp, state, batches):
     return dp.gather_state(state), jax.device_get(metrics)
 
 
+def reordered_runs(step, state, batches, seeds=(0, 1)) -> list:
+    """One device's final state on ``batches`` with each batch's rows permuted, per seed: the same
+    computation in another summation order, for a step whose result does not depend on the rows'
+    order (batch norm over the whole batch, per-row losses averaged). How far these land from the
+    run on the batches as they are is the spec's own spread on this machine's kernels (XLA:CPU's
+    dot and convolution libraries pick their blocking by the CPU, and so their summation order): a
+    bound on podscale's difference, which changes the order too, is stated against it."""
+    outs = []
+    for seed in seeds:
+        perm = np.random.default_rng(seed).permutation(len(jax.tree.leaves(batches[0])[0]))
+        outs.append(run_single(step, state, [jax.tree.map(lambda x: np.asarray(x)[perm], b) for b in batches])[0])
+    return outs
+
+
 def relative_error(a, b, floor: float = 1e-3, norm: str = "max") -> float:
     """The suite's one relative error: over the leaves (PRNG keys by their key data), the largest
     ``|x - y| / |y|`` of a leaf, ``|.|`` the leaf's ``norm``:

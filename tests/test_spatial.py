@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import leaf_relative_error, max_relative_diff, run_parallel, run_single
+from helpers import leaf_relative_error, max_relative_diff, reordered_runs, run_parallel, run_single
 from jax.sharding import Mesh
 
 from podscale import data_parallel, make_mesh
@@ -164,11 +164,14 @@ def test_spatial_input_errors_name_the_mesh_axis_the_height_or_the_model():
 
 def test_the_trainer_with_spatial_trains_like_data_parallelism(tmp_path):
     """``podscale train --mesh 4x2 --spatial 2`` (in-process): the same parameters as the plain
-    4x2 data-parallel run, up to summation order, with the evaluation on the spatial mesh too."""
+    4x2 data-parallel run, up to summation order, with the evaluation on the spatial mesh too.
+    With SGD: Adam turns a gradient that is zero up to rounding (a convolution's bias before batch
+    norm) into a step of about its learning rate whose sign the summation order decides, on one
+    device as under podscale (tests/test_exactness.py), which would hide the trainer's plumbing."""
     from podscale.parallel.strategy import Strategy
     from podscale.train.trainer import TrainConfig, train
 
-    common = dict(model="resnet", data="digits", mesh=(4, 2), steps=8, eval_every=4, progress=False)
+    common = dict(model="resnet", data="digits", optimizer="sgd", mesh=(4, 2), steps=8, eval_every=4, progress=False)
     plain = train(TrainConfig(**common, export=str(tmp_path / "plain.npz")))
     split = train(TrainConfig(**common, strategy=Strategy(spatial=2), export=str(tmp_path / "split.npz")))
     assert split["replicas"] == 4 and plain["replicas"] == 8
@@ -191,7 +194,9 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
     schedule: heights 8, 4, 2, so at k = 4 XLA pads the last stage (listed as uneven). With bn
     groups, one group of every replica (the whole batch, as on one device). Every leaf of the
     parameters and batch statistics equals one device's within 1e-6 relative error (the leaf's
-    2-norm; measured 4e-7 to 8e-7: elementwise, a few small batch-norm biases differ by 15 ulps)."""
+    2-norm; measured 4e-7 to 8e-7: elementwise, a few small batch-norm biases differ by 15 ulps),
+    or within twice one device's own spread where that is wider: its 10 steps on the same batches
+    with their rows permuted (on a CPU with AVX-512, 7e-7 by the 2-norm, 2.0e-6 elementwise)."""
     from podscale.train.tasks import make_task, make_train_step
     from podscale.workloads.precision import FLOAT32
 
@@ -202,16 +207,24 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
         state = task.init_state(jax.random.key(0), tx)
         ref, _ = run_single(make_train_step(task, tx), state, batches)
         assert max_relative_diff(ref.params, state.params) > 1e-2, "the parameters did not move"
-        _RESNET50.update(tx=tx, batches=batches, state=state, ref=ref)
-    tx, batches, state, ref = (_RESNET50[key] for key in ("tx", "batches", "state", "ref"))
+        spread = reordered_runs(make_train_step(task, tx), state, batches)
+        floors = {
+            "params": max(leaf_relative_error(o.params, ref.params) for o in spread),
+            "batch_stats": max(leaf_relative_error(o.batch_stats, ref.batch_stats) for o in spread),
+            "elementwise": max(max_relative_diff(o.params, ref.params) for o in spread),
+        }
+        _RESNET50.update(tx=tx, batches=batches, state=state, ref=ref, floors=floors)
+    tx, batches, state, ref, floors = (_RESNET50[key] for key in ("tx", "batches", "state", "ref", "floors"))
     task = make_task("resnet50", config="tiny", policy=FLOAT32, bn_axis=BN_GROUP if bn_groups else None)
     replicas = 8 // k
     mesh = make_mesh((replicas, k), bn_group_size=replicas, spatial=k) if bn_groups else make_mesh((replicas, k))
     dp = data_parallel(make_train_step(task, tx), mesh, spatial=k, weight_update=weight_update)
     out, _ = run_parallel(dp, state, batches)
-    assert leaf_relative_error(out.params, ref.params) <= 1e-6
-    assert leaf_relative_error(out.batch_stats, ref.batch_stats) <= 1e-6
-    assert max_relative_diff(out.params, ref.params) <= 2e-6  # no element far off either
+    assert leaf_relative_error(out.params, ref.params) <= max(1e-6, 2 * floors["params"]), floors
+    assert leaf_relative_error(out.batch_stats, ref.batch_stats) <= max(1e-6, 2 * floors["batch_stats"]), floors
+    assert max_relative_diff(out.params, ref.params) <= max(2e-6, 2 * floors["elementwise"]), (
+        floors
+    )  # no element far off
     assert bool(dp.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
     assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {"image": True, "label": False}
 
