@@ -2,6 +2,7 @@
 batch-mean loss, and forms JAX programs take, each checked against one device."""
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from helpers import max_abs_diff, relative_error, run_parallel, run_single
+from helpers import max_abs_diff, max_relative_diff, relative_error, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
 
@@ -646,3 +647,73 @@ def test_distributed_eval_on_a_mesh_from_jax_make_mesh():
     run = distributed_eval(lambda p, b: {"sq": jnp.sum(_logits(p, b["x"]) ** 2, axis=-1)}, mesh)
     want = float(jnp.mean(jnp.sum(_logits(_params(), batch["x"]) ** 2, axis=-1)))
     assert run(_params(), [batch])["sq"] == pytest.approx(want, rel=1e-6)
+
+
+# -- a gradient that is zero up to rounding, under Adam -------------------------------------------
+
+
+def test_adam_turns_a_bias_before_batch_norm_into_a_step_the_summation_order_decides():
+    """flax's nnx MNIST CNN pattern (issue 42, 2): a convolution with a bias, then BatchNorm, which
+    subtracts the batch mean, so the bias's gradient is zero up to rounding. Adam divides it by its
+    own root mean square: a step of about the learning rate whose sign rounding picks. One device's
+    own run with the batch's rows permuted moves that bias by as much, so it and the optimizer
+    state built from it (mu, nu) differ at any summation order, podscale's included: bounded by
+    the learning rate per step. Every other leaf equals one device within twice one device's own
+    spread under that permutation."""
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.out = nnx.Linear(8 * 4 * 4, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.avg_pool(nnx.relu(self.bn(self.conv(x))), window_shape=(2, 2), strides=(2, 2))
+            return self.out(x.reshape(x.shape[0], -1))
+
+    lr, steps = 1e-3, 3
+    model = CNN(nnx.Rngs(0))
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)))
+
+    def step(state, batch):
+        model, opt = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return nnx.state((model, opt)), {"loss": loss, "grads": nnx.state(grads)}
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.random((32, 8, 8, 1), np.float32), "y": rng.integers(0, 10, 32).astype(np.int32)}
+        for _ in range(steps)
+    ]
+    ref, ref_m = run_single(step, state, batches)
+    g = ref_m["grads"]["conv"]
+    assert np.max(np.abs(g["bias"].value)) <= 1e-5 * np.max(np.abs(g["kernel"].value))  # zero up to rounding
+    spread = helpers.reordered_runs(step, state, batches)
+    par, _ = run_parallel(data_parallel(step, make_mesh()), state, batches)
+
+    def split(tree):
+        """(the bias before batch norm and the Adam state of it, every other leaf)"""
+        flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+        rounding = {k: v for k, v in flat.items() if "'conv']['bias'" in k}
+        return rounding, {k: v for k, v in flat.items() if k not in rounding}
+
+    (ref_bias, ref_rest), (par_bias, par_rest) = split(ref), split(par)
+    assert len(ref_bias) == 3  # the bias, its mu and its nu
+    moved = max(
+        float(np.max(np.abs(split(o)[0]["[0]['conv']['bias'].value"] - ref_bias["[0]['conv']['bias'].value"])))
+        for o in spread
+    )
+    assert moved > 0.1 * lr  # the spec's own spread: a reordering alone moves the bias by about a step
+    # podscale moves it no more than the learning rate per step, as a reordering does
+    assert (
+        np.max(np.abs(par_bias["[0]['conv']['bias'].value"] - ref_bias["[0]['conv']['bias'].value"])) <= 2 * lr * steps
+    )
+    floor = max(max_relative_diff(split(o)[1], ref_rest) for o in spread)
+    assert max_relative_diff(par_rest, ref_rest) <= max(1e-5, 2 * floor), floor
