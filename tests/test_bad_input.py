@@ -97,6 +97,24 @@ def test_launch_runs_this_interpreters_podscale_without_the_venv_on_path():
     assert {m["name"] for m in json.loads(proc.stdout)} >= {"resnet50", "gnmt"}
 
 
+def test_a_refusal_under_launch_is_said_once_not_once_per_process():
+    """Every process reads the same bad flag: process 0 says it; launch says another process's
+    refusal only where it differs (issue 42, 22)."""
+    proc = _cli("launch", "--processes", "2", "--", "podscale", "train", "--model", "mlp", "--batch-size", "12")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("--batch-size 12 is not divisible") == 1, proc.stderr
+    assert "podscale: error (process" not in proc.stderr
+
+
+def test_launch_says_each_process_s_refusal_that_differs(tmp_path, capsys):
+    from podscale.train import distributed
+
+    for pid, message in ((0, "a"), (1, "a"), (2, "b"), (3, "b")):
+        (tmp_path / f"{pid}.txt").write_text(message)
+    distributed._print_other_refusals(str(tmp_path), 4)
+    assert capsys.readouterr().err == "podscale: error (process 2): b\n"
+
+
 def test_reusing_a_donated_state_raises_instead_of_crashing():
     def step(state, batch):
         return {"w": state["w"] - 0.1 * jnp.mean(batch) * state["w"]}, {}

@@ -112,7 +112,8 @@ def _dispatch(args, argv) -> int:  # noqa: C901
         return 2
     except _refusals() as e:
         message = _as_flags(str(e))
-        print(f"podscale: error: {message}", file=sys.stderr)
+        if distributed.note_refusal(message):  # under launch, process 0 says it (launch: what differs)
+            print(f"podscale: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):  # scripts read one JSON object either way
             print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
         return 2

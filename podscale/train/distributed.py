@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from podscale.train import supervise
@@ -36,6 +37,10 @@ from podscale.train import supervise
 ENV_COORDINATOR = "PODSCALE_COORDINATOR"
 ENV_NUM_PROCESSES = "PODSCALE_NUM_PROCESSES"
 ENV_PROCESS_ID = "PODSCALE_PROCESS_ID"
+ENV_REFUSALS = "PODSCALE_LAUNCH_REFUSALS"
+"""Set by ``podscale launch``: a folder where each process it starts writes the refusal it ends
+with (``podscale: error:``), which only process 0 prints; launch prints another process's where it
+differs, so a bad flag read by every process is said once."""
 DEFAULT_CPU_REPLICAS = 8
 
 
@@ -306,6 +311,43 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
     """
     command = check_launch(processes, command, grace_s)
     address = f"127.0.0.1:{_free_port()}"
+    refusals = tempfile.mkdtemp(prefix="podscale-launch-")
+    try:
+        return _launch(processes, command, grace_s, address, refusals)
+    finally:
+        _print_other_refusals(refusals, processes)
+        shutil.rmtree(refusals, ignore_errors=True)
+
+
+def note_refusal(message: str) -> bool:
+    """Under ``podscale launch``, records this process's refusal for launch; whether this process
+    should print it itself (process 0 does; launch prints the others' that differ)."""
+    folder, pid = os.environ.get(ENV_REFUSALS), os.environ.get(ENV_PROCESS_ID, "0")
+    if not folder or not os.path.isdir(folder):
+        return True
+    try:
+        with open(os.path.join(folder, f"{int(pid)}.txt"), "w") as f:
+            f.write(message)
+    except (OSError, ValueError):
+        return True
+    return pid == "0"
+
+
+def _print_other_refusals(folder: str, processes: int) -> None:
+    """The refusals of processes other than 0 that differ from process 0's (and from each other)."""
+    said = set()
+    for pid in range(processes):
+        try:
+            with open(os.path.join(folder, f"{pid}.txt")) as f:
+                message = f.read()
+        except OSError:
+            continue
+        if pid and message not in said:
+            print(f"podscale: error (process {pid}): {message}", file=sys.stderr)
+        said.add(message)
+
+
+def _launch(processes: int, command: list[str], grace_s: float, address: str, refusals: str) -> int:
     children = []
     for pid in range(processes):
         env = supervise.users_env(
@@ -313,6 +355,7 @@ def launch(processes: int, command: list[str], grace_s: float = 60.0) -> int:
                 ENV_COORDINATOR: address,
                 ENV_NUM_PROCESSES: str(processes),
                 ENV_PROCESS_ID: str(pid),
+                ENV_REFUSALS: refusals,
                 supervise.ENV_LAUNCHER: str(os.getpid()),
             }
         )
