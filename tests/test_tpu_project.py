@@ -355,3 +355,25 @@ def test_the_host_s_tpu_check_reads_jax_s_own_without_importing_jax():
     from podscale.perf import tpu
 
     assert callable(tpu._hardware_utils().num_available_tpu_chips_and_device_id)
+
+
+@needs_libtpu
+def test_sigterm_after_libtpu_loads_ends_the_process_without_a_stack_trace():
+    """libtpu installs absl's failure handler for SIGTERM; podscale puts the process's own back, so
+    a stopped compile ends as a shell reports it (143), not with libtpu's C++ stack trace."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from podscale.perf import tpu\n"
+        "tpu.devices('tpu-v3', 'v3:2x2')\n"
+        "print('loaded', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "loaded"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "stack trace" not in err and "FailureSignalHandler" not in err, err

@@ -16,10 +16,13 @@ alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+import signal
 import sys
+import threading
 
 from podscale.perf.systems import System
 
@@ -140,5 +143,20 @@ def devices(system_name: str, name: str) -> tuple:
     shape = [int(d) for d in name.split(":")[1].split("x")] + [1, 1]
     if shape[0] < 2 or shape[1] < 2:  # smaller than a host (2x2x1 chips): the slice is the host
         options["chips_per_host_bounds"] = tuple(min(d, h) for d, h in zip(shape[:3], (2, 2, 1), strict=True))
-    found = topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices
+    with _own_sigterm():
+        found = topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices
     return tuple(sorted(found, key=lambda d: d.id))
+
+
+@contextlib.contextmanager
+def _own_sigterm():
+    """Loading libtpu installs absl's failure handler for SIGTERM, which prints a C++ stack trace
+    when a compile is stopped: the process's own disposition is put back (Python's default ends
+    it at once, as the shell reports: ``Terminated``, exit code 143)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
