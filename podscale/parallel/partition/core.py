@@ -186,17 +186,22 @@ class Partitioner:
             vals = [widen(v) for v in vals]
         return self.bind(eqn, vals, **changes, preferred_element_type=WIDE)
 
+    def _held_wide(self, x):
+        """``x``'s entry in :attr:`_wide` (``(x, narrow, program type)``), else ``None``."""
+        hit = self._wide.get(id(x))
+        return hit if hit is not None and hit[0] is x else None
+
     def narrow_type(self, x):
         """The narrow float type the sum of ``x`` is rounded to, where ``x`` is a partial sum held
         in float32 for one, else ``None``."""
-        hit = self._wide.get(id(x))
-        return hit[1] if hit is not None and hit[0] is x else None
+        hit = self._held_wide(x)
+        return None if hit is None else hit[1]
 
     def cast_type(self, x):
         """Where ``x`` is a partial sum held in float32 whose narrow sum the program then casts to a
         wider type (:meth:`narrow_type`), that type; else ``None``."""
-        hit = self._wide.get(id(x))
-        return hit[2] if hit is not None and hit[0] is x and hit[2] != hit[1] else None
+        hit = self._held_wide(x)
+        return hit[2] if hit is not None and hit[2] != hit[1] else None
 
     def hold_cast(self, x, narrow, dtype):
         """``x``, a partial sum in float32 whose sum one device rounds to ``narrow`` and the
@@ -207,8 +212,8 @@ class Partitioner:
     def rounded(self, total, x):
         """``total``, the sum of the partial sums ``x`` over the replicas, rounded as one device
         rounds it: to the narrow type, then cast to the program's, where ``x`` is held wide."""
-        hit = self._wide.get(id(x))
-        if hit is None or hit[0] is not x:
+        hit = self._held_wide(x)
+        if hit is None:
             return total
         total = total.astype(hit[1])  # rounded once, after the sum
         return total if hit[2] == hit[1] else total.astype(hit[2])
