@@ -190,6 +190,30 @@ STRATEGIES = {
         "conv-mlp",
         [ADAMW, LAMB],
     ),
+    # FSDP: weights, gradients and optimizer state stored 1/N, gathered for each use.
+    "8-replicas-fsdp": ((8,), None, {"weight_update": "fsdp"}, "mlp", GRID),
+    "4x2-2d-sum-fsdp": ((4, 2), None, {"weight_update": "fsdp", "grad_sum": "2d"}, "mlp", [LAMB]),
+    "data-x-space-fsdp": (
+        (4, 2),
+        ("data", "space"),
+        {"space_axis": "space", "weight_update": "fsdp"},
+        "conv-mlp",
+        [ADAMW],
+    ),
+    "data-x-model-fsdp": (
+        (4, 2),
+        ("data", "model"),
+        {"model_axis": "model", "rules": RULES, "weight_update": "fsdp"},
+        "mlp",
+        [LAMB, LARS],
+    ),
+    "data-x-space-x-model-fsdp": (
+        (2, 2, 2),
+        ("data", "space", "model"),
+        {"space_axis": "space", "model_axis": "model", "rules": RULES, "weight_update": "fsdp"},
+        "conv-mlp",
+        [ADAMW, LAMB],
+    ),
 }
 SPACE_FACTOR = 8
 """A space axis also sums each image's positions in another order (the stem's map averaged over

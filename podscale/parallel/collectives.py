@@ -20,6 +20,9 @@ class Collective:
     why: str = ""
     chunks: int = 1
     """Pipelined chunks the buffer is sent in (2-D gradient summation)."""
+    runs: int = 1
+    """Times it runs per step: a loop body's collective runs once per iteration (FSDP's per-layer
+    gathers and reduce-scatters inside a scan over the layers)."""
     update: bool = False
     """Part of the data-parallel update (gradient sums, the sharded update's norms, the gather
     of updated weights), as opposed to what the model itself needs (batch statistics, values

@@ -242,6 +242,7 @@ class DataParallelStep:
             model=self.model,
             model_dims=model_dims,
             tables=found,
+            fsdp=self.strategy.fsdp,
         )
         example = self._batch_placement(batch, abstract) if batch is not None else BatchPlacement()
         self._placement = Placement(
@@ -300,26 +301,29 @@ class DataParallelStep:
             self._global = (key, trace_global(self.step, abstract_state, shape_structs(batch), self.group_axis))
         return self._global[1]
 
-    def _local(self, gt: GlobalTrace, state_leaves, batch_leaves, table_rows=None) -> tuple[Any, Partitioner]:
+    def _local(self, gt: GlobalTrace, state_leaves, batch_leaves, leaves=None) -> tuple[Any, Partitioner]:
         """The per-replica program of the global trace: a closed jaxpr, made inside the
-        ``shard_map`` (its inputs typed per replica), with every output whole but the tables split
-        by rows (``table_rows``: ``{state leaf index: rows per replica}``, their ``state_leaves``
-        this replica's rows), which stay so."""
-        table_rows = table_rows or {}
+        ``shard_map`` (its inputs typed per replica), with every output whole but the state leaves
+        stored split (``leaves``, the state's :class:`~podscale.parallel.state_layout.LeafLayout`:
+        a table's rows, an FSDP chunk; their ``state_leaves`` this replica's piece), which come
+        back in their stored layout."""
+        stored = [leaf.partition_layout for leaf in leaves] if leaves else [REPLICATED] * len(state_leaves)
         rows = np.shape(batch_leaves[0])[0] * self.replicas if batch_leaves else None
         part = partitioner(
             self.mesh,
             self.roles,
             rows,
-            {tuple(gt.closed.jaxpr.invars[i].aval.shape): per for i, per in table_rows.items()},
+            {leaf.shape: leaf.table_rows for leaf in leaves or () if leaf.table},
             independent_rng=self.strategy.rng == "independent",
+            fsdp=self.strategy.fsdp,
+            min_chunk=self.strategy.min_shard_size,
         )
 
         def local(state_leaves, batch_leaves):
-            ins = [(x, Split(0) if i in table_rows else REPLICATED) for i, x in enumerate(state_leaves)]
+            ins = list(zip(state_leaves, stored, strict=True))
             outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins + [(x, Split(0)) for x in batch_leaves])
             return [
-                part.convert(v, lay, Split(0)) if i < gt.n_state and i in table_rows else part.whole(v, lay)
+                part.convert(v, lay, stored[i]) if i < gt.n_state else part.whole(v, lay)
                 for i, (v, lay) in enumerate(outs)
             ]
 
@@ -369,12 +373,11 @@ class DataParallelStep:
 
         def body(stored, batch):
             trace = Trace()
-            table_rows = {i: leaf.table_rows for i, leaf in enumerate(layout.leaves) if leaf.table}
             state_in = [
-                x if leaf.table else shape
+                x if leaf.table or leaf.chunked else shape
                 for x, shape, leaf in zip(jax.tree.leaves(stored), jax.tree.leaves(abstract_state), layout.leaves)
             ]
-            closed, part = self._local(gt, state_in, jax.tree.leaves(batch), table_rows)
+            closed, part = self._local(gt, state_in, jax.tree.leaves(batch), layout.leaves)
             rewriter = Rewriter(chunks, trace)
             args = [
                 Sharded(x, leaf.shape, leaf.by) if leaf.sharded else x
@@ -442,12 +445,12 @@ class DataParallelStep:
         whole = [
             (p, v)
             for (p, v), leaf in zip(paths_leaves, layout.leaves, strict=True)
-            if not leaf.sharded and not leaf.table
+            if not leaf.sharded and not leaf.table and not leaf.chunked
         ]
         whole_done = iter(self._finish_full(chunks, trace, whole, "new_state"))
         out = []
         for (path, v), leaf in zip(paths_leaves, layout.leaves, strict=True):
-            if leaf.table:  # this replica's rows, as stored
+            if leaf.table or leaf.chunked:  # this replica's rows or chunk, as stored
                 out.append(v)
                 continue
             if not leaf.sharded:
@@ -558,7 +561,14 @@ class DataParallelStep:
 
 
 def partitioner(
-    mesh: Mesh, roles: Roles, batch_rows: int | None, tables: dict, *, independent_rng: bool = False
+    mesh: Mesh,
+    roles: Roles,
+    batch_rows: int | None,
+    tables: dict,
+    *,
+    independent_rng: bool = False,
+    fsdp: bool = False,
+    min_chunk: int = 1,
 ) -> Partitioner:
     """The :class:`Partitioner` of a program placed by ``roles`` on ``mesh``: over the data axes,
     its batch of ``batch_rows`` global rows, ``tables`` (``{global shape: rows per replica}``) split
@@ -579,6 +589,8 @@ def partitioner(
             role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
         },
         tables=tables,
+        fsdp=fsdp,
+        min_chunk=min_chunk,
     )
 
 

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel.partition.layouts import REPLICATED, Chunked, Split, chunk_dim
 from podscale.parallel.weight_update import ByPartition, chunk_layout
 from podscale.parallel.weight_update.chunks import by_partition_layout, from_rows, to_rows
 
@@ -56,10 +57,27 @@ class LeafLayout:
     """An embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`), and
     the optimizer state of its shape: the rows each replica holds (the last block padded with zero
     rows); 0 for any other leaf."""
+    fsdp_dim: int | None = None
+    """FSDP (``weight_update="fsdp"``): the dimension of its own shape the leaf is stored chunked
+    along over the data axes (:func:`~podscale.parallel.partition.layouts.chunk_dim`), 1/``fsdp_n``
+    per replica; ``None``: not chunked so."""
+    fsdp_n: int = 1
 
     @property
     def table(self) -> bool:
         return self.table_rows > 0
+
+    @property
+    def chunked(self) -> bool:
+        return self.fsdp_dim is not None
+
+    @property
+    def partition_layout(self):
+        """The layout the step's partitioner reads the stored leaf in: a table's rows, a chunk
+        (FSDP), or whole."""
+        if self.table:
+            return Split(0)
+        return Chunked(self.fsdp_dim) if self.chunked else REPLICATED
 
     @property
     def by(self) -> ByPartition | None:
@@ -83,7 +101,7 @@ class LeafLayout:
             return self.table_rows * math.prod(self.shape[1:]) * self.itemsize
         if self.sharded:
             return self.shard_len // self.split * self.itemsize
-        return self.bytes // self.model_split
+        return self.bytes // self.model_split // self.fsdp_n
 
 
 def _itemsize(dtype) -> int:
@@ -117,6 +135,12 @@ class StateLayout:
         return self.order or tuple(self.mesh.axis_names)
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The data axes in mesh order: as the partitioner numbers the replicas (an FSDP chunk's
+        index), whatever order the gradient sum goes in."""
+        return tuple(a for a in self.mesh.axis_names if a in self.axes)
+
+    @property
     def n(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axes)
 
@@ -130,11 +154,22 @@ class StateLayout:
         return any(leaf.model_dim is not None for leaf in self.leaves)
 
     def specs(self):
-        return jax.tree.unflatten(
-            self.treedef, [P(self.axes) if leaf.sharded or leaf.table else P() for leaf in self.leaves]
-        )
+        return jax.tree.unflatten(self.treedef, [self._spec(leaf) for leaf in self.leaves])
+
+    def _spec(self, leaf: LeafLayout) -> P:
+        """How the step's ``shard_map`` (manual over the data axes) sees the stored leaf."""
+        if leaf.chunked:
+            return P(*[self.data_axes if d == leaf.fsdp_dim else None for d in range(len(leaf.shape))])
+        return P(self.axes) if leaf.sharded or leaf.table else P()
 
     def _sharding(self, leaf: LeafLayout) -> NamedSharding:
+        if leaf.chunked:  # along its dim over the data axes (and a rule's over the model axis)
+            spec: list = [None] * len(leaf.shape)
+            if leaf.model_dim is not None:
+                spec[leaf.model_dim] = self.model
+            here = spec[leaf.fsdp_dim]
+            spec[leaf.fsdp_dim] = self.data_axes + ((here,) if here else ())
+            return NamedSharding(self.mesh, P(*spec))
         if leaf.model_dim is not None:
             spec = [None] * len(leaf.shape)
             spec[leaf.model_dim] = self.model
@@ -153,7 +188,9 @@ class StateLayout:
         else whole (a scalar, a small or oddly shaped leaf, a PRNG key). The first: a sharded
         update's chunk is a contiguous run of the flattened leaf, so where the replicas divide its
         size and its first dimension, the chunk is the device's block of rows and making the saved
-        form moves nothing between devices."""
+        form moves nothing between devices. An FSDP chunk is saved as it is stored."""
+        if leaf.chunked:
+            return self._sharding(leaf)
         spec: list = [None] * len(leaf.shape)
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
@@ -402,6 +439,7 @@ def decide(
     model: str | None = None,
     model_dims: tuple[int | None, ...] | None = None,
     tables: dict[int, int] | None = None,
+    fsdp: bool = False,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -411,6 +449,9 @@ def decide(
     ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``model``.
     ``tables``: ``{leaf index: rows per replica}`` of the tables split by rows over the data axes
     (:func:`podscale.parallel.tables.choose`), whatever the weight update.
+    ``fsdp=True``: every float leaf of at least ``min_shard_size`` elements (weights and optimizer
+    state alike) is stored chunked along its :func:`chunk_dim` over the data axes, where they divide
+    one of its dimensions.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     by_shape = chunk_dims(state, model_dims) if shard and model and tuple(parts) == (model,) else {}
@@ -427,7 +468,9 @@ def decide(
         )
         dim = model_dims[i] if model_dims else None
         chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
-        if tables and i in tables:
+        if fsdp and not (tables and i in tables):
+            leaves.append(_fsdp_leaf(kw, n, min_shard_size, dim, mesh.shape[model] if dim is not None else 1))
+        elif tables and i in tables:
             what = "table" if kw["weight"] else "a table's optimizer state"
             leaves.append(
                 LeafLayout(
@@ -486,6 +529,23 @@ def decide(
     return StateLayout(
         jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model, tuple(sorted(by_shape.items()))
     )
+
+
+def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: int) -> LeafLayout:
+    """A leaf's FSDP layout: chunked along :func:`chunk_dim` over the ``n`` replicas, or why not."""
+    shape, dtype = kw["shape"], kw["dtype"]
+    size = math.prod(shape)
+    model = {"model_dim": model_dim, "model_split": k} if model_dim is not None else {}
+    if not _float(dtype):
+        return LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype}): replicated", **model)
+    if size < min_shard_size:
+        return LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}", **model)
+    dim = chunk_dim(shape, n)
+    if dim is None or n == 1:
+        why = "one replica" if n == 1 else f"no dimension of {list(shape)} that the {n} replicas divide"
+        return LeafLayout(**kw, sharded=False, reason=f"{why}: replicated", **model)
+    reason = f"fsdp: dimension {dim} over the {n} replicas"
+    return LeafLayout(**kw, sharded=False, reason=reason, fsdp_dim=dim, fsdp_n=n, **model)
 
 
 def chunk_dims(state, model_dims) -> dict[tuple[int, ...], int]:

@@ -28,7 +28,7 @@ from podscale.parallel.tensor import RULES, Rules
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
 from podscale.perf.gradsum_cost import AxisCost, parse_axis_costs
 
-WEIGHT_UPDATES = ("replicated", "sharded")
+WEIGHT_UPDATES = ("replicated", "sharded", "fsdp")
 RNGS = ("single-device", "independent")
 SUM_DTYPES = ("float32", "bfloat16")
 
@@ -123,13 +123,15 @@ class Strategy:
     )
     weight_update: str = _field(
         "replicated",
-        "sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state",
+        "sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state; fsdp: weights, "
+        "gradients and optimizer state are all stored 1/N per replica, each weight gathered where it is used "
+        "(in a scan over layers, one layer at a time) and its gradient reduce-scattered",
         _choice(WEIGHT_UPDATES),
         choices=WEIGHT_UPDATES,
     )
     min_shard_size: int = _field(
         DEFAULT_MIN_SHARD_SIZE,
-        "with the sharded update, tensors with fewer elements stay replicated",
+        "with the sharded update or fsdp, tensors with fewer elements stay replicated",
         _count(what=" (elements)"),
     )
     min_table_rows: int | None = _field(
@@ -240,6 +242,10 @@ class Strategy:
     @property
     def sharded(self) -> bool:
         return self.weight_update == "sharded"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.weight_update == "fsdp"
 
     def space_of(self, mesh) -> str | None:
         """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``

@@ -14,8 +14,9 @@ from jax.extend import core
 
 from podscale._jax import pe
 from podscale.parallel import regions
+from podscale.parallel.partition import chunked
 from podscale.parallel.partition.jaxprs import _source
-from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
+from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Split
 from podscale.parallel.regions import partitioned
 
 if TYPE_CHECKING:
@@ -219,9 +220,11 @@ def _scan(p: Partitioner, eqn, ins):
     prm = eqn.params
     body, (nc, ncarry) = prm["jaxpr"], _scan_counts(prm)
     consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
-    # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally.
-    xs = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Split) and lay.dim == 0 else (v, lay) for v, lay in xs]
-    x_layouts = [Split(lay.dim - 1) if isinstance(lay, Split) else lay for _, lay in xs]
+    # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally. A
+    # chunk along another dimension (a stacked layer's weight, stored by FSDP) is scanned as
+    # chunks: each iteration reads its own layer's chunk, gathered inside the loop where it is used.
+    xs = [(p.whole(v, lay), REPLICATED) if _along(lay) == 0 else (v, lay) for v, lay in xs]
+    x_layouts = [_inner(lay, -1) for _, lay in xs]
     ys_layouts: list = []
     ys_casts: list = []
 
@@ -235,6 +238,13 @@ def _scan(p: Partitioner, eqn, ins):
             outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
             new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned, guessed), carry_layouts)
             ys = outs[ncarry:]
+            if p.fsdp:
+                # A layer's partial sum (its weight's gradient) is reduce-scattered into chunks inside
+                # the loop, as FSDP stores the stack: the whole stack's sum is never held.
+                ys = [
+                    _chunked(p, v, var) if lay is PARTIAL else (v, lay)
+                    for (v, lay), var in zip(ys, body.jaxpr.outvars[ncarry:], strict=True)
+                ]
             # Rows stack as they are: stacked partial sums are the partial sum of the stack (a
             # layer's weight gradient out of the backward scan over layers is summed once, after
             # the loop, where the sharded update can reduce-scatter it); a partial ``xs`` is sliced
@@ -245,19 +255,44 @@ def _scan(p: Partitioner, eqn, ins):
             ys_casts[:] = _casts(p, ys)
             return new, [v for v, _ in ys]
 
-        carry, ys = lax.scan(
-            step,
-            carry0,
-            [v for v, _ in xs],
-            length=prm["length"],
-            reverse=prm["reverse"],
-            unroll=prm["unroll"],
-            _split_transpose=prm.get("_split_transpose", False),
-        )
-        ys_out = [Split(lay.dim + 1) if isinstance(lay, Split) else lay for lay in ys_layouts]
+        runs, p.runs = p.runs, p.runs * prm["length"]
+        try:
+            carry, ys = _run_scan(step, carry0, xs, prm)
+        finally:
+            p.runs = runs
+        ys_out = [_inner(lay, 1) for lay in ys_layouts]
         return [*zip(carry, carry_layouts), *zip(_recast(p, ys, ys_casts), ys_out)]
 
     return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, nc, ncarry))
+
+
+def _along(layout) -> int | None:
+    """The dimension a split or chunked layout divides, else ``None``."""
+    return layout.dim if isinstance(layout, (Split, Chunked)) else None
+
+
+def _inner(layout, shift: int):
+    """A split or chunked layout of a stack's slice (``shift=-1``) or of a stack of slices (``+1``)."""
+    if _along(layout) is None:
+        return layout
+    return type(layout)(layout.dim + shift)
+
+
+def _chunked(p: Partitioner, v, var):
+    to = chunked.chunk_of(p, var.aval.shape)
+    return (v, PARTIAL) if to is None else (p.convert(v, PARTIAL, to), to)
+
+
+def _run_scan(step, carry0, xs, prm):
+    return lax.scan(
+        step,
+        carry0,
+        [v for v, _ in xs],
+        length=prm["length"],
+        reverse=prm["reverse"],
+        unroll=prm["unroll"],
+        _split_transpose=prm.get("_split_transpose", False),
+    )
 
 
 def _while(p: Partitioner, eqn, ins):

@@ -18,11 +18,12 @@ from jax.extend import core
 from podscale._jax import all_gather_invariant
 from podscale.parallel import _interpret
 from podscale.parallel.collectives import Collective
+from podscale.parallel.partition import chunked
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import _CONTROL
 from podscale.parallel.partition.draws import _random_bits_rows
 from podscale.parallel.partition.jaxprs import _dtype, _global_shape, _is_zero, _source, _vma
-from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Layout, Split
+from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, Split
 from podscale.parallel.partition.rules import _RULES, ELEMENTWISE, _elementwise
 from podscale.parallel.partition.sums import (
     _IDENTITY,
@@ -63,8 +64,19 @@ class Partitioner:
         region_axes: dict[str, tuple[str, int]] | None = None,
         conv_size: int = 1,
         tables: dict[tuple[int, ...], int] | None = None,
+        fsdp: bool = False,
+        min_chunk: int = 1,
     ):
         self.axes, self.n = tuple(axes), n
+        self.fsdp, self.min_chunk = fsdp, min_chunk
+        """FSDP (``weight_update="fsdp"``): a partial sum of at least ``min_chunk`` elements that
+        the update reads elementwise is reduce-scattered into chunks (:func:`.chunked.settle`), and
+        a loop's stacked partial sums (a scanned layer's gradient) inside the loop, so that no
+        gradient is held whole. Chunked values (:class:`Chunked`) are computed on by their rules
+        whatever this says."""
+        self.runs = 1
+        """How many times the equations being replayed run per step: a loop body's, its trip count
+        (a collective recorded there runs that many times)."""
         self.tables = dict(tables or {})
         """The global shapes of the tables the placement splits by rows over the data axes, each
         with its rows per replica (:mod:`~podscale.parallel.partition.tables`): a gradient
@@ -293,11 +305,13 @@ class Partitioner:
 
     def record(self, kind: str, axes, buffer, why: str) -> None:
         nbytes = math.prod(np.shape(buffer)) * np.dtype(buffer.dtype).itemsize
-        self.collectives.append(Collective(kind, tuple(axes), int(nbytes), 1, why))
+        self.collectives.append(Collective(kind, tuple(axes), int(nbytes), 1, why, runs=self.runs))
 
     def convert(self, x, src: Layout, dst: Layout):
         if src == dst:
             return x
+        if isinstance(src, Chunked):  # gathered for each use, and dropped after it: not kept
+            return chunked.convert(self, x, src, dst)
         key = (id(x), src, dst)
         hit = self._memo.get(key)
         if hit is not None and hit[0] is x:
@@ -307,6 +321,8 @@ class Partitioner:
         return out
 
     def _convert(self, x, src: Layout, dst: Layout):
+        if isinstance(dst, Chunked):
+            return chunked.convert(self, x, src, dst)
         if dst is GROUP:
             return x if src is REPLICATED else self.whole(x, src)
         if src is GROUP and dst is REPLICATED:
@@ -379,8 +395,12 @@ class Partitioner:
             out = self.wide_rule(eqn, ins)
             if out is not None:
                 return out
-            # Anything else reads the sum, rounded to the program's type.
-            ins = [(self.whole(v, lay), REPLICATED) if self.narrow_type(v) is not None else (v, lay) for v, lay in ins]
+            # Anything else reads the sum, rounded to the program's type (in chunks, for the update
+            # of chunked weights: :func:`.chunked.settle`).
+            ins = [
+                chunked.settle(self, eqn, ins, i) if self.narrow_type(v) is not None else (v, lay)
+                for i, (v, lay) in enumerate(ins)
+            ]
         layouts = [lay for _, lay in ins]
         if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
             return [self.group_sum(v, lay) for v, lay in ins]
@@ -418,15 +438,11 @@ class Partitioner:
             out = self.partial_rule(eqn, ins)
             if out is not None:
                 return out
-            ins = [
-                (
-                    self.whole(v, lay) if lay is PARTIAL else v,
-                    REPLICATED if lay is PARTIAL else lay,
-                )
-                for v, lay in ins
-            ]
+            ins = [chunked.settle(self, eqn, ins, i) if lay is PARTIAL else (v, lay) for i, (v, lay) in enumerate(ins)]
             if all(lay is REPLICATED for _, lay in ins):
                 return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
+        if any(isinstance(lay, Chunked) for _, lay in ins):
+            return chunked.equation(self, eqn, ins)
         rule = _RULES.get(name)
         if name in ELEMENTWISE:
             rule = _elementwise

@@ -1,6 +1,11 @@
 """The layouts a value can have on the replicas (see the package docstring): a block of rows
-(:class:`Split`), the whole value (``REPLICATED``), a share of a sum (``PARTIAL``) or a batch-norm
-group's value (``GROUP``), and the layout two values of one place can share (:func:`join`)."""
+(:class:`Split`), a block of a stored tensor (:class:`Chunked`), the whole value (``REPLICATED``),
+a share of a sum (``PARTIAL``) or a batch-norm group's value (``GROUP``), and the layout two values
+of one place can share (:func:`join`).
+
+Vocabulary: a *dim* is a tensor's dimension; an *axis* is the mesh's. Every layout here is over the
+data axes (the axes the partitioner's ``shard_map`` is manual over); the space and model axes are
+XLA's."""
 
 from __future__ import annotations
 
@@ -18,6 +23,42 @@ class Split:
         return f"split({self.dim})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunked:
+    """This replica's contiguous block of dimension ``dim`` of a tensor the placement *stores* split
+    (FSDP: a weight, its gradient, its optimizer state, 1/N per replica between uses). The same
+    pieces as :class:`Split`, with another rule for what to do with them: a split value (the
+    batch's rows) is computed on row by row wherever a rule can, whereas a chunk is computed on only
+    by elementwise ops and reductions (the update, on 1/N of the weights) and is all-gathered for
+    any other use (a weight for its layer), then dropped. A partial sum meeting a chunk is
+    reduce-scattered into it."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"chunked({self.dim})"
+
+
+def chunk_dim(shape, n: int) -> int | None:
+    """The dimension a tensor of ``shape`` is chunked along over ``n`` replicas, or ``None`` where
+    they divide none. A pure function of the shape that commutes with stacking: a leading layer
+    dimension (``nn.scan``'s stacked weights) is never chosen where a layer's own dimension can be,
+    and ``chunk_dim((L, *s)) == 1 + chunk_dim(s)``, so each iteration of a scan over the layers
+    reads a chunk of its own layer, and the layer's gradient, reduce-scattered inside the loop,
+    stacks into the stored layout. Of a matrix (or a vector), the last dimension the replicas
+    divide: a chunk of whole rows of the minor dimension's blocks."""
+    shape = tuple(shape)
+    if len(shape) >= 3:
+        inner = chunk_dim(shape[1:], n)
+        if inner is not None:
+            return inner + 1
+        return 0 if shape[0] % n == 0 and shape[0] >= n else None
+    for d in reversed(range(len(shape))):
+        if shape[d] % n == 0 and shape[d] >= n:
+            return d
+    return None
+
+
 class _Named:
     def __init__(self, name: str):
         self.name = name
@@ -32,7 +73,7 @@ GROUP = _Named("group")
 """Batch norm over groups of replicas (opt-in): a whole value that is the same within a group
 and differs between groups (the group's statistics). It computes like a replicated value."""
 
-Layout = Any  # REPLICATED | PARTIAL | Split
+Layout = Any  # REPLICATED | PARTIAL | GROUP | Split | Chunked
 
 
 def join(a: Layout, b: Layout) -> Layout:

@@ -1,0 +1,158 @@
+"""The rules for :class:`~.layouts.Chunked` values: a tensor stored 1/N per replica (FSDP), its
+gradient and its optimizer state.
+
+A chunk is computed on where that is its own piece of the result: elementwise ops (the update:
+Adam's moments, the new weight) and reductions (a norm: a partial sum over the chunks). Anything
+else reads it whole: it is all-gathered for that use and dropped after (:func:`gather` is not
+memoised: a weight read by the forward and the backward pass is gathered for each). A partial sum
+that meets a chunk, or that an elementwise op of the update reads (``g * g``), is reduce-scattered
+into chunks (:func:`scatter`), where the replicated update all-reduces it whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from jax import lax
+
+from podscale._jax import all_gather_invariant
+from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
+from podscale.parallel.partition.rules import ELEMENTWISE
+from podscale.parallel.partition.sums import _IDENTITY, _narrow_float, one_replica_sum, widen
+
+if TYPE_CHECKING:
+    from podscale.parallel.partition.core import Partitioner
+
+_REDUCTIONS = {"reduce_sum": None, "reduce_max": lax.pmax, "reduce_min": lax.pmin}
+
+
+def gather(p: Partitioner, x, layout: Chunked):
+    """The whole tensor of the chunk ``x`` (an all-gather over the data axes along its dim)."""
+    if p.one:
+        return x
+    p.communications += 1
+    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
+    return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
+
+
+def scatter(p: Partitioner, x, dim: int):
+    """This replica's chunk along ``dim`` of the sum over the replicas of the partial sum ``x``
+    (a reduce-scatter), rounded as one device rounds the whole sum (:meth:`Partitioner.rounded`)."""
+    if p.one:
+        return p.rounded(one_replica_sum(x), x)
+    p.communications += 1
+    p.record("reduce-scatter", p.axes, x, "a partial sum reduce-scattered into chunks (fsdp)")
+    return p.rounded(lax.psum_scatter(x, p.axes, scatter_dimension=dim, tiled=True), x)
+
+
+def convert(p: Partitioner, x, src: Layout, dst: Layout):
+    """``x`` from ``src`` to ``dst`` where either is a chunk."""
+    if isinstance(src, Chunked):
+        whole = gather(p, x, src)
+        return whole if dst is REPLICATED else p.convert(whole, REPLICATED, dst)
+    if src is PARTIAL:
+        return scatter(p, x, dst.dim)
+    if src is not REPLICATED and src is not GROUP:
+        x = p.whole(x, src)
+    size = x.shape[dst.dim] // p.n
+    return lax.dynamic_slice_in_dim(x, p.index() * size, size, dst.dim)
+
+
+def chunk_of(p: Partitioner, shape) -> Chunked | None:
+    """The chunked layout FSDP sums a partial value of ``shape`` into, or ``None`` (small, or no
+    dimension the replicas divide): as :mod:`~podscale.parallel.state_layout` stores such a leaf."""
+    if not p.fsdp or math.prod(shape) < p.min_chunk:
+        return None
+    dim = chunk_dim(shape, p.n)
+    return None if dim is None else Chunked(dim)
+
+
+def settle(p: Partitioner, eqn, ins, i: int):
+    """Where the partial sum ``ins[i]`` that ``eqn`` reads must be summed: into chunks where ``eqn`` is
+    elementwise, of the shape of its result, and reads a chunk (its dim) or, with ``p.fsdp``, no
+    split value (the update's ``g * g``: ``chunk_dim`` of the shape, as the weights are stored);
+    else whole. Returns ``(value, layout)`` after the sum."""
+    value, layout = ins[i]
+    target = REPLICATED
+    shape = _global_shape(eqn.invars[i])
+    if eqn.primitive.name in ELEMENTWISE and shape == _global_shape(eqn.outvars[0]):
+        dims = {lay.dim for _, lay in ins if isinstance(lay, Chunked)}
+        others = [lay for _, lay in ins if lay not in (REPLICATED, PARTIAL) and not isinstance(lay, Chunked)]
+        if len(dims) == 1 and not others:
+            target = Chunked(dims.pop())
+        elif not dims and not others:
+            target = chunk_of(p, shape) or REPLICATED
+    return p.convert(value, layout, target), target
+
+
+def equation(p: Partitioner, eqn, ins):
+    """``eqn``, which reads a chunk, on the chunks where it can be, else on gathered values."""
+    name = eqn.primitive.name
+    if name in _IDENTITY and len(ins) == 1:
+        return [ins[0]]
+    if name in ELEMENTWISE:
+        out = _elementwise(p, eqn, ins)
+        if out is not None:
+            return out
+    if name in _REDUCTIONS and len(ins) == 1:
+        return _reduce(p, eqn, ins[0])
+    if name == "optimization_barrier":
+        return list(zip(p.bind(eqn, [v for v, _ in ins]), [lay for _, lay in ins], strict=True))
+    whole = [(gather(p, v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
+    return p.equation(eqn, whole)
+
+
+def _elementwise(p: Partitioner, eqn, ins):
+    shape = _global_shape(eqn.outvars[0])
+    dims = {lay.dim for _, lay in ins if isinstance(lay, Chunked)}
+    if len(dims) != 1:
+        return None
+    (dim,) = dims
+    if _extends_shape(eqn):
+        return None
+    vals = []
+    for (v, lay), var in zip(ins, eqn.invars, strict=True):
+        vshape = tuple(getattr(var.aval, "shape", ()))
+        if isinstance(lay, Chunked):
+            vals.append(v)
+        elif vshape == () or (len(vshape) > dim and vshape[dim] == 1 and len(vshape) == len(shape)):
+            if lay is PARTIAL:
+                v = p.whole(v, lay)
+            elif lay not in (REPLICATED, GROUP):
+                return None
+            vals.append(v)
+        elif vshape == shape and lay in (REPLICATED, PARTIAL, GROUP):
+            vals.append(p.convert(v, REPLICATED if lay is GROUP else lay, Chunked(dim)))
+        else:
+            return None
+    return [(o, Chunked(dim)) for o in p.bind(eqn, vals)]
+
+
+def _extends_shape(eqn) -> bool:
+    """An elementwise-listed op whose result's shape is not its operands' (random-key ops extend
+    the key's shape, a bitcast to another width adds or drops a dimension)."""
+    shapes = {tuple(getattr(v.aval, "shape", ())) for v in eqn.invars}
+    shapes.discard(())
+    return any(tuple(v.aval.shape) not in shapes | {()} for v in eqn.outvars) and bool(shapes)
+
+
+def _reduce(p: Partitioner, eqn, arg):
+    v, lay = arg
+    name = eqn.primitive.name
+    axes = tuple(eqn.params["axes"])
+    changes = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+    if lay.dim not in axes:  # along other dims: still this replica's chunk
+        local = p.bind(eqn, [v], **changes)[0]
+        return [(local, Chunked(lay.dim - sum(a < lay.dim for a in axes)))]
+    if name == "reduce_sum":
+        if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
+            v = widen(v)
+        return [(p.bind(eqn, [v], **changes)[0], PARTIAL)]
+    local = p.bind(eqn, [v], **changes)[0]
+    if p.one:
+        return [(local, REPLICATED)]
+    p.record("all-reduce", p.axes, local, f"{name} over chunks (fsdp)")
+    p.communications += 1
+    return [(_REDUCTIONS[name](local, p.axes), REPLICATED)]
