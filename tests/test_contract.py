@@ -247,6 +247,36 @@ def _reference(name, steps=STEPS, rows=None, model="mlp"):
     return _REFERENCE[key]
 
 
+def _stable_run(dp, state, batches):
+    """``run_parallel``, with the grid's two further columns: the stored state's type (shape, dtype,
+    sharding: ``jax.typeof``) is the same after every step as placed, and the step's program is
+    traced once for the one batch signature (no retrace from a type that drifts)."""
+    placed = dp.place_state(jax.device_get(state), batches[0])
+    types = jax.tree.map(jax.typeof, placed)
+    shardings = jax.tree.map(lambda x: x.sharding, placed)
+    traces = []
+
+    def count(event, seconds, **_):
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            traces.append(event)
+
+    def stepped(placed, batch):
+        placed, _ = dp(placed, batch)
+        assert jax.tree.map(jax.typeof, placed) == types, "the state's type changed across a step"
+        assert jax.tree.map(lambda x: x.sharding, placed) == shardings, "the state's sharding changed across a step"
+        return placed
+
+    placed = stepped(placed, batches[0])
+    jax.monitoring.register_event_duration_secs_listener(count)  # from now on, the same signature
+    try:
+        for batch in batches[1:]:
+            placed = stepped(placed, batch)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not traces, f"the step was traced or compiled again for the same batch signature: {traces}"
+    return dp.gather_state(placed)
+
+
 def _relative(a, b) -> float:
     """Relative to each leaf's largest magnitude, down to 1e-12 (the optimizers' states hold tiny leaves)."""
     return relative_error(a, b, floor=1e-12)
@@ -259,10 +289,17 @@ def test_every_strategy_with_its_optimizers_equals_one_device(strategy, name):
     steps = SENSITIVE.get(name, STEPS)
     state, ref = _reference(name, steps, model=model)
     tx = _build(name)
-    dp = data_parallel(_step(tx, name), _mesh(shape, names), Strategy(min_shard_size=64, **fields))
+    traced = []
+
+    def step(state, batch):
+        traced.append(1)
+        return _step(tx, name)(state, batch)
+
+    dp = data_parallel(step, _mesh(shape, names), Strategy(min_shard_size=64, **fields))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleWarning)  # the optimizers' scalars stay whole
-        par, _ = run_parallel(dp, state, [_data(i, model=model) for i in range(steps)])
+        par = _stable_run(dp, state, [_data(i, model=model) for i in range(steps)])
+    assert len(traced) == 1, f"{strategy}, {name}: the step was traced {len(traced)} times for one batch signature"
     params_moved = _relative(ref[0], state[0])
     assert params_moved > 1e-3, f"{name} did not train: the check would be empty"
     tol = LOOSER.get(name, TOL)

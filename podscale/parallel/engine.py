@@ -478,6 +478,10 @@ class DataParallelStep:
             self._jitted[key] = self._build(batch, key)
         return self._jitted[key]
 
+    def programs(self) -> list:
+        """The jitted programs made so far, one per batch signature called or lowered."""
+        return list(self._jitted.values())
+
     def layout_shapes(self):
         """The user-layout state as ``ShapeDtypeStruct`` leaves (what the step is traced with)."""
         layout = self.layout

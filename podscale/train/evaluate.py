@@ -47,7 +47,7 @@ from podscale._jax import pe
 from podscale.parallel import regions
 from podscale.parallel.engine import partitioner
 from podscale.parallel.mesh import auto_axes
-from podscale.parallel.partition import REPLICATED, Split
+from podscale.parallel.partition import Split
 from podscale.parallel.placement import Placement
 from podscale.parallel.program import shape_structs, signature
 
@@ -95,7 +95,8 @@ class DistributedEval:
     def _replay(self, jaxpr, consts, used: list[bool], out_tree, batch_rows: int) -> Callable:
         """Each replica's part of ``eval_fn`` on the stored state: its global trace (``jaxpr``, the
         inputs it reads ``used``) replayed by the step's partitioner, the tables as their blocks of
-        rows (``Split(0)``, padding included), the other leaves whole, the batch split by rows; each
+        rows (``Split(0)``, padding included), FSDP chunks gathered where used, the other leaves whole,
+        the batch split by rows; each
         output comes back as this replica's rows."""
         layout, placement = self.placement.state, self.placement
         tables = {leaf.shape: leaf.table_rows for leaf in layout.leaves if leaf.table}
@@ -103,8 +104,7 @@ class DistributedEval:
         def per_example(state, batch):
             part = partitioner(placement.mesh, placement.roles, batch_rows, tables)
             state_in = [
-                (x, Split(0) if leaf.table else REPLICATED)
-                for x, leaf in zip(jax.tree.leaves(state), layout.leaves, strict=True)
+                (x, leaf.partition_layout) for x, leaf in zip(jax.tree.leaves(state), layout.leaves, strict=True)
             ]
             ins = [*state_in, *((x, Split(0)) for x in jax.tree.leaves(batch))]
             outs = part.run(jaxpr, consts, [x for x, u in zip(ins, used, strict=True) if u])
@@ -131,12 +131,13 @@ class DistributedEval:
                 return eval_fn(state, batch)
 
         gather, per_example = set(), direct
-        if layout is not None and (layout.any_sharded or any(leaf.table for leaf in layout.leaves)):
+        if layout is not None and (layout.any_sharded or any(leaf.table or leaf.chunked for leaf in layout.leaves)):
             closed, out_tree = self._trace(unmasked)
             jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
             read = {i for i, u in enumerate(used[: len(layout.leaves)]) if u}
             gather = {i for i, leaf in enumerate(layout.leaves) if leaf.sharded and i in read}
-            if any(layout.leaves[i].table for i in read):  # looked up where its rows live, as in the step
+            if any(layout.leaves[i].table or layout.leaves[i].chunked for i in read):
+                # A table looked up where its rows live, an FSDP chunk gathered where it is used: as in the step.
                 rows_in = jax.tree.leaves(unmasked)[0].shape[0]
                 per_example = self._replay(jaxpr, closed.consts, used, out_tree, rows_in)
 

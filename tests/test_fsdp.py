@@ -1,0 +1,136 @@
+"""FSDP (``weight_update="fsdp"``): weights, gradients and optimizer state stored 1/N per replica,
+each weight gathered where it is used, and in a scan over layers (flax ``nn.scan``) one layer at a
+time, inside the loop, its gradient reduce-scattered there. Checked on the compiled module: the
+per-layer collectives run inside the loop, once per layer, and the whole stack is never live."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import max_abs_diff, relative_error, reordered_runs, run_parallel, run_single
+
+from podscale import Strategy, data_parallel, make_mesh
+from podscale.parallel.partition.layouts import chunk_dim
+from podscale.perf import hlo
+
+LAYERS, WIDTH, ROWS = 4, 64, 32
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(WIDTH)(h)) + h, None
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+        h, _ = stack()(x, None)
+        return nn.Dense(4)(h)
+
+
+_NET = _Net()
+_TX = optax.adam(1e-2)
+
+
+def _step(state, batch):
+    params, opt = state
+
+    def loss_fn(p):
+        logits = _NET.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt = _TX.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+
+def _data(i):
+    kx, ky = jax.random.split(jax.random.key(i))
+    return {"x": jax.random.normal(kx, (ROWS, WIDTH)), "y": jax.random.randint(ky, (ROWS,), 0, 4)}
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    params = _NET.init(jax.random.key(0), jnp.ones((ROWS, WIDTH)))["params"]
+    return (params, _TX.init(params)), [_data(i) for i in range(3)]
+
+
+def _dp(weight_update):
+    return data_parallel(_step, make_mesh((8,)), Strategy(weight_update=weight_update), donate_state=False)
+
+
+def test_chunk_dim_commutes_with_stacking():
+    """A layer's chunk dimension, shifted by one, is its stack's: the gradient a scan's iteration
+    reduce-scatters stacks into the layout the stack is stored in."""
+    for shape in [(64, 64), (64, 8), (8, 64), (64,), (3, 3, 16, 32), (1024, 16, 64), (48, 24)]:
+        inner = chunk_dim(shape, 8)
+        assert chunk_dim((24, *shape), 8) == (None if inner is None else inner + 1) or inner is None
+    assert chunk_dim((3, 5), 8) is None and chunk_dim((16, 3, 5), 8) == 0
+    assert chunk_dim((), 8) is None
+
+
+def test_fsdp_equals_the_replicated_update_and_one_device(scanned):
+    state, batches = scanned
+    ref = run_single(_step, state, batches)[0]
+    fsdp, _ = run_parallel(_dp("fsdp"), state, batches)
+    replicated, _ = run_parallel(_dp("replicated"), state, batches)
+    assert max_abs_diff(fsdp, replicated) == 0.0  # the same sums (a reduce-scatter's are an all-reduce's)
+    spread = max(relative_error(r, ref) for r in reordered_runs(_step, state, batches))
+    assert relative_error(fsdp, ref) <= max(1e-6, 4 * spread)
+
+
+def test_every_leaf_is_stored_one_eighth_per_device(scanned):
+    state, batches = scanned
+    dp = _dp("fsdp")
+    stored = dp.place_state(state, batches[0])
+    for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True):
+        if leaf.chunked:
+            assert {s.data.size for s in x.addressable_shards} == {x.size // 8}, leaf.path
+            assert leaf.bytes_per_device() * 8 == leaf.bytes
+    stacked = [leaf for leaf in dp.placement.state.leaves if leaf.shape == (LAYERS, WIDTH, WIDTH)]
+    assert len(stacked) == 3  # the stacked kernel, and Adam's two moments of it
+    assert all(leaf.chunked and leaf.fsdp_dim != 0 for leaf in stacked)  # never the layer axis
+    small = [leaf for leaf in dp.placement.state.leaves if not leaf.chunked and np.prod(leaf.shape) >= 1024]
+    assert not small, [leaf.path for leaf in small]
+
+
+def test_a_scanned_stack_is_gathered_one_layer_at_a_time_inside_the_loop(scanned):
+    state, batches = scanned
+    dp = _dp("fsdp")
+    stored = dp.place_state(state, batches[0])
+    compiled = dp.lower(stored, batches[0]).compile()
+    module = hlo.read(compiled, dp.mesh)
+    layer_chunk = WIDTH * WIDTH // 8 * 4  # one layer's kernel chunk, float32
+    in_loop = [c for c in module.collectives if c.count == LAYERS]
+    gathers = [c for c in in_loop if c.kind == "all-gather" and c.buffer_bytes == layer_chunk]
+    scatters = [c for c in in_loop if c.kind == "reduce-scatter" and c.buffer_bytes == layer_chunk * 8]
+    assert len(gathers) == 2, module.collectives  # forward and backward, each once per layer
+    assert len(scatters) == 1, module.collectives  # the layer's gradient, once per layer
+    stack = LAYERS * WIDTH * WIDTH * 4
+    assert all(c.buffer_bytes < stack // 8 or c.count == LAYERS for c in module.collectives)
+    memory = hlo.memory_of(compiled)
+    assert memory["temporaries"] < stack, memory  # never the whole stack (nor its gradient) at once
+    replicated = _dp("replicated")
+    whole = hlo.memory_of(replicated.lower(replicated.place_state(state, batches[0]), batches[0]).compile())
+    assert memory["arguments"] * 4 < whole["arguments"]
+    runs = {c.runs for c in dp.trace.collectives if c.kind == "all-gather" and c.bytes_per_device == layer_chunk}
+    assert runs == {LAYERS}  # the plan's record: a per-layer gather runs once per layer
+
+
+def test_fsdp_state_keeps_its_type_and_stays_chunked_across_steps(scanned):
+    state, batches = scanned
+    dp = _dp("fsdp")
+    stored = dp.place_state(state, batches[0])
+    types = jax.tree.map(jax.typeof, stored)
+    shardings = jax.tree.map(lambda x: x.sharding, stored)
+    for batch in batches:
+        stored, _ = dp(stored, batch)
+    assert jax.tree.map(jax.typeof, stored) == types
+    assert jax.tree.map(lambda x: x.sharding, stored) == shardings
+    gathered = dp.gather_state(stored)
+    assert jax.tree.structure(gathered) == jax.tree.structure(state)
+    assert all(np.shape(a) == np.shape(b) for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
