@@ -43,6 +43,9 @@ def plan(plan: Plan, console: Console | None = None) -> None:
             if leaf["sharded"]
             else f"rows 1/{plan.replicas}"
             if leaf.get("table_rows")
+            else f"1/{plan.replicas} on dim {leaf['fsdp_dim']}"
+            + (f", 1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "")
+            if leaf.get("fsdp_dim") is not None
             else (f"1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "whole"),
             size(leaf["bytes_per_device"]),
             leaf["reason"],
@@ -56,6 +59,7 @@ def plan(plan: Plan, console: Console | None = None) -> None:
     collectives.add_column("what", overflow="fold")
     for c in plan.collectives:
         chunks = f" x{c['chunks']}" if c["chunks"] > 1 else ""
+        chunks += f" ({c['runs']} runs)" if c.get("runs", 1) > 1 else ""
         collectives.add_row(
             c["kind"] + chunks, ",".join(c["axes"]), size(c["bytes_per_device"]), str(c["tensors"]), c["why"]
         )

@@ -49,7 +49,7 @@ from jax.sharding import Mesh
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.program import path_str, trace_global
-from podscale.parallel.strategy import Strategy
+from podscale.parallel.strategy import WEIGHT_UPDATES, Strategy
 from podscale.parallel.tensor import path_name
 
 MULTIPLE = 10.0
@@ -236,7 +236,7 @@ def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
     for part, fields, taken in parts:
         data = [a for a in names if a not in taken]
         sums = ["1d"] + (["2d"] if len(data) == 2 and all(shape[a] > 1 for a in data) else [])
-        for update in ("replicated", "sharded"):
+        for update in WEIGHT_UPDATES:
             for grad_sum in sums:
                 name = "+".join(x for x in (update, "2d" if grad_sum == "2d" else "", part) if x)
                 out[name] = Strategy(weight_update=update, grad_sum=grad_sum, **fields)

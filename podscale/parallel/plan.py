@@ -72,6 +72,13 @@ class Plan:
     device, then the lookups' and gradients' collectives over the data axes with their bytes per
     device per step (:mod:`podscale.parallel.tables`)."""
 
+    fsdp: dict[str, Any] | None = None
+    """With ``weight_update="fsdp"``: the leaves stored chunked (``chunked_leaves``) and those left
+    whole with why (``whole``), the gathers and reduce-scatters the partitioner adds, each with its
+    runs per step (a scanned layer's: once per layer), and, compiled, the module's all-gathers and
+    reduce-scatters over the data axes with their runs (``compiled``; those inside a loop run
+    once per iteration)."""
+
     eval: dict[str, int] | None = None
     """The evaluation step's ``memory_analysis()`` figures per device (``arguments``, ``outputs``,
     ``temporaries``, ``peak``), compiled on the same placement and batch shapes; filled by whoever
@@ -107,6 +114,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "split": leaf.split,
             "model_dim": leaf.model_dim,
             "model_split": leaf.model_split,
+            "fsdp_dim": leaf.fsdp_dim,
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }
@@ -129,7 +137,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
     update = model = 0.0
     for c in trace.collectives:
         n = math.prod(sizes[a] for a in c.axes)
-        sent = ring_bytes(c.kind, n, c.bytes_per_device)
+        sent = ring_bytes(c.kind, n, c.bytes_per_device) * getattr(c, "runs", 1)
         if c.update:
             update += sent
         else:
@@ -169,7 +177,31 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
         tensor=_tensor(placement, strategy, compiled),
         regions=_regions(getattr(trace, "regions", []), compiled),
         tables=_tables(placement, trace),
+        fsdp=_fsdp(placement, strategy, trace, compiled),
     )
+
+
+def _fsdp(placement, strategy, trace, compiled) -> dict[str, Any] | None:
+    if strategy.weight_update != "fsdp":
+        return None
+    layout = placement.state
+    ours = [c for c in trace.collectives if "(fsdp)" in c.why]
+    out = {
+        "chunked_leaves": sum(leaf.chunked for leaf in layout.leaves),
+        "whole": [{"path": leaf.path, "reason": leaf.reason} for leaf in layout.leaves if not leaf.chunked],
+        "collectives": [
+            {"kind": c.kind, "bytes_per_device": c.bytes_per_device, "runs": c.runs, "why": c.why} for c in ours
+        ],
+        "per_layer": sum(1 for c in ours if c.runs > 1),
+    }
+    if compiled is not None:
+        data = set(placement.roles.data)
+        out["compiled"] = [
+            {"kind": c.kind, "layer": c.layer, "runs": c.count, "buffer_bytes": c.buffer_bytes, "dtype": c.dtype}
+            for c in compiled.collectives
+            if c.kind in ("all-gather", "reduce-scatter") and set(c.axes) & data
+        ]
+    return out
 
 
 def _tables(placement, trace) -> dict[str, Any] | None:
@@ -214,6 +246,8 @@ def _split_shape(leaf) -> list[int]:
     shape = list(leaf.shape)
     if leaf.model_dim is not None:
         shape[leaf.model_dim] //= leaf.model_split
+    if leaf.chunked:
+        shape[leaf.fsdp_dim] //= leaf.fsdp_n
     return shape
 
 
@@ -334,5 +368,6 @@ def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:
             if leaf.table and per_device:  # a table's gradient lives with its rows
                 total += leaf.table_rows * math.prod(leaf.shape[1:]) * itemsize
                 continue
-            total += math.prod(leaf.shape) * itemsize // (leaf.model_split if per_device else 1)
+            # A chunked weight's gradient is reduce-scattered into its chunks (FSDP).
+            total += math.prod(leaf.shape) * itemsize // (leaf.model_split * leaf.fsdp_n if per_device else 1)
     return int(total)
