@@ -36,12 +36,18 @@ PLACEMENTS = {
         {"model_parallel": 2, "rules": "transformer", "weight_update": "sharded"},
     ),
     "2x4, model axis of 4, replicated": ((2, 4), 8, {"model_parallel": 4, "rules": "transformer"}),
+    "8 replicas, fsdp": ((8,), 8, {"weight_update": "fsdp"}),
+    "2 replicas, fsdp": ((2,), 2, {"weight_update": "fsdp"}),
+    "4x2, model axis of 2, fsdp": ((4, 2), 8, {"model_parallel": 2, "rules": "transformer", "weight_update": "fsdp"}),
 }
 CHAINS = [  # the data axes alone on the MLP (quicker to trace), a model axis on the Transformer
     ("8 replicas, sharded", "4 replicas, sharded", "2 replicas, replicated"),
     ("4x2, model axis of 2, sharded", "2x4, model axis of 4, replicated", "8 replicas, sharded"),
     # flat chunks into chunks per model partition, then those read back as they are
     ("8 replicas, sharded", "4x2, model axis of 2, sharded", "4x2, model axis of 2, sharded"),
+    # FSDP chunks (each leaf along its own dim) into flat chunks, a replicated state, and back
+    ("8 replicas, fsdp", "4 replicas, sharded", "2 replicas, fsdp"),
+    ("4x2, model axis of 2, fsdp", "8 replicas, fsdp", "2x4, model axis of 4, replicated"),
 ]
 
 
@@ -145,3 +151,20 @@ def test_a_step_saved_before_per_shard_checkpoints_still_restores_and_is_verifie
     meta.write_text(text.replace(first, "0" * 64, 1))
     with pytest.raises(CheckpointError, match="does not match the checksum"):
         Checkpointer(str(tmp_path), every=1).restore(form)
+
+
+def test_an_fsdp_save_writes_each_device_s_chunks():
+    """FSDP stores every leaf in its own shape, chunked along one of its dims: the saved form is the
+    stored state itself, and no device holds a chunked leaf whole."""
+    task, tx, batch = _task()
+    state = task.init_state(jax.random.key(0), tx)
+    dp = _placed("8 replicas, fsdp", task, tx, batch)
+    stored = dp.place_state(state, batch)
+    form = CheckpointForm(dp.placement.state)
+    assert form.save_form(stored) is stored
+    chunked = [leaf for leaf in dp.placement.state.leaves if leaf.chunked]
+    assert chunked
+    for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True):
+        assert form.saved_layout()[leaf.path] == {"saved": list(leaf.shape), "shape": list(leaf.shape)}
+        if leaf.chunked:
+            assert {s.data.size for s in x.addressable_shards} == {x.size // 8}, leaf.path

@@ -146,11 +146,11 @@ def _run_project(args) -> int:
     if unknown:
         raise ValueError(f"--strategies {unknown}: unknown; choose from {', '.join(project_mesh.STRATEGIES)}")
     two_d = [s for s in effective if project_mesh.STRATEGIES[s]["grad_sum"] == "2d"]
-    sharded = [s for s in effective if project_mesh.STRATEGIES[s]["weight_update"] == "sharded"]
+    sharded = [s for s in effective if project_mesh.STRATEGIES[s]["weight_update"] in ("sharded", "fsdp")]
     for dest, needed, kind in (
         ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
         ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
-        ("min_shard_size", sharded, "sharded (sharded, sharded-2d)"),
+        ("min_shard_size", sharded, "sharded or fsdp (sharded, sharded-2d, fsdp, fsdp-2d)"),
     ):
         if dest in given and not needed:
             raise ValueError(

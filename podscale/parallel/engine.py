@@ -315,7 +315,7 @@ class DataParallelStep:
             rows,
             {leaf.shape: leaf.table_rows for leaf in leaves or () if leaf.table},
             independent_rng=self.strategy.rng == "independent",
-            fsdp=self.strategy.fsdp,
+            fsdp=self.strategy.fsdp and leaves is not None,  # the forward pass's probe: the plain program
             min_chunk=self.strategy.min_shard_size,
         )
 

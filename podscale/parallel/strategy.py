@@ -247,6 +247,12 @@ class Strategy:
     def fsdp(self) -> bool:
         return self.weight_update == "fsdp"
 
+    @property
+    def state_scales(self) -> bool:
+        """Whether the state per device shrinks as 1/replicas (the sharded update, FSDP): a
+        projection compiled on fewer devices than its target scales the state and update to it."""
+        return self.weight_update in ("sharded", "fsdp")
+
     def space_of(self, mesh) -> str | None:
         """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``
         the mesh's last axis), or ``None``."""

@@ -251,7 +251,7 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
     phases, collectives, exposed, hidden = cost(system, topology, module, target, reduced=reduced, factor=factor)
     if (
         factor > 1
-        and strategy.weight_update == "sharded"
+        and strategy.state_scales
         and compiled_shape[reduced] >= 4
         and compiled_shape[reduced] % 2 == 0
     ):
@@ -367,7 +367,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 wanted[name, tuple(shape.items()), replica_batch] = (name, strategy, shape, replica_batch, factor)
     for (name, _, replica_batch), (_, strategy, shape, _, factor) in list(wanted.items()):
         sizes = {math.prod(dict(k[1]).values()) for k in wanted if k[0] == name and k[2] == replica_batch}
-        if factor > 1 and strategy.weight_update == "sharded" and len(sizes) < 2:
+        if factor > 1 and strategy.state_scales and len(sizes) < 2:
             more = dict(shape)
             more[next(iter(more))] *= 2
             wanted[name, tuple(more.items()), replica_batch] = (name, strategy, more, replica_batch, 1)
@@ -415,7 +415,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 system, topology, entry.module, target, reduced=reduced, factor=factor, scheduled=True
             )
             n = math.prod(shape.values())
-            if factor > 1 and strategy.weight_update == "sharded":
+            if factor > 1 and strategy.state_scales:
                 points = [  # every compiled size of the strategy, in a fixed order
                     (math.prod(dict(key[1]).values()), update_seconds(system, cache[key].module))
                     for key in sorted(cache, key=repr)

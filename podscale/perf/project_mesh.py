@@ -26,6 +26,8 @@ STRATEGIES = {
     "sharded": {"weight_update": "sharded", "grad_sum": "1d"},
     "replicated-2d": {"weight_update": "replicated", "grad_sum": "2d"},
     "sharded-2d": {"weight_update": "sharded", "grad_sum": "2d"},
+    "fsdp": {"weight_update": "fsdp", "grad_sum": "1d"},
+    "fsdp-2d": {"weight_update": "fsdp", "grad_sum": "2d"},
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import jax
 from jax import lax
 
 from podscale._jax import all_gather_invariant
@@ -21,6 +22,7 @@ from podscale.parallel.partition.jaxprs import _global_shape
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
 from podscale.parallel.partition.rules import ELEMENTWISE
 from podscale.parallel.partition.sums import _IDENTITY, _narrow_float, one_replica_sum, widen
+from podscale.perf.hlo import UPDATE_SCOPE
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -92,12 +94,12 @@ def equation(p: Partitioner, eqn, ins):
     name = eqn.primitive.name
     if name in _IDENTITY and len(ins) == 1:
         return [ins[0]]
-    if name in ELEMENTWISE:
-        out = _elementwise(p, eqn, ins)
-        if out is not None:
-            return out
-    if name in _REDUCTIONS and len(ins) == 1:
-        return _reduce(p, eqn, ins[0])
+    with jax.named_scope(UPDATE_SCOPE):  # work on chunks is the update's (perf.hlo's phases)
+        out = _elementwise(p, eqn, ins) if name in ELEMENTWISE else None
+        if out is None and name in _REDUCTIONS and len(ins) == 1:
+            out = _reduce(p, eqn, ins[0])
+    if out is not None:
+        return out
     if name == "optimization_barrier":
         return list(zip(p.bind(eqn, [v for v, _ in ins]), [lay for _, lay in ins], strict=True))
     whole = [(gather(p, v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
