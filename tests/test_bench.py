@@ -10,13 +10,15 @@ from podscale.bench.wus import bench_wus
 def test_bench_wus_reports_every_variant_on_a_tiny_model():
     result = bench_wus(optimizers=("adam",), steps=1, width=32, depth=1, vocab=64, seq=16)
     per = result["adam"]
-    assert set(per) == {"replicated", "sharded", "gspmd"}
+    assert set(per) == {"replicated", "sharded", "fsdp", "gspmd"}
     for r in per.values():
         assert {"step_s", "update_s", "peak_bytes_per_device", "collectives", "max_abs_param_diff"} <= set(r)
         assert r["bytes_vs_limit"] > 0.9
     assert "reduce-scatter" in per["sharded"]["collectives"]
     assert per["sharded"]["max_abs_param_diff"] <= 1e-6 and per["gspmd"]["max_abs_param_diff"] <= 1e-5
     assert per["sharded"]["bytes_vs_limit"] <= 1.05
+    assert per["fsdp"]["max_abs_param_diff"] <= 1e-6 and "reduce-scatter" in per["fsdp"]["collectives"]
+    assert per["fsdp"]["peak_bytes_per_device"] < per["replicated"]["peak_bytes_per_device"]
 
 
 @pytest.mark.slow

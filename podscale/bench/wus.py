@@ -1,11 +1,12 @@
-"""``podscale bench wus``: replicated vs sharded vs GSPMD weight update, side by side in one run.
+"""``podscale bench wus``: replicated vs sharded vs FSDP vs GSPMD weight update, side by side in one run.
 
 A decoder-only Transformer (about 29M parameters at the default size) at a per-replica batch of
 one 128-token sequence, with each optimizer, or (``model=``) an MLPerf workload's tiny config at
-its per-core batch with its own recipe, three ways:
+its per-core batch with its own recipe, four ways:
 
 * ``replicated``: ``data_parallel(step, mesh)``: one fused all-reduce, every replica updates all;
 * ``sharded``: ``data_parallel(step, mesh, weight_update="sharded")``;
+* ``fsdp``: ``data_parallel(step, mesh, weight_update="fsdp")`` (weights stored 1/N too, gathered at use);
 * ``gspmd``: ``jax.jit`` of the plain step with the optimizer state given a data-axis
   ``NamedSharding`` (first dimension divisible by the replica count) and XLA inserting the
   collectives.
@@ -115,7 +116,7 @@ class Variant:
         }
 
 
-VARIANTS = ("replicated", "sharded", "gspmd")
+VARIANTS = ("replicated", "sharded", "fsdp", "gspmd")
 
 
 class _Progress:

@@ -304,7 +304,7 @@ def project_strategies() -> tuple[str, ...]:
 def _bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: wus (replicated vs sharded vs GSPMD weight update), gradsum (1-D vs 2-D), "
+        help="benchmarks: wus (replicated vs sharded vs FSDP vs GSPMD weight update), gradsum (1-D vs 2-D), "
         "spatial (one replica's images over k = 1, 2, 4, 8 devices), tp (a Transformer's weights split "
         "k = 1, 2, 4 ways), checkpoint (a workload's sharded state saved async vs sync: stall and memory), embedding (tables "
         "split by rows over 8 devices vs replicated: bytes, memory, step time)",

@@ -249,12 +249,7 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
     compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
     dp, module = compile_(compiled_shape)
     phases, collectives, exposed, hidden = cost(system, topology, module, target, reduced=reduced, factor=factor)
-    if (
-        factor > 1
-        and strategy.state_scales
-        and compiled_shape[reduced] >= 4
-        and compiled_shape[reduced] % 2 == 0
-    ):
+    if factor > 1 and strategy.state_scales and compiled_shape[reduced] >= 4 and compiled_shape[reduced] % 2 == 0:
         # The sharded update costs a + b / n on n devices (whole small leaves, shards): a and b
         # from this compile and one on a mesh half as large, then evaluated at the target.
         smaller = dict(compiled_shape)

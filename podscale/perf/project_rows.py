@@ -105,9 +105,7 @@ class _Draft(dict):
         per_device = module.memory.get("peak", 0)
         if factor > 1 and self["strategy"].state_scales:
             # the sharded (or FSDP-chunked) state's shards are ``factor`` times smaller at the target
-            shards = sum(
-                leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded or leaf.chunked
-            )
+            shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded or leaf.chunked)
             per_device -= shards * (1 - 1 / factor)
         memory = per_device * system.devices_per_chip
         k = self["strategy"].spatial or self["strategy"].model_parallel or 1
