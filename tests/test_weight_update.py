@@ -66,7 +66,7 @@ def test_elementwise_optimizers_are_bit_identical(mlp, name):
     sh, dp, _ = _run(mlp, ELEMENTWISE[name](), "sharded")
     assert max_abs_diff(rep.params, sh.params) <= EXACT
     assert max_abs_diff(rep.opt_state, sh.opt_state) <= EXACT
-    assert any(leaf.sharded for leaf in dp.layout.leaves) or name == "sgd"  # sgd keeps no state
+    assert any(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves) or name == "sgd"  # sgd keeps no state
     assert any(c.kind == "reduce-scatter" for c in dp.trace.collectives)
     assert not dp.trace.gathered_ops
 
@@ -80,7 +80,7 @@ def test_norm_based_optimizers_match_to_1e_6_relative(mlp, name):
     ):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.max(np.abs(a - b)) <= 1e-6 * max(1.0, float(np.max(np.abs(a))))
-    assert any(leaf.sharded for leaf in dp.layout.leaves)
+    assert any(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves)
 
 
 def test_adafactor_factored_moments_are_reported_as_gathered(mlp):

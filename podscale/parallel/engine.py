@@ -243,6 +243,7 @@ class DataParallelStep:
             model_dims=model_dims,
             tables=found,
             fsdp=self.strategy.fsdp,
+            dims=self.grad_sum.mode == "1d",
         )
         example = self._batch_placement(batch, abstract) if batch is not None else BatchPlacement()
         self._placement = Placement(
@@ -317,15 +318,20 @@ class DataParallelStep:
             independent_rng=self.strategy.rng == "independent",
             fsdp=self.strategy.fsdp and leaves is not None,  # the forward pass's probe: the plain program
             min_chunk=self.strategy.min_shard_size,
+            chunk_partials=leaves is not None and any(leaf.chunked for leaf in leaves),
         )
 
         def local(state_leaves, batch_leaves):
             ins = list(zip(state_leaves, stored, strict=True))
             outs = part.run(gt.closed.jaxpr, gt.closed.consts, ins + [(x, Split(0)) for x in batch_leaves])
-            return [
-                part.convert(v, lay, stored[i]) if i < gt.n_state else part.whole(v, lay)
-                for i, (v, lay) in enumerate(outs)
-            ]
+            part.leaving = True
+            try:
+                return [
+                    part.convert(v, lay, stored[i]) if i < gt.n_state else part.whole(v, lay)
+                    for i, (v, lay) in enumerate(outs)
+                ]
+            finally:
+                part.leaving = False
 
         return jax.make_jaxpr(local)(state_leaves, batch_leaves), part
 
@@ -573,6 +579,7 @@ def partitioner(
     independent_rng: bool = False,
     fsdp: bool = False,
     min_chunk: int = 1,
+    chunk_partials: bool | None = None,
 ) -> Partitioner:
     """The :class:`Partitioner` of a program placed by ``roles`` on ``mesh``: over the data axes,
     its batch of ``batch_rows`` global rows, ``tables`` (``{global shape: rows per replica}``) split
@@ -595,6 +602,7 @@ def partitioner(
         tables=tables,
         fsdp=fsdp,
         min_chunk=min_chunk,
+        chunk_partials=chunk_partials,
     )
 
 

@@ -185,7 +185,7 @@ def _fsdp(placement, strategy, trace, compiled) -> dict[str, Any] | None:
     if strategy.weight_update != "fsdp":
         return None
     layout = placement.state
-    ours = [c for c in trace.collectives if "(fsdp)" in c.why]
+    ours = [c for c in trace.collectives if "chunk" in c.why]
     out = {
         "chunked_leaves": sum(leaf.chunked for leaf in layout.leaves),
         "whole": [{"path": leaf.path, "reason": leaf.reason} for leaf in layout.leaves if not leaf.chunked],

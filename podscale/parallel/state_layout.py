@@ -440,6 +440,7 @@ def decide(
     model_dims: tuple[int | None, ...] | None = None,
     tables: dict[int, int] | None = None,
     fsdp: bool = False,
+    dims: bool = False,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -451,7 +452,10 @@ def decide(
     (:func:`podscale.parallel.tables.choose`), whatever the weight update.
     ``fsdp=True``: every float leaf of at least ``min_shard_size`` elements (weights and optimizer
     state alike) is stored chunked along its :func:`chunk_dim` over the data axes, where they divide
-    one of its dimensions.
+    one of its dimensions. ``dims=True`` (the sharded update with the 1-D sum, no space or model
+    axis): an optimizer-state leaf the replicas chunk along one of its dimensions is stored so
+    (the update's gradient reduce-scattered into that chunk, in its own shape: no relayout); the
+    others keep flat chunks.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
     by_shape = chunk_dims(state, model_dims) if shard and model and tuple(parts) == (model,) else {}
@@ -505,9 +509,17 @@ def decide(
                     reason="weight: the forward pass reads it whole; updated on shards, then all-gathered",
                 )
             )
+        elif dims and not parts and chunk_dim(shape, n) is not None:
+            d = chunk_dim(shape, n)
+            reason = f"sharded along dimension {d} over the {n} replicas, in its own shape"
+            leaves.append(LeafLayout(**kw, sharded=False, reason=reason, fsdp_dim=d, fsdp_n=n))
         else:
             k = math.prod(mesh.shape[a] for a in parts)
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
+            if dims and not parts:
+                reason += f" (flat: no dimension of {list(shape)} that the {n} replicas divide)"
+            elif dims:
+                reason += " (flat: a space or model axis splits the chunks too)"
             dim = by_shape.get(shape)
             if dim is not None:  # per model partition, then over the replicas
                 length, padding = by_partition_layout(ByPartition(shape, dim, k), n)

@@ -35,7 +35,10 @@ def gather(p: Partitioner, x, layout: Chunked):
     if p.one:
         return x
     p.communications += 1
-    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
+    if p.leaving:
+        p.record("all-gather", p.axes, x, "updated chunks gathered into the whole weight", update=True)
+    else:
+        p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
     return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
 
 
@@ -45,7 +48,7 @@ def scatter(p: Partitioner, x, dim: int):
     if p.one:
         return p.rounded(one_replica_sum(x), x)
     p.communications += 1
-    p.record("reduce-scatter", p.axes, x, "a partial sum reduce-scattered into chunks (fsdp)")
+    p.record("reduce-scatter", p.axes, x, "a partial sum reduce-scattered into chunks", update=True)
     return p.rounded(lax.psum_scatter(x, p.axes, scatter_dimension=dim, tiled=True), x)
 
 
@@ -65,7 +68,7 @@ def convert(p: Partitioner, x, src: Layout, dst: Layout):
 def chunk_of(p: Partitioner, shape) -> Chunked | None:
     """The chunked layout FSDP sums a partial value of ``shape`` into, or ``None`` (small, or no
     dimension the replicas divide): as :mod:`~podscale.parallel.state_layout` stores such a leaf."""
-    if not p.fsdp or math.prod(shape) < p.min_chunk:
+    if not p.chunk_partials or math.prod(shape) < p.min_chunk:
         return None
     dim = chunk_dim(shape, p.n)
     return None if dim is None else Chunked(dim)

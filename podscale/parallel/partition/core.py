@@ -66,14 +66,20 @@ class Partitioner:
         tables: dict[tuple[int, ...], int] | None = None,
         fsdp: bool = False,
         min_chunk: int = 1,
+        chunk_partials: bool | None = None,
     ):
         self.axes, self.n = tuple(axes), n
         self.fsdp, self.min_chunk = fsdp, min_chunk
-        """FSDP (``weight_update="fsdp"``): a partial sum of at least ``min_chunk`` elements that
-        the update reads elementwise is reduce-scattered into chunks (:func:`.chunked.settle`), and
-        a loop's stacked partial sums (a scanned layer's gradient) inside the loop, so that no
-        gradient is held whole. Chunked values (:class:`Chunked`) are computed on by their rules
-        whatever this says."""
+        """FSDP (``weight_update="fsdp"``): a loop's stacked partial sums (a scanned layer's
+        gradient) are reduce-scattered into chunks inside the loop, so that no gradient is held
+        whole. Chunked values (:class:`Chunked`) are computed on by their rules whatever this says."""
+        self.chunk_partials = fsdp if chunk_partials is None else chunk_partials
+        """A partial sum of at least ``min_chunk`` elements that the update reads elementwise is
+        reduce-scattered into chunks (:func:`.chunked.settle`): FSDP, and the sharded update's
+        chunks along a dimension (``state_layout.decide``)."""
+        self.leaving = False
+        """Set while the step's outputs are converted to their stored layouts: a chunk gathered
+        then is an updated weight's (the update's traffic, for the plan), not a use's."""
         self.runs = 1
         """How many times the equations being replayed run per step: a loop body's, its trip count
         (a collective recorded there runs that many times)."""
@@ -303,9 +309,9 @@ class Partitioner:
                 out = out[: padded.pop()]
         return out
 
-    def record(self, kind: str, axes, buffer, why: str) -> None:
+    def record(self, kind: str, axes, buffer, why: str, update: bool = False) -> None:
         nbytes = math.prod(np.shape(buffer)) * np.dtype(buffer.dtype).itemsize
-        self.collectives.append(Collective(kind, tuple(axes), int(nbytes), 1, why, runs=self.runs))
+        self.collectives.append(Collective(kind, tuple(axes), int(nbytes), 1, why, runs=self.runs, update=update))
 
     def convert(self, x, src: Layout, dst: Layout):
         if src == dst:
