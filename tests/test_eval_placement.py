@@ -105,7 +105,7 @@ def test_eval_on_the_steps_placement_equals_one_device(name, shape, options):
     dp = data_parallel(make_train_step(task, tx), make_mesh(shape), **options)
     stored = dp.place_state(state, first)
     if name == "resnet":
-        assert any(leaf.sharded and leaf.path.startswith(".batch_stats") for leaf in dp.layout.leaves)
+        assert any((leaf.sharded or leaf.chunked) and leaf.path.startswith(".batch_stats") for leaf in dp.layout.leaves)
     source = _First(task.eval_data, n)
     got = distributed_eval(make_eval_fn(task), dp)(stored, padded_eval_batches(source, dp, rows))
 
