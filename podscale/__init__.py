@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from podscale.perf.tpu import quiet_platforms
+from podscale.compiled.tpu import quiet_platforms
 
 quiet_platforms()  # libtpu installed on a host without a TPU: JAX on the CPU, without libtpu's start-up errors
 
@@ -25,7 +25,7 @@ __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
 
-_SUBPACKAGES = ("bench", "parallel", "perf", "train", "workloads")
+_SUBPACKAGES = ("bench", "compiled", "parallel", "projection", "train", "workloads")
 
 
 def __getattr__(name: str):

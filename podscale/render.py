@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from podscale import report
-from podscale.perf import systems
+from podscale.compiled import systems
 from podscale.report import show, size
 
 if TYPE_CHECKING:

@@ -10,9 +10,9 @@ For each workload, on ONE GPU:
     3 warm-up steps, then 20 steps each ended by ``jax.block_until_ready``: median and min per step
     (and the mean of 20 more steps dispatched back to back, the trainer's way).
 (b) **predicted from XLA:GPU's module**: that compiled executable read by
-    ``podscale.perf.hlo.read(compiled, mesh)`` and costed by ``podscale.perf.project_cost.cost`` on
-    the systems ``h200`` and ``h100`` (``podscale.perf.systems``), as
-    ``podscale.perf.project._project_one`` costs a row (1 chip, strategy ``replicated``): the row
+    ``podscale.compiled.hlo.read(compiled, mesh)`` and costed by ``podscale.projection.cost.cost`` on
+    the systems ``h200`` and ``h100`` (``podscale.compiled.systems``), as
+    ``podscale.projection.project._project_one`` costs a row (1 chip, strategy ``replicated``): the row
     podscale would give if it compiled with XLA:GPU. Given twice:
 
     * ``as_is``: podscale's reader unchanged. XLA:GPU calls cuBLAS and cuDNN for matrix products and
@@ -240,8 +240,8 @@ class Instructions(dict):
 
 def parse_instructions(text: str) -> Instructions:
     """Every instruction of an HLO module text, with podscale's own patterns
-    (``podscale.perf.hlo``). Names are unique within a module."""
-    from podscale.perf import hlo
+    (``podscale.compiled.hlo``). Names are unique within a module."""
+    from podscale.compiled import hlo
 
     raw, types, bodies, current = {}, {}, {}, ""
     for line in text.splitlines():
@@ -264,7 +264,7 @@ def parse_instructions(text: str) -> Instructions:
 
 
 def _arrays(type_text: str) -> list[str]:
-    from podscale.perf import hlo_cost
+    from podscale.compiled import hlo_cost
 
     return [f"{d}[{dims}]" for d, dims in hlo_cost._ARRAY.findall(type_text)]
 
@@ -278,7 +278,7 @@ def custom_call_cost(instr: tuple) -> tuple[str, float, str, float] | None:
     backward custom-calls: backward-input reads (output grad, kernel) and writes the input's grad,
     backward-filter reads (input, output grad) and writes the kernel's). Bytes: the operands and the
     results, without the scratch workspace (the last ``u8``/``s8`` element of the result tuple)."""
-    from podscale.perf import hlo_cost
+    from podscale.compiled import hlo_cost
 
     type_text, opcode, operand_types, attrs = instr[:4]
     if opcode != "custom-call":
@@ -376,10 +376,10 @@ def category(op, instrs: Instructions) -> str:
 
 
 def row_of(system, module, dp, strategy, replica_batch: int, compiler: str) -> dict:
-    """The row ``podscale.perf.project._project_one`` builds for 1 chip (target mesh {"data": 1})."""
-    from podscale.perf.network import Topology
-    from podscale.perf.project_cost import cost
-    from podscale.perf.project_rows import _row
+    """The row ``podscale.projection.project._project_one`` builds for 1 chip (target mesh {"data": 1})."""
+    from podscale.compiled.network import Topology
+    from podscale.projection.cost import cost
+    from podscale.projection.rows import _row
 
     topology = Topology(system, 1, "torus")
     target = {"data": 1}
@@ -401,7 +401,7 @@ def row_of(system, module, dp, strategy, replica_batch: int, compiler: str) -> d
 def breakdown(system, module, shimmed, instrs: dict, top: int = 25) -> tuple[list, list]:
     """Per kind of op: runs, FLOPs, bytes and predicted seconds (as is, custom-calls costed); and
     the ``top`` ops by the latter."""
-    from podscale.perf.project_cost import op_time
+    from podscale.projection.cost import op_time
 
     kinds: dict[str, dict] = {}
     rows = []
@@ -461,10 +461,10 @@ def device_check(name: str, batch: int | None, args, deadline: float) -> dict:
     import jax
     import numpy as np
 
+    from podscale.compiled import hlo, systems
     from podscale.parallel.engine import data_parallel
     from podscale.parallel.strategy import Strategy
-    from podscale.perf import hlo, systems
-    from podscale.perf.project_mesh import compile_mesh, strategy_for
+    from podscale.projection.mesh import compile_mesh, strategy_for
 
     record: dict = {"workload": name, "errors": {}}
     t = time.perf_counter()
@@ -606,11 +606,11 @@ def xla_cpu_check(name: str, batch: int | None, args) -> dict:
     ``donate_state=False``) and the same costing as ``_project_one`` for 1 chip."""
     import jax
 
+    from podscale.compiled import systems
     from podscale.parallel.engine import data_parallel
     from podscale.parallel.strategy import Strategy
-    from podscale.perf import project as proj
-    from podscale.perf import systems
-    from podscale.perf.project_mesh import strategy_for
+    from podscale.projection import project as proj
+    from podscale.projection.mesh import strategy_for
 
     task, tx, step, batch, note = build(name, batch, args)
     record: dict = {"workload": name, "config": note, "batch": batch, "errors": {}}

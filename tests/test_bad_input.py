@@ -263,7 +263,7 @@ def test_flags_that_mean_nothing_or_would_fail_later_are_refused_naming_the_flag
 @pytest.mark.parametrize("command", ["train", "plan", "project", "verify"])
 def test_every_commands_help_lists_every_workload_and_system(command, capsys):
     from podscale import workloads
-    from podscale.perf import systems
+    from podscale.compiled import systems
 
     assert podscale_main([command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

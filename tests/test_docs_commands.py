@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from podscale import cli
-from podscale.perf import tpu
+from podscale.compiled import tpu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PODSCALE = [sys.executable, "-m", "podscale.cli"]

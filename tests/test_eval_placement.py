@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from podscale import data_parallel, distributed_eval, make_mesh
-from podscale.perf import hlo
+from podscale.compiled import hlo
 from podscale.train.data import padded_eval_batches
 from podscale.train.tasks import make_eval_fn, make_task, make_train_step
 from podscale.workloads.precision import FLOAT32

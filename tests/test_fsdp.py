@@ -12,8 +12,8 @@ import pytest
 from helpers import max_abs_diff, relative_error, reordered_runs, run_parallel, run_single
 
 from podscale import Strategy, data_parallel, make_mesh
+from podscale.compiled import hlo
 from podscale.parallel.partition.layouts import chunk_dim
-from podscale.perf import hlo
 
 LAYERS, WIDTH, ROWS = 4, 64, 32
 

@@ -8,10 +8,10 @@ import pytest
 from helpers import max_abs_diff, relative_error, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
+from podscale.compiled import gradsum_cost
+from podscale.compiled.gradsum_cost import AxisCost, choose_order, parse_axis_costs
 from podscale.parallel import gradsum
 from podscale.parallel.gradsum import calibrate, make_grad_sum
-from podscale.perf import gradsum_cost
-from podscale.perf.gradsum_cost import AxisCost, choose_order, parse_axis_costs
 from podscale.train.tasks import make_task, make_train_step
 
 STEPS = 5
@@ -99,7 +99,7 @@ def test_calibration_measures_every_axis():
 def test_the_cost_model_lives_in_perf_and_stays_importable_from_gradsum():
     for name in ("AxisCost", "modelled_seconds", "choose_order", "parse_axis_costs"):
         assert getattr(gradsum, name) is getattr(gradsum_cost, name)
-        assert getattr(gradsum_cost, name).__module__ == "podscale.perf.gradsum_cost"
+        assert getattr(gradsum_cost, name).__module__ == "podscale.compiled.gradsum_cost"
     # x first: 2 reduce-scatter/all-gather rings of 4 on x, an all-reduce of 1/4 on y (one way).
     costs = {"x": AxisCost(1e9, 1e-6), "y": AxisCost(2e9, 1e-5)}
     rs_x = 3 / 4 * 2**20 / 1e9 + 3 * 1e-6

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from podscale import make_mesh
-from podscale.perf import hlo
+from podscale.compiled import hlo
 
 TEXT = """HloModule m, num_partitions=8
 

@@ -10,8 +10,8 @@ import pytest
 from helpers import max_relative_diff
 
 from podscale import data_parallel, make_mesh
+from podscale.compiled import hlo
 from podscale.parallel.plan import make_plan
-from podscale.perf import hlo
 from podscale.train.tasks import make_task, make_train_step
 from podscale.workloads import maskrcnn, rcnn
 
@@ -348,14 +348,14 @@ def _check_no_feature_map_is_gathered(dp, batch):
 
 
 def test_the_performance_model_reads_its_flops_halos_and_gathers():
-    """``podscale.perf.project.project`` (what ``podscale project`` runs) on the tiny Mask R-CNN,
+    """``podscale.projection.project.project`` (what ``podscale project`` runs) on the tiny Mask R-CNN,
     each image over the 2 cores of a TPU-v3 chip (2 chips, 2 replicas) against an image per core:
     the partitioned step's FLOPs per device fall, and its halo exchanges and what the space axis
     gathers or sums are costed, with their bytes. XLA:CPU's module, in this process (seconds to
     compile where XLA:TPU's takes a minute; the TPU path's costing and the command line are
     tests/test_tpu_project.py's and tests/test_project.py's)."""
     from podscale import Strategy
-    from podscale.perf.project import project
+    from podscale.projection.project import project
 
     task = make_task("maskrcnn", config="tiny", with_data=False)
     tx = task.workload.make_optimizer(task.config, task.config.train_steps)

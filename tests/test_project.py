@@ -15,8 +15,12 @@ import pytest
 from helpers import podscale_main
 
 from podscale import Strategy, data_parallel
-from podscale.perf import hlo, hlo_cost, network, project, project_cost, project_mesh, project_rows, systems, validate
-from podscale.perf.network import Topology, ring_time
+from podscale.compiled import hlo, hlo_cost, network, systems
+from podscale.compiled.network import Topology, ring_time
+from podscale.projection import cost as project_cost
+from podscale.projection import mesh as project_mesh
+from podscale.projection import project, validate
+from podscale.projection import rows as project_rows
 
 W, A = 1e11, 1e-6  # one-way bytes/s per link, seconds per hop
 
@@ -496,7 +500,7 @@ def test_the_plot_path_is_checked_before_any_work(capsys, tmp_path):
 
 _STUB = """
 import sys
-from podscale.perf import project, project_mesh, project_rows
+from podscale.projection import project, mesh as project_mesh, rows as project_rows
 
 def one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy):
     mesh = project_mesh.target_shape(topology, strategy)

@@ -13,9 +13,9 @@ import pytest
 from helpers import max_relative_diff
 
 from podscale import data_parallel, distributed_eval, make_mesh, sum_over_blocks
+from podscale.compiled import hlo
 from podscale.parallel.plan import make_plan
 from podscale.parallel.tensor import Rules
-from podscale.perf import hlo
 from podscale.workloads import rcnn
 
 STEPS = 3

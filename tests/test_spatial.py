@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 
 from podscale import data_parallel, make_mesh
 from podscale.bench.spatial import classifier_step
+from podscale.compiled import hlo
 from podscale.parallel.mesh import BN_GROUP
-from podscale.perf import hlo
 from podscale.train.models import StemNet
 
 STEPS = 10

@@ -9,8 +9,8 @@ import pytest
 from helpers import max_relative_diff, reordered_runs, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
+from podscale.compiled import hlo
 from podscale.parallel.mesh import BN_GROUP
-from podscale.perf import hlo
 from podscale.workloads import ssd
 
 STEPS = 10

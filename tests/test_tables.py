@@ -208,7 +208,7 @@ def test_eval_program_keeps_the_tables_split_and_needs_less_than_a_tables_memory
     moves a table (the batch's ids are all-gathered, its looked-up rows reduce-scattered), and
     each device's arguments and temporaries take less than the whole tables. Gathering the tables
     whole for the eval (before this placement) took 76.6 KB per device; this takes 14.6 KB."""
-    from podscale.perf import hlo
+    from podscale.compiled import hlo
 
     cfg = dataclasses.replace(CFG, cardinalities=(1000, 370, 5, 640))
     task = Task(dlrm.make_model(cfg, FLOAT32), "dlrm", None, None, workload=dlrm.WORKLOAD, config=cfg)

@@ -13,9 +13,9 @@ import pytest
 from helpers import leaf_relative_error, max_relative_diff, run_parallel, run_single
 
 from podscale import Strategy, data_parallel, make_mesh
+from podscale.compiled import hlo
 from podscale.parallel.checks import PodscaleWarning
 from podscale.parallel.tensor import RULES, Rules, RuleWarning, assign, path_name
-from podscale.perf import hlo
 from podscale.train.tasks import make_task, make_train_step
 from podscale.workloads.precision import FLOAT32
 

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from podscale import data_parallel, make_mesh
+from podscale.compiled import hlo
+from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel.plan import RESHUFFLES, make_plan
-from podscale.perf import hlo
-from podscale.perf.hlo import UPDATE_SCOPE
 from podscale.train.tasks import make_task, make_train_step
 
 

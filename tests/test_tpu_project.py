@@ -8,7 +8,10 @@ import optax
 import pytest
 
 from podscale import Strategy, cli, data_parallel
-from podscale.perf import hlo, hlo_cost, hlo_groups, project, project_cost, project_mesh, systems, tpu
+from podscale.compiled import hlo, hlo_cost, hlo_groups, systems, tpu
+from podscale.projection import cost as project_cost
+from podscale.projection import mesh as project_mesh
+from podscale.projection import project
 
 needs_libtpu = pytest.mark.skipif(not tpu.available(), reason="libtpu not installed (pip install 'podscale[tpu]')")
 
@@ -352,7 +355,7 @@ def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
 def test_the_host_s_tpu_check_reads_jax_s_own_without_importing_jax():
     """``tpu.has_tpu`` runs JAX's PCI scan from its file (so that ``podscale launch`` and the
     supervisors never load JAX); a JAX upgrade that moves it fails here, not silently."""
-    from podscale.perf import tpu
+    from podscale.compiled import tpu
 
     assert callable(tpu._hardware_utils().num_available_tpu_chips_and_device_id)
 
@@ -367,7 +370,7 @@ def test_sigterm_after_libtpu_loads_ends_the_process_without_a_stack_trace():
 
     code = (
         "import sys, time\n"
-        "from podscale.perf import tpu\n"
+        "from podscale.compiled import tpu\n"
         "tpu.devices('tpu-v3', 'v3:2x2')\n"
         "print('loaded', flush=True)\n"
         "time.sleep(120)\n"

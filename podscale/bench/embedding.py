@@ -11,7 +11,7 @@ unmodified step runs twice on the same devices, steps interleaved:
 - **replicated** (``min_table_rows`` above the tables' rows): every device holds every table, and
   the tables' gradients are all-reduced densely with the dense layer's.
 
-Figures per run, from the compiled step (:mod:`podscale.perf.hlo`) and the placement: bytes each
+Figures per run, from the compiled step (:mod:`podscale.compiled.hlo`) and the placement: bytes each
 device's collectives move per step by kind, the tables' bytes per device, the compiled step's
 temporaries and peak per device, the median step time; both runs compute one device's step (their
 losses agree to float32 summation order). Beside them, the lookup of one table with its gradient
@@ -34,10 +34,10 @@ import optax
 
 from podscale.bench.lookups import bench_lookups
 from podscale.bench.spatial import interleave
+from podscale.compiled import hlo
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
-from podscale.perf import hlo
 from podscale.workloads.clicks import ClickLogs
 
 RUNS = {"split": None, "replicated": 2**62}

@@ -33,11 +33,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale.bench import DEFAULT_SIZES, check_sizes
+from podscale.compiled import hlo
 from podscale.parallel import checks
 from podscale.parallel.collectives import Collective
 from podscale.parallel.gradsum import GradSum, make_grad_sum
 from podscale.parallel.mesh import make_mesh
-from podscale.perf import hlo
 
 VARIANTS = {
     "1d": (None, "1d", 1),

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from podscale.perf import hlo
+from podscale.compiled import hlo
 
 
 def _own_block(ids, index, local_rows: int):

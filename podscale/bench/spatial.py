@@ -5,7 +5,7 @@ chips only helped once each image was split over several (spatial partitioning).
 holds the global batch fixed (one replica, so the batch cannot be spread further by data
 parallelism) and splits each image's height k ways over a mesh ``(1, k)`` of the first k CPU
 devices, with :class:`podscale.train.models.StemNet` (a ResNet stem and block) on random 64x64
-images. Figures per k, read from the compiled step (``podscale.perf.hlo``): temporaries per
+images. Figures per k, read from the compiled step (``podscale.compiled.hlo``): temporaries per
 device (activations, their gradients and workspace: should fall about 1/k), halo bytes per
 device per step (the collective-permutes that bring each window its neighbours' rows) against
 those temporaries, and the median step time.
@@ -27,9 +27,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from podscale.compiled import hlo
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
-from podscale.perf import hlo
 from podscale.train.models import StemNet
 
 

@@ -6,7 +6,7 @@ devices, a mesh ``(8 / k, k)`` for k = 1, 2, 4 (k = 8 would leave one replica, w
 refuses for now: XLA's partitioner rejects the data-axis sums there): 8/k replicas, each weight the built-in rules name split k ways
 (:mod:`podscale.parallel.tensor`), with :class:`podscale.train.models.Transformer` (8 heads, so
 every k divides them) and Adam. Figures per k, read from the compiled step
-(:mod:`podscale.perf.hlo`) and the layout: FLOPs per device (``cost_analysis``; the model has no
+(:mod:`podscale.compiled.hlo`) and the layout: FLOPs per device (``cost_analysis``; the model has no
 loops, so nothing is counted once for many; at a fixed global batch each device's share of the
 work stays the same, and a replica's batch costs each of its k devices about 1/k of what it
 costs one device), weight and optimizer-state bytes per device, bytes
@@ -31,10 +31,10 @@ import optax
 
 from podscale.bench import TP_HEADS, TP_WAYS, tp_problem
 from podscale.bench.spatial import interleave
+from podscale.compiled import hlo
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
-from podscale.perf import hlo
 from podscale.train.models import Transformer
 
 

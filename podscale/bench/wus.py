@@ -17,7 +17,7 @@ the optimizer beyond SGD, timed in the same interleaved loop), ``peak_bytes_per_
 + outputs + temporaries - aliased), ``collectives`` (kind -> bytes of the buffers each device
 contributes per step, read from the compiled module), ``bytes_vs_limit`` (bytes every collective of the compiled module sends
 per device per step, loops counted with their trip counts, over one ring all-reduce of the float32
-gradients: 1.0 is the limit of the sharded update; ``podscale.perf.hlo``), ``max_abs_param_diff``
+gradients: 1.0 is the limit of the sharded update; ``podscale.compiled.hlo``), ``max_abs_param_diff``
 against ``replicated`` after the same steps.
 """
 
@@ -37,10 +37,10 @@ from rich.progress import Progress
 
 from podscale import workloads
 from podscale.bench import WUS_HEADS
+from podscale.compiled import hlo
 from podscale.parallel import checks
 from podscale.parallel.engine import data_parallel
 from podscale.parallel.mesh import make_mesh
-from podscale.perf import hlo
 from podscale.report import Ticker
 from podscale.train import models
 from podscale.train.tasks import Task, make_task, make_train_step

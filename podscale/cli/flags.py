@@ -48,8 +48,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def system_names(kind: str | None = None) -> list[str]:
-    """The systems ``--system`` takes (of ``kind``: ``tpu`` or ``gpu``), from :mod:`podscale.perf.systems`."""
-    from podscale.perf import systems
+    """The systems ``--system`` takes (of ``kind``: ``tpu`` or ``gpu``), from :mod:`podscale.compiled.systems`."""
+    from podscale.compiled import systems
 
     return [name for name, system in systems.SYSTEMS.items() if kind is None or system.kind == kind]
 
@@ -296,7 +296,7 @@ def _project_parser(sub) -> None:
 
 
 def project_strategies() -> tuple[str, ...]:
-    from podscale.perf.project_mesh import DEFAULT_STRATEGIES
+    from podscale.projection.mesh import DEFAULT_STRATEGIES
 
     return DEFAULT_STRATEGIES
 

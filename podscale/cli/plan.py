@@ -19,7 +19,7 @@ def _plan_devices(args) -> list | None:
     if args.system is None or args.chips is None:
         given, missing = ("--system", "--chips") if args.chips is None else ("--chips", "--system")
         raise ValueError(f"{given} needs {missing}: name the TPU system and its chips, e.g. --system tpu-v3 --chips 16")
-    from podscale.perf import systems, tpu
+    from podscale.compiled import systems, tpu
 
     system = systems.get(args.system)
     if system.kind != "tpu":
@@ -99,7 +99,7 @@ def _eval_memory(task, dp, batch) -> dict[str, int]:
     import jax
     import jax.numpy as jnp
 
-    from podscale.perf import hlo
+    from podscale.compiled import hlo
     from podscale.train.evaluate import distributed_eval
     from podscale.train.tasks import make_eval_fn
 

@@ -96,7 +96,7 @@ def _check_project_flags(args, given: list[str]) -> None:
 
 
 def _strategy_names() -> tuple[str, ...]:
-    from podscale.perf.project_mesh import STRATEGIES
+    from podscale.projection.mesh import STRATEGIES
 
     return tuple(STRATEGIES)
 
@@ -115,7 +115,7 @@ def _run_project(args) -> int:
         models = args.validate_models
         models = None if models is None else _parse_list("--validate-models", models, "gnmt,ssd")
         distributed.setup(8, distributed.ClusterSpec())
-        from podscale.perf.validate import check, print_validation, validate
+        from podscale.projection.validate import check, print_validation, validate
 
         if args.dry_run:
             return _dry_run_result(args, {"validate": ",".join(check(models, args.steps)), "steps": args.steps})
@@ -124,8 +124,10 @@ def _run_project(args) -> int:
         return 0
     if args.list_systems:
         return _dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
-    from podscale.perf import project as proj
-    from podscale.perf import project_mesh, project_rows, systems
+    from podscale.compiled import systems
+    from podscale.projection import mesh as project_mesh
+    from podscale.projection import project as proj
+    from podscale.projection import rows as project_rows
 
     system = systems.get(args.system)
     if "multi_axis" in given and system.kind != "tpu":
@@ -244,7 +246,7 @@ def _run_project(args) -> int:
 
 def _print_systems(as_json: bool) -> int:
     from podscale import render
-    from podscale.perf import systems
+    from podscale.compiled import systems
 
     if as_json:
         print(json.dumps([dataclasses.asdict(s) for s in systems.SYSTEMS.values()]))

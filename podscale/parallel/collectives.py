@@ -1,7 +1,7 @@
 """The one record of a collective podscale adds to a step, for the plan: the gradient sum's
 phases (:mod:`~podscale.parallel.gradsum`), the replay's fused sums and gathers
 (:mod:`~podscale.parallel.weight_update`) and the partitioner's own (rows made whole, a batch-norm
-group's sum). The compiled module's collectives are read by :mod:`podscale.perf.hlo`."""
+group's sum). The compiled module's collectives are read by :mod:`podscale.compiled.hlo`."""
 
 from __future__ import annotations
 

@@ -259,8 +259,8 @@ class DataParallelStep:
         step (for ``batch``) and reads the collectives and memory per device from the compiled
         module, so that the plan states what runs.
         """
+        from podscale.compiled import hlo
         from podscale.parallel.plan import make_plan
-        from podscale.perf import hlo
 
         if state is not None:
             self.prepare(state, batch)

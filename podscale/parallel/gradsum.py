@@ -13,7 +13,7 @@ XLA's; on CPU, collectives run one at a time). Results do not depend on ``chunks
 is summed in the same order whatever the chunking.
 
 The axis order's cost model (:class:`AxisCost`, :func:`choose_order`, :func:`parse_axis_costs`) is
-:mod:`podscale.perf.gradsum_cost`; :func:`calibrate`, which measures the figures by running
+:mod:`podscale.compiled.gradsum_cost`; :func:`calibrate`, which measures the figures by running
 collectives on the mesh, stays here.
 
 Row convention: a buffer of ``n`` rows has its rows ordered by ``lax.axis_index(order)``, i.e.
@@ -36,14 +36,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from podscale._jax import all_gather_invariant
+
+# The cost model is podscale.compiled's (pure arithmetic, no collectives); its names stay importable from here.
+from podscale.compiled.gradsum_cost import AxisCost as AxisCost
+from podscale.compiled.gradsum_cost import choose_order as choose_order
+from podscale.compiled.gradsum_cost import modelled_seconds as modelled_seconds
+from podscale.compiled.gradsum_cost import parse_axis_costs as parse_axis_costs
 from podscale.parallel.collectives import Collective
 from podscale.parallel.mesh import BN_GROUP
-
-# The cost model is perf's (pure arithmetic, no collectives); its names stay importable from here.
-from podscale.perf.gradsum_cost import AxisCost as AxisCost
-from podscale.perf.gradsum_cost import choose_order as choose_order
-from podscale.perf.gradsum_cost import modelled_seconds as modelled_seconds
-from podscale.perf.gradsum_cost import parse_axis_costs as parse_axis_costs
 
 MODES = ("1d", "2d")
 DEFAULT_CHUNKS = 4
@@ -231,7 +231,7 @@ def make_grad_sum(
       chunks: pipelined chunks per buffer (default :data:`DEFAULT_CHUNKS` for 2-D, 1 for 1-D).
       dtype: sum gradients in this dtype, e.g. ``jnp.bfloat16`` (opt-in; default their own).
       axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``
-        (:class:`podscale.perf.gradsum_cost.AxisCost`).
+        (:class:`podscale.compiled.gradsum_cost.AxisCost`).
       nbytes: the buffer size the order is chosen for (the fusion bucket size).
       axes: the data axes the sum runs over (default every mesh axis; a spatial strategy's space
         axis is not one).

@@ -119,7 +119,7 @@ def make_mesh(
         replicas, each with its k partitions, and the space axis stays last.
 
       devices: the devices to place the mesh over instead of JAX's, e.g. the compile-only devices
-        of a TPU slice (``podscale.perf.tpu.devices``), to compile for it without running.
+        of a TPU slice (``podscale.compiled.tpu.devices``), to compile for it without running.
 
     Devices are ordered by (process, id), so each process owns a contiguous block of the
     flattened mesh: the rows of a batch sharded over all axes that a process feeds are contiguous.

@@ -19,7 +19,7 @@ immutable :class:`Placement`:
   does not divide.
 
 The engine's partitioner, the weight-update replay, checkpoints (through the state layout), the
-plan and ``perf`` read the placement; nothing changes it once made.
+plan and the projection (``podscale.projection``) read the placement; nothing changes it once made.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from podscale.compiled.hlo import layer_of, ring_bytes
 from podscale.parallel import spatial
-from podscale.perf.hlo import layer_of, ring_bytes
 
 RESHUFFLES = ("all-to-all", "collective-permute")
 """Collectives over a model axis that move a value between its partitions' layouts (no sum, no
@@ -27,7 +27,7 @@ class Plan:
     state per device (weights, optimizer state), the local gradients, and, when the step was
     compiled, ``memory_analysis()``'s figures per device (``temporaries``: activations, gradients
     and workspace; ``peak``). ``compiled`` is what the compiled module runs per device per step
-    (``podscale.perf.hlo``): collectives by kind, mesh axes and dtype, loops counted with their
+    (``podscale.compiled.hlo``): collectives by kind, mesh axes and dtype, loops counted with their
     trip counts. ``traffic`` compares the bytes the gradient sum, the norms of the sharded update
     and the weight gather send per device with one ring all-reduce of the gradients.
     """
@@ -93,7 +93,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
     (:class:`~podscale.parallel.placement.Placement`), the ``trace`` of one batch signature
     (``weight_update.Trace``), its ``grad_sum`` and ``strategy``, and that signature's
     ``batch`` placement (the example batch's by default). ``compiled``: the step's module as
-    :func:`podscale.perf.hlo.read` gives it, or ``None``."""
+    :func:`podscale.compiled.hlo.read` gives it, or ``None``."""
     layout = placement.state
     batch = placement.batch if batch is None else batch
     leaves = [

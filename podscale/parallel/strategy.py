@@ -21,12 +21,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from podscale.compiled.gradsum_cost import AxisCost, parse_axis_costs
 from podscale.parallel import checks
 from podscale.parallel.gradsum import MODES
 from podscale.parallel.mesh import BN_GROUP, mesh_advice
 from podscale.parallel.tensor import RULES, Rules
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
-from podscale.perf.gradsum_cost import AxisCost, parse_axis_costs
 
 WEIGHT_UPDATES = ("replicated", "sharded", "fsdp")
 RNGS = ("single-device", "independent")
@@ -87,13 +87,13 @@ def _axis_costs(name, value):
     if not isinstance(value, Mapping):
         raise TypeError(
             f"{name}={value!r} is {checks.described(value)}; give None, 'calibrate', a text such as 'x=1e11:1e-6,y=4.5e10:1e-6' "
-            "or a dict of mesh axis name -> podscale.perf.gradsum_cost.AxisCost"
+            "or a dict of mesh axis name -> podscale.compiled.gradsum_cost.AxisCost"
         )
     for axis, cost in value.items():
         if not isinstance(axis, str) or not isinstance(cost, AxisCost):
             raise TypeError(
                 f"{name}[{axis!r}]={cost!r}: give a mesh axis name (str) -> "
-                f"podscale.perf.gradsum_cost.AxisCost(bandwidth, latency) for every entry of {name}"
+                f"podscale.compiled.gradsum_cost.AxisCost(bandwidth, latency) for every entry of {name}"
             )
     return value
 

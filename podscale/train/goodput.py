@@ -7,9 +7,9 @@ checkpointing, time lost to interruptions (the steps a resumed run redoes: those
 segment logged past the checkpoint it resumes from, at this run's mean step time), and the rest
 (the summary, the export). Goodput is training steps over wall time.
 
-MFU is the compiled step's FLOPs per device (:meth:`podscale.perf.hlo.Module.flops`, loops counted
+MFU is the compiled step's FLOPs per device (:meth:`podscale.compiled.hlo.Module.flops`, loops counted
 with their trip counts) over the mean step time and the device's dense bf16 peak, where
-:data:`podscale.perf.systems.SYSTEMS` knows the device kind (TPU v3 to v6e, A100, H100, H200); on
+:data:`podscale.compiled.systems.SYSTEMS` knows the device kind (TPU v3 to v6e, A100, H100, H200); on
 any other device (a CPU) there is no peak, and the run says so instead of a figure.
 """
 
@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from podscale.perf import systems
+from podscale.compiled import systems
 
 PARTS = (
     "startup",
@@ -148,7 +148,7 @@ def mfu(step_flops: float | None, step_s: float | None, device_kind: str) -> dic
             "flops_per_step": step_flops,
             "mfu": None,
             "peak_flops": None,
-            "mfu_note": f"no peak FLOP/s is known for device kind {device_kind!r} (podscale/perf/systems.py): no MFU",
+            "mfu_note": f"no peak FLOP/s is known for device kind {device_kind!r} (podscale/compiled/systems.py): no MFU",
         }
     peak = system.device_peak("bf16")
     value = step_flops / (step_s * peak) if step_flops and step_s else None
@@ -190,6 +190,6 @@ def shapes_of(batch):
 def step_flops(dp, batch_shapes) -> float:
     """FLOPs per device of one step of ``dp`` for a batch of ``batch_shapes``, read from the compiled
     module (one more compile of the step, which JAX's compilation cache may serve)."""
-    from podscale.perf import hlo
+    from podscale.compiled import hlo
 
     return hlo.read(dp.lower(dp.placement.stored_shapes(), batch_shapes).compile(), dp.mesh).flops()

@@ -42,7 +42,7 @@ _KEEP = 1 << 16  # bytes of the child's stderr kept to read the reason from
 
 def users_env(**extra: str) -> dict[str, str]:
     """This process's environment plus ``extra``, for a process podscale starts: without the
-    ``JAX_PLATFORMS`` that podscale itself set (:data:`podscale.perf.tpu.ENV_SET_PLATFORMS` marks
+    ``JAX_PLATFORMS`` that podscale itself set (:data:`podscale.compiled.tpu.ENV_SET_PLATFORMS` marks
     it), so the child has the user's and, if it imports podscale, decides again."""
     env = dict(os.environ, **extra)
     if env.pop("PODSCALE_SET_JAX_PLATFORMS", None):

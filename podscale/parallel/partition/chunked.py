@@ -18,11 +18,11 @@ import jax
 from jax import lax
 
 from podscale._jax import all_gather_invariant
+from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel.partition.jaxprs import _global_shape
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
 from podscale.parallel.partition.rules import ELEMENTWISE
 from podscale.parallel.partition.sums import _IDENTITY, _narrow_float, one_replica_sum, widen
-from podscale.perf.hlo import UPDATE_SCOPE
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -97,7 +97,7 @@ def equation(p: Partitioner, eqn, ins):
     name = eqn.primitive.name
     if name in _IDENTITY and len(ins) == 1:
         return [ins[0]]
-    with jax.named_scope(UPDATE_SCOPE):  # work on chunks is the update's (perf.hlo's phases)
+    with jax.named_scope(UPDATE_SCOPE):  # work on chunks is the update's (compiled.hlo's phases)
         out = _elementwise(p, eqn, ins) if name in ELEMENTWISE else None
         if out is None and name in _REDUCTIONS and len(ins) == 1:
             out = _reduce(p, eqn, ins[0])

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from podscale._jax import all_gather_invariant
+from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 from podscale.parallel.collectives import Collective
 from podscale.parallel.weight_update.chunks import Layout, Sharded, local_rows, local_unrows, unpadded
-from podscale.perf.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 
 
 @dataclasses.dataclass

@@ -21,11 +21,11 @@ import numpy as np
 from jax import lax
 from jax.extend import core
 
+from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel import _interpret
 from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
 from podscale.parallel.weight_update.chunks import Layout, Sharded
 from podscale.parallel.weight_update.fusion import Collective, Trace, _Fuser, _Pending, gather
-from podscale.perf.hlo import UPDATE_SCOPE
 
 ELEMENTWISE = frozenset(
     """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type

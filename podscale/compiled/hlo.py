@@ -10,14 +10,14 @@ loop body once, which is why this reader does not use it for bytes.
 A collective's ``buffer_bytes`` is the buffer each device contributes, as in podscale's plan: an
 all-reduce's operand, a reduce-scatter's input, an all-gather's input shard, an all-to-all's or a
 collective-permute's operand. Bytes sent per device follow the ring algorithms (scaling-book,
-"All-reduce, all-gather, reduce-scatter"; the same formulas as ``podscale.perf.gradsum_cost``):
+"All-reduce, all-gather, reduce-scatter"; the same formulas as ``podscale.compiled.gradsum_cost``):
 over a group of ``n`` devices, for an ``S``-byte buffer, all-reduce ``2 (n - 1) / n * S``,
 reduce-scatter and all-to-all ``(n - 1) / n * S``, all-gather ``(n - 1) * S``, collective-permute
 ``S``.
 
-Costing each op (its FLOPs and bytes, the :class:`~podscale.perf.hlo_cost.Op` record) is
-:mod:`podscale.perf.hlo_cost`; a collective's replica groups and mesh axes,
-:mod:`podscale.perf.hlo_groups`; a loop's trip count, :mod:`podscale.perf.hlo_loops`.
+Costing each op (its FLOPs and bytes, the :class:`~podscale.compiled.hlo_cost.Op` record) is
+:mod:`podscale.compiled.hlo_cost`; a collective's replica groups and mesh axes,
+:mod:`podscale.compiled.hlo_groups`; a loop's trip count, :mod:`podscale.compiled.hlo_loops`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from podscale.perf.hlo_cost import (
+from podscale.compiled.hlo_cost import (
     _NO_COST,
     Op,
     _bytes,
@@ -38,8 +38,8 @@ from podscale.perf.hlo_cost import (
     _mark_upcasts,
     _op_cost,
 )
-from podscale.perf.hlo_groups import _axes, _groups, _pair_axes
-from podscale.perf.hlo_loops import _trip_count
+from podscale.compiled.hlo_groups import _axes, _groups, _pair_axes
+from podscale.compiled.hlo_loops import _trip_count
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 PHASES = ("forward", "backward", "update")

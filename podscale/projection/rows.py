@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from podscale.compiled.systems import System
 from podscale.parallel.strategy import Strategy
-from podscale.perf.systems import System
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Row:
     weights' gradients summed over the axis); ``None`` without such an axis."""
     compiled_mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
-    with a smaller first axis, scaled as :func:`~podscale.perf.project_cost.cost` says."""
+    with a smaller first axis, scaled as :func:`~podscale.projection.cost.cost` says."""
     compiler: str = ""
     """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for) or ``XLA:CPU``."""
     compile_s: float | None = None
@@ -142,7 +142,7 @@ def partition_bytes(
     collectives: list[dict[str, Any]], mesh: dict[str, int], k: int
 ) -> tuple[float | None, float | None]:
     """(halo bytes, model-axis bytes) per device per step of a projected row's ``collectives``
-    (:func:`~podscale.perf.project_cost.cost`'s rows, buffer bytes times runs) on ``mesh``, whose
+    (:func:`~podscale.projection.cost.cost`'s rows, buffer bytes times runs) on ``mesh``, whose
     last axis is the space or model axis of ``k`` devices: the collective-permutes over it, and
     the other collectives over it (alone or with data axes). A collective whose groups follow no
     mesh axis (XLA's groups within a replica, e.g. pairs of the 4 devices of an image split where

@@ -1,6 +1,6 @@
 """Which devices a collective spans: an instruction's ``replica_groups`` (listed, in iota form or
 in XLA:TPU's mesh form) or a collective-permute's ``source_target_pairs``, and the mesh axes they
-follow. :mod:`podscale.perf.hlo` reads each collective with these."""
+follow. :mod:`podscale.compiled.hlo` reads each collective with these."""
 
 from __future__ import annotations
 

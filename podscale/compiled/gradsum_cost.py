@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from podscale.perf import network
+from podscale.compiled import network
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -30,7 +30,7 @@ class AxisCost:
 
     def ring(self, kind: str, size: int, nbytes: float) -> float:
         """Seconds for a one-way ring ``reduce-scatter`` or ``all-reduce`` of ``nbytes`` per device
-        over ``size`` members (:func:`podscale.perf.network.ring_time`, the one ring formula)."""
+        over ``size`` members (:func:`podscale.compiled.network.ring_time`, the one ring formula)."""
         return network.ring_time(kind, size, nbytes, self.bandwidth, self.latency, bidirectional=False)
 
 

@@ -6,7 +6,7 @@ a fusion's body and the fusions nested in it) and bytes (operands read and the r
 fusion's parameters as they are read, slices only where read through slices, an in-place
 dynamic-update-slice's update), the sizes of HLO types they are counted from, the :class:`Op`
 record that carries them, and XLA:CPU's converts around bf16 matrix products (``_mark_upcasts``).
-:mod:`podscale.perf.hlo` reads the module and calls these for each op that does work.
+:mod:`podscale.compiled.hlo` reads the module and calls these for each op that does work.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ _TRANSCENDENTAL = frozenset(
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op of the compiled module that does work: a fusion, a dot, a convolution, a copy, ...
-    (collectives are :class:`~podscale.perf.hlo.Collective`). Figures are per device per run."""
+    (collectives are :class:`~podscale.compiled.hlo.Collective`). Figures are per device per run."""
 
     name: str
     opcode: str

@@ -1,11 +1,11 @@
-"""Costing one compiled step on a system (:mod:`podscale.perf.systems`), as
-:func:`podscale.perf.project.project` does for each chip count and strategy:
+"""Costing one compiled step on a system (:mod:`podscale.compiled.systems`), as
+:func:`podscale.projection.project.project` does for each chip count and strategy:
 
-* **compute**: each op of the compiled module (:mod:`podscale.perf.hlo`, loop bodies times their
+* **compute**: each op of the compiled module (:mod:`podscale.compiled.hlo`, loop bodies times their
   trip counts) by a roofline, ``max(matmul FLOPs / peak, bytes / HBM bandwidth)`` with the peak of
   the matmul's operand dtype; elementwise FLOPs are taken as bound by their bytes. Ops in
   podscale's update scope are the *update*; the rest, forward and backward.
-* **communication**: each collective by :mod:`podscale.perf.network` on the groups it runs over,
+* **communication**: each collective by :mod:`podscale.compiled.network` on the groups it runs over,
   times its runs per step.
 * **overlap** (only where the schedule allows it, and only on systems with asynchronous
   collectives): podscale sends a gradient buffer as soon as the backward pass has filled it, so
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from podscale.perf import hlo, hlo_cost
-from podscale.perf.systems import System
+from podscale.compiled import hlo, hlo_cost
+from podscale.compiled.systems import System
 
 
 def _groups(shape: dict[str, int], axes: tuple[str, ...], size: int) -> list[list[int]]:
@@ -67,7 +67,7 @@ def cost(
     ``factor`` times smaller (past this machine's CPU devices), the update scope's collective
     buffers are scaled to the target: each shrinks ``factor`` times except a sum over the reduced
     axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient). The update's
-    ops are scaled by :func:`podscale.perf.project.project` (from two compiled sizes).
+    ops are scaled by :func:`podscale.projection.project.project` (from two compiled sizes).
 
     ``scheduled``: overlap is read from the module's schedule (:func:`timeline`; XLA:TPU's
     module), not by the rule for XLA:CPU's module (gradient sums but the last behind the backward
@@ -125,7 +125,7 @@ def cost(
 
 def timeline(module: hlo.Module, op_seconds: Sequence[float], collective_seconds: Sequence[float]) -> float:
     """Seconds of communication one step waits for, read from the compiled schedule
-    (:attr:`podscale.perf.hlo.Module.schedule`): ops run one after another; collectives run one at
+    (:attr:`podscale.compiled.hlo.Module.schedule`): ops run one after another; collectives run one at
     a time on the links, each starting when it is issued and the one before it is done; a
     synchronous collective stops the ops until it is done; an asynchronous one (``start`` ...
     ``done``) runs while the ops between its start and its done run, and only the rest of it is

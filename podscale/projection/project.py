@@ -3,13 +3,13 @@
 For each chip count and strategy the step is compiled here, on CPU devices, for the target's own
 device count and mesh (so the collectives, their groups and bytes, the sharded update's shard
 sizes and the memory per device are the ones XLA produces for that pod), then costed on the system
-(:mod:`podscale.perf.systems`).
+(:mod:`podscale.compiled.systems`).
 
 :func:`project` compiles: with XLA:TPU for the slice (libtpu's compile-only devices,
-:mod:`podscale.perf.tpu`), once per distinct program, or with XLA:CPU, once per row. The strategies
-and the meshes compiled for them are :mod:`podscale.perf.project_mesh`; the costing of a compiled
-step, :mod:`podscale.perf.project_cost`; the rows, their table and plot,
-:mod:`podscale.perf.project_rows`.
+:mod:`podscale.compiled.tpu`), once per distinct program, or with XLA:CPU, once per row. The strategies
+and the meshes compiled for them are :mod:`podscale.projection.mesh`; the costing of a compiled
+step, :mod:`podscale.projection.cost`; the rows, their table and plot,
+:mod:`podscale.projection.rows`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from podscale.compiled import hlo
+from podscale.compiled.network import Topology
+from podscale.compiled.systems import System
 from podscale.parallel import checks
 from podscale.parallel.mesh import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
-from podscale.perf import hlo
-from podscale.perf.network import Topology
-from podscale.perf.project_cost import cost, scale_update, update_seconds
-from podscale.perf.project_mesh import (
+from podscale.projection.cost import cost, scale_update, update_seconds
+from podscale.projection.mesh import (
     DEFAULT_STRATEGIES,
     applicability,
     compile_mesh,
@@ -43,8 +44,7 @@ from podscale.perf.project_mesh import (
     strategy_for,
     target_shape,
 )
-from podscale.perf.project_rows import Row, _not_applicable, _row, mark_fastest
-from podscale.perf.systems import System
+from podscale.projection.rows import Row, _not_applicable, _row, mark_fastest
 from podscale.report import elapsed, heartbeat
 
 
@@ -96,15 +96,15 @@ def project(
     ``{name: Strategy}``. A strategy that does not apply at a chip count is a row saying why
     (``Row.not_applicable``); what :func:`applicability` refuses is refused before anything is
     compiled. ``multi_axis``: how a collective over several torus dimensions is costed
-    (:data:`podscale.perf.network.MULTI_AXIS`). ``progress`` gets a line as each compile starts
+    (:data:`podscale.compiled.network.MULTI_AXIS`). ``progress`` gets a line as each compile starts
     and ends (with the time taken) and every ``heartbeat_s`` seconds while one runs.
     ``compiler``: ``tpu`` (XLA:TPU for the target slice, with libtpu's compile-only devices: a TPU
     system only), ``cpu`` (XLA:CPU on this machine's CPU devices, one compile per row), or
     ``auto``: ``tpu`` for a TPU system where libtpu is installed, else ``cpu`` (``progress`` is told
     why when a TPU system falls back).
     """
+    from podscale.compiled import systems
     from podscale.parallel.engine import data_parallel
-    from podscale.perf import systems
 
     system = systems.get(system) if isinstance(system, str) else system
     base = base or Strategy()
@@ -202,7 +202,7 @@ within minutes."""
 def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str], None] | None = None) -> bool:
     """Whether ``system`` is projected from XLA:TPU's module (see :func:`project`'s ``compiler``).
     Raises for ``tpu`` on a system that is not a TPU, or without libtpu."""
-    from podscale.perf import tpu
+    from podscale.compiled import tpu
 
     checks.one_of("compiler", compiler, COMPILERS)
     if compiler == "cpu":
@@ -308,7 +308,7 @@ class _Job:
 def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
     """The rows on XLA:TPU's modules: one compile per distinct program (see :func:`shrink`), a
     second for a sharded update whose rows need its ``a + b / n`` scaling."""
-    from podscale.perf import tpu
+    from podscale.compiled import tpu
 
     system, say = job.system, job.say
     cache: dict[tuple, _Compiled] = {}

@@ -40,8 +40,8 @@ import math
 
 import numpy as np
 
-from podscale.perf.hlo import ring_bytes
-from podscale.perf.systems import System
+from podscale.compiled.hlo import ring_bytes
+from podscale.compiled.systems import System
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 MULTI_AXIS = ("torus", "ring")

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from podscale.compiled.network import Topology
+from podscale.compiled.systems import System
 from podscale.parallel import checks
 from podscale.parallel.mesh import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
-from podscale.perf.network import Topology
-from podscale.perf.systems import System
 
 DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
 STRATEGIES = {
@@ -62,7 +62,7 @@ def applicability(
     explicitly (``strategies`` not ``None``) applies at none of the chip counts; ``what`` names
     the strategies in the messages (the CLI's ``--strategies``). ``None`` means
     :data:`DEFAULT_STRATEGIES`, where a strategy that applies nowhere is a row saying why."""
-    from podscale.perf import systems
+    from podscale.compiled import systems
 
     system = systems.get(system) if isinstance(system, str) else system
     base = base or Strategy()
@@ -164,8 +164,8 @@ def shrink(target: dict[str, int], devices: int) -> tuple[dict[str, int], str | 
     """The mesh XLA:TPU compiles for ``target``: its first (outermost data) axis halved while the
     mesh has more than ``devices`` devices and the axis stays at least 2 (the per-replica program
     is the same; only the groups of the data axis's collectives, and the sharded update's shards,
-    differ, and :func:`~podscale.perf.project_cost.cost` and
-    :func:`~podscale.perf.project_cost.scale_update` scale those). Returns (mesh, reduced axis or
+    differ, and :func:`~podscale.projection.cost.cost` and
+    :func:`~podscale.projection.cost.scale_update` scale those). Returns (mesh, reduced axis or
     None, factor)."""
     shape = dict(target)
     first = next(iter(shape))

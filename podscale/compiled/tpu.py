@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 
-from podscale.perf.systems import System
+from podscale.compiled.systems import System
 
 MISSING = (
     "libtpu is not installed: costing XLA:CPU's module instead of XLA:TPU's "
@@ -132,7 +132,7 @@ def topology_name(system: System, chips: int) -> str:
 @functools.cache
 def devices(system_name: str, name: str) -> tuple:
     """The compile-only devices of the slice ``name`` (``topology_name``), in id order: a chip's
-    cores fastest, then the first torus dimension (the order :mod:`podscale.perf.network`
+    cores fastest, then the first torus dimension (the order :mod:`podscale.compiled.network`
     places a mesh in)."""
     if not available():
         raise ValueError(NEEDED)

@@ -27,12 +27,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.compiled import hlo, hlo_cost
+from podscale.compiled.network import Path
+from podscale.compiled.systems import System
 from podscale.parallel import checks
-from podscale.perf import hlo, hlo_cost
-from podscale.perf.network import Path
-from podscale.perf.project_cost import cost
-from podscale.perf.project_mesh import compile_mesh
-from podscale.perf.systems import System
+from podscale.projection.cost import cost
+from podscale.projection.mesh import compile_mesh
 
 COUNTS = (1, 2, 4, 8)
 CONV_CHANNELS = (8, 16, 32, 64)

@@ -1,13 +1,13 @@
 """How many times a ``while`` loop of a compiled module runs: XLA's ``known_trip_count`` (XLA:CPU
 records it), else read from the loop itself (XLA:TPU records none): a counter from a constant
 start, a constant step, below a constant bound, as ``jax.lax.scan`` and ``fori_loop`` lower.
-:mod:`podscale.perf.hlo` counts the ops and collectives of a loop's body with these."""
+:mod:`podscale.compiled.hlo` counts the ops and collectives of a loop's body with these."""
 
 from __future__ import annotations
 
 import re
 
-from podscale.perf.hlo_cost import _dims
+from podscale.compiled.hlo_cost import _dims
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONSTANT = re.compile(r"^(-?\d+)\)")
