@@ -13,21 +13,21 @@ from mlperf_logging.mllog import constants as C
 from podscale.train.config import TrainConfig
 from podscale.train.data import step_examples
 from podscale.train.mlperf_log import RunLog
-from podscale.train.saving import _non_finite
+from podscale.train.saving import raise_non_finite
 from podscale.train.tasks import recipe_config
 
 
-def _metrics_path(config: TrainConfig) -> str | None:
+def metrics_path(config: TrainConfig) -> str | None:
     if config.metrics_file:
         return config.metrics_file
     return os.path.join(config.workdir, "metrics.jsonl") if config.workdir else None
 
 
-def _flat_params(params) -> dict[str, np.ndarray]:
+def flat_params(params) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def _log_run_config(
+def log_run_config(
     mlog: RunLog,
     config: TrainConfig,
     task,
@@ -63,12 +63,12 @@ def _log_run_config(
         mlog.event(key, value)
 
 
-def _log_step(pending, record, global_batch: int, ckpt=None) -> float:
+def log_step(pending, record, global_batch: int, ckpt=None) -> float:
     """Records a step's line: its number (1-based), the examples it fed (``[first, last)``, their
     global positions in the data stream, over all processes) and its metrics."""
     step, metrics = pending
     values = {k: float(v) for k, v in metrics.items()}
     record({"step": step + 1, "examples": list(step_examples(step, global_batch)), **values})
     if not math.isfinite(values["loss"]):
-        _non_finite(f"the training loss is {values['loss']}", step + 1, ckpt)
+        raise_non_finite(f"the training loss is {values['loss']}", step + 1, ckpt)
     return values["loss"]

@@ -159,7 +159,7 @@ class NonFiniteError(ValueError):
     """The loss (or, at a checkpoint, the state) stopped being finite."""
 
 
-def _non_finite(what: str, step: int, ckpt) -> None:
+def raise_non_finite(what: str, step: int, ckpt) -> None:
     last = ckpt.latest_step() if ckpt else None
     kept = f"the last checkpoint, step {last}, is kept" if last is not None else "no checkpoint was saved"
     raise NonFiniteError(
@@ -174,11 +174,11 @@ def _all_finite(state) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _save(ckpt, step: int, state, form, force: bool = False, metadata: dict | None = None) -> None:
+def save_finite(ckpt, step: int, state, form, force: bool = False, metadata: dict | None = None) -> None:
     """Saves only a finite state (the loss was checked already; the weights are checked here), with
     ``metadata`` (the run's data position) beside it."""
     if not (force or step % ckpt.every == 0) or step in ckpt.saved_steps():
         return
     if not bool(_all_finite(state)):
-        _non_finite("the state holds non-finite values", step, ckpt)
+        raise_non_finite("the state holds non-finite values", step, ckpt)
     ckpt.maybe_save(step, state, form, force=force, metadata=metadata)

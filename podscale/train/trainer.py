@@ -11,7 +11,9 @@ process its own shards, in the background (:mod:`~podscale.train.checkpoint`).
 Around the loop: :mod:`~podscale.train.config` (what a run is, its output paths),
 :mod:`~podscale.train.prepare` (every check before work), :mod:`~podscale.train.resume` (what a
 resumed run must repeat), :mod:`~podscale.train.records` (metrics and the MLPerf log's
-configuration) and :mod:`~podscale.train.saving` (checkpoints, finite only).
+configuration) and :mod:`~podscale.train.saving` (checkpoints, finite only). The loop itself
+(:func:`_loop`) is a few lines; its parts are the objects of :mod:`~podscale.train.hooks` (the
+goodput clocks, the display, the records, MLPerf's blocks, evaluation, checkpoints, preemption).
 """
 
 from __future__ import annotations
@@ -27,12 +29,9 @@ import jax
 import numpy as np
 from mlperf_logging.mllog import constants as C
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from podscale._jax import jax_distributed
-from podscale.report import Ticker, heartbeat
 from podscale.train import goodput
-from podscale.train.board import Board
 from podscale.train.checkpoint import Checkpointer
 from podscale.train.config import (
     DEFAULT_CHECKPOINT_EVERY,
@@ -41,16 +40,25 @@ from podscale.train.config import (
     mllog_path,
     write_error,
 )
-from podscale.train.data import Loader, data_position, padded_eval_batches
-from podscale.train.evaluate import distributed_eval
-from podscale.train.interrupt import Interrupted, StopRequest
+from podscale.train.data import Loader, data_position
+from podscale.train.hooks import (
+    Checkpoints,
+    Clocks,
+    Display,
+    Evaluation,
+    Hooks,
+    MLPerfBlocks,
+    Preemption,
+    Records,
+    TrainStep,
+)
+from podscale.train.interrupt import StopRequest
 from podscale.train.mlperf_log import RunLog, parse, time_to_target
 from podscale.train.prepare import check
-from podscale.train.records import _flat_params, _log_run_config, _log_step, _metrics_path
-from podscale.train.resume import check_data_position, resolved_run_config, saved_data_position
-from podscale.train.saving import CheckpointForm, _save
-from podscale.train.supervise import ENV_STDERR_TTY
-from podscale.train.tasks import make_eval_fn
+from podscale.train.records import flat_params, log_run_config, metrics_path
+from podscale.train.resume import check_data_position, resolved_run_config
+from podscale.train.saving import CheckpointForm
+from podscale.train.saving import save_finite as _save  # the trainer's handle on saving (tests replace it)
 
 
 def _targets(task, config: TrainConfig):
@@ -116,13 +124,70 @@ def _close_all(closing: list, failing: bool) -> None:
 def _train(
     config: TrainConfig, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest, closing: list
 ) -> dict[str, Any]:
+    """MLPerf's init (:func:`_begin`), the loop's parts (:func:`_hooks`), the loop, the end (:func:`_finish`)."""
+    begun = _begin(config, mlog, lead, closing)
+    hooks = _hooks(config, begun, mlog, run_start, lead, stop, closing)
+    run = begun.run
+    loader = Loader(run.task.train_data, run.dp, run.batch_size, config.seed, start_step=begun.start)
+    try:
+        state, step = _loop(config, hooks, begun.state, loader, begun.start)
+    finally:
+        loader.close()
+        hooks.records.close()
+    return _finish(config, begun, hooks, mlog, lead, state, step)
+
+
+def _loop(config: TrainConfig, hooks: Hooks, state, loader: Loader, start: int) -> tuple[Any, int]:
+    """Trains from step ``start`` to ``config.steps`` (or until the targets are reached); the state
+    and the last step it ran (0-based)."""
+    step = start
+    with hooks.display.shown():
+        hooks.clocks.loop_started()
+        for step, batch in hooks.clocks.waiting(loader):
+            if step >= config.steps:
+                break
+            state, metrics = hooks.train_step(state, step, batch)
+            hooks.records.ran(step, metrics)  # the previous step's metrics are read while this one runs
+            done = step + 1
+            hooks.display.stepped(done, hooks.records.last_loss, hooks.clocks)
+            with hooks.clocks.aside():  # evaluation and checkpoints are not timed as steps
+                evaluating = hooks.evaluation.due(done)
+                if evaluating or hooks.checkpoints.due(done):
+                    # Let the step finish before another program runs collectives on the same
+                    # devices: on CPU, the eval's all-reduce could otherwise interleave with the
+                    # step's and never complete.
+                    jax.block_until_ready(state)
+                hooks.checkpoints.after_step(done, state)
+                reached = evaluating and hooks.evaluation.run(done, state)
+            if reached:
+                break
+            hooks.preemption.check(done, state)  # a coordinated stop: raises Interrupted
+        hooks.records.read()  # the last step's metrics
+        hooks.clocks.loop_ended(state)
+    return state, step
+
+
+@dataclasses.dataclass
+class _Begun:
+    """A run at MLPerf's ``run_start``: checked (:func:`~podscale.train.prepare.check`), its state
+    initialized or restored (``resumed_from``: the checkpoint step, or ``None``) at step ``start``."""
+
+    run: Any
+    state: Any
+    form: CheckpointForm
+    ckpt: Checkpointer | None
+    resumed_from: int | None
+    start: int
+
+
+def _begin(config: TrainConfig, mlog: RunLog, lead: bool, closing: list) -> _Begun:
+    """MLPerf's init: the checks, the state (restored with ``--resume``), the run's configuration."""
     # MLPerf asks whether the system's caches were cleared before the run: podscale does not
     # clear them (its data sets are synthetic or small, read into memory).
     mlog.event(C.CACHE_CLEAR, False)
     mlog.start(C.INIT_START)
     run = check(config, lead, write=True)
-    mesh, task, strategy, dp = run.mesh, run.task, run.strategy, run.dp
-    batch_size, eval_batch, init = run.batch_size, run.eval_batch, run.init
+    task, strategy, dp, batch_size, init = run.task, run.strategy, run.dp, run.batch_size, run.init
 
     # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
     layout = run.layout
@@ -157,220 +222,83 @@ def _train(
             f"the run in {config.workdir} is already at step {start}, and --steps is {config.steps}; "
             f"pass a larger --steps to train further"
         )
-    evaluate = distributed_eval(make_eval_fn(task), dp)  # the state as the step stores and places it
-    whole_set = task.workload.score if task.workload else None  # a whole-set metric (COCO mAP, AUC)
-    predict = distributed_eval(task.predict_outputs, dp) if whole_set else None
-    _log_run_config(
-        mlog, config, task, dp, batch_size, eval_batch, bool(jax.eval_shape(init).batch_stats), run.schedule_steps
+    log_run_config(
+        mlog, config, task, dp, batch_size, run.eval_batch, bool(jax.eval_shape(init).batch_stats), run.schedule_steps
     )
     mlog.end(C.INIT_STOP)
     # A resumed segment's log is a whole log of its own (init, configuration, run_start), from step
     # ``start``: its first block starts there, at the epoch and example the checkpoint holds.
     resumed = {"resumed_from_step": start, "first_example": data_position(start, batch_size)}
     mlog.start(C.RUN_START, metadata=resumed if resumed_from is not None else None)
-    epoch = lambda done: done * batch_size / len(task.train_data)  # noqa: E731
-    position = lambda done: saved_data_position(done, batch_size)  # noqa: E731  (saved with each checkpoint)
-    block_first = [start]
+    return _Begun(run, state, checkpointed, ckpt, resumed_from, start)
 
-    def block_start(first: int) -> None:
-        """A block runs from step ``first + 1`` to the next evaluation (MLPerf's ``epoch_count``:
-        the epochs it spans, fractional for a tiny data set's short blocks)."""
-        block_first[0] = first
-        end = (
-            min((first // config.eval_every + 1) * config.eval_every, config.steps)
-            if config.eval_every
-            else config.steps
-        )
-        meta = {"first_epoch_num": epoch(first), "epoch_count": epoch(end - first), "first_step_num": first + 1}
-        mlog.start(C.BLOCK_START, metadata=meta)
 
-    block_start(start)
-    metrics_path = _metrics_path(config)
-    clock = goodput.Clock(run_start)
-    redone = goodput.redone_steps(metrics_path, start) if resumed_from is not None else 0
-    log = open(metrics_path, "a") if (lead and metrics_path) else None  # noqa: SIM115
-    resolved = resolved_run_config(config, task)
-    board = Board(
-        Board.at(config.workdir) if lead else None, resolved["learning_rate"], resolved["optimizer"] != "recipe"
+def _hooks(
+    config: TrainConfig, begun: _Begun, mlog: RunLog, run_start: float, lead: bool, stop: StopRequest, closing: list
+) -> Hooks:
+    """The loop's parts, from the run's first MLPerf block (step ``begun.start + 1``) on."""
+    run, start = begun.run, begun.start
+    blocks = MLPerfBlocks(mlog, config, run.batch_size, len(run.task.train_data))
+    blocks.start(start)
+    path = metrics_path(config)
+    redone = goodput.redone_steps(path, start) if begun.resumed_from is not None else 0
+    clocks = Clocks(run_start, start, redone)
+    resolved = resolved_run_config(config, run.task)
+    records = Records(config, path, lead, resolved, run.batch_size, run_start, begun.ckpt)
+    closing.append(records.board.close)
+    display = Display(config, lead, start, run.batch_size, records.board)
+    targets, accuracy = _targets(run.task, config)
+    evaluation = Evaluation(run, config, targets, accuracy, mlog, blocks, records, display, clocks)
+    # ``_save`` looked up here, when the run starts: the module's name for it is the handle tests replace.
+    checkpoints = Checkpoints(begun.ckpt, begun.form, run.batch_size, _save, records, clocks)
+    return Hooks(
+        clocks=clocks,
+        records=records,
+        display=display,
+        blocks=blocks,
+        train_step=TrainStep(run.dp, start, clocks, display),
+        evaluation=evaluation,
+        checkpoints=checkpoints,
+        preemption=Preemption(stop, start, records, checkpoints),
     )
-    closing.append(board.close)
 
-    def record(entry):
-        board.record(entry)
-        if log:
-            try:
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-            except OSError as e:
-                raise write_error(f"the metrics file {metrics_path}", e) from None
 
-    loader = Loader(task.train_data, dp, batch_size, config.seed, start_step=start)
-    summary: dict[str, Any] = {"time_to_target_s": None, "eval": {}}
-    targets, accuracy = _targets(task, config)
-    last_loss = None
-    timed_from, timed_steps, step = None, 0, start
-    excluded = 0.0  # seconds of eval and checkpointing inside the timed span
-    console = Console(stderr=True, force_terminal=True if os.environ.get(ENV_STDERR_TTY) else None)
-    # Where stderr is not a terminal (a pipe, a CI log) the bar does not show: plain lines instead.
-    ticker = Ticker("podscale train", 10.0, enabled=lead and config.progress and not console.is_terminal)
-    progress = Progress(
-        TextColumn("step"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[eps]} ex/s"),
-        TimeElapsedColumn(),
-        # Under podscale's supervisor (multi-process) stderr is a pipe to a terminal.
-        console=console,
-        disable=not (lead and config.progress) or ticker.enabled,
-    )
-    try:
-        with progress:
-            bar = progress.add_task("train", total=config.steps, completed=start, loss="-", eps="-")
-            pending = None
-            loop_from = time.perf_counter()
-            clock.add("startup", loop_from - run_start)
-            for step, batch in clock.waiting(loader):
-                if step >= config.steps:
-                    break
-                if step == start:
-                    ticker(f"compiling and running step {start + 1} of {config.steps}", force=True)
-                    first_from, first_batch = time.perf_counter(), goodput.shapes_of(batch)
-                with heartbeat(ticker if step == start else None, "still compiling the first step", 10.0):
-                    state, metrics = dp(state, batch)
-                if pending is not None:  # read the previous step's metrics while this one runs
-                    last_loss = _log_step(pending, record, batch_size, ckpt)
-                pending = (step, metrics)
-                if step == start:
-                    jax.block_until_ready(state)  # the first step compiles; time from its end
-                    timed_from = time.perf_counter()
-                    clock.add("compilation", timed_from - first_from)
-                else:
-                    timed_steps += 1
-                done = step + 1
-                eps = timed_steps * batch_size / max(time.perf_counter() - timed_from, 1e-9) if timed_steps else 0.0
-                progress.update(
-                    bar, completed=done, loss=f"{last_loss:.4f}" if last_loss is not None else "-", eps=f"{eps:,.0f}"
-                )
-                shown = f", loss {last_loss:.4f}" if last_loss is not None else ""
-                rate = f", {eps:,.0f} examples/s" if timed_steps else ""
-                if timed_steps:
-                    board.scalar("train/examples_per_s", eps, done)
-                ticker(f"step {done} of {config.steps}{shown}{rate}", force=done == start + 1)
-                aside = time.perf_counter()
-                evaluating = (config.eval_every and done % config.eval_every == 0) or done == config.steps
-                if evaluating or (ckpt and done % ckpt.every == 0):
-                    # Let the step finish before another program runs collectives on the same
-                    # devices: on CPU, the eval's all-reduce could otherwise interleave with the
-                    # step's and never complete.
-                    jax.block_until_ready(state)
-                if ckpt and done % ckpt.every == 0:
-                    last_loss = _log_step(pending, record, batch_size, ckpt)  # this step's loss, before saving it
-                    pending = None
-                    board.flush()  # the points up to a checkpoint outlive a kill -9, as metrics.jsonl's do
-                    with clock.part("checkpointing"):
-                        _save(ckpt, done, state, checkpointed.save_form, metadata=position(done))
-                reached = False
-                evaluated_from = time.perf_counter()
-                if evaluating:
-                    first = block_first[0]
-                    mlog.end(
-                        C.BLOCK_STOP,
-                        metadata={"first_epoch_num": epoch(first), "epoch_num": epoch(done), "step_num": done},
-                    )
-                    mlog.start(C.EVAL_START, metadata={"epoch_num": epoch(done), "step_num": done})
-                    results = evaluate(state, padded_eval_batches(task.eval_data, dp, eval_batch))
-                    if predict is not None:  # each replica predicts its rows; the host scores the whole set
-                        outputs = predict.predict(state, padded_eval_batches(task.eval_data, dp, eval_batch))
-                        results.update(whole_set(task.model, outputs, task.eval_data))
-                    at = {"epoch_num": epoch(done), "step_num": done}
-                    mlog.end(C.EVAL_STOP, metadata=at)
-                    mlog.event(C.EVAL_ACCURACY, accuracy(results), metadata={**at, "metric": task.eval_metric})
-                    summary["eval"] = results
-                    ticker(
-                        f"step {done}: held-out "
-                        + ", ".join(f"{k} {v:.4f}" for k, v in results.items() if isinstance(v, float)),
-                        force=True,
-                    )
-                    record({"step": done, "eval": results, "time_s": time.perf_counter() - run_start})
-                    board.flush()
-                    reached = targets is not None and all(results[k] >= v for k, v in targets.items())
-                    if reached:
-                        summary["target_step"] = done
-                    elif done < config.steps:
-                        block_start(done)
-                    clock.add("evaluation", time.perf_counter() - evaluated_from)
-                excluded += time.perf_counter() - aside
-                if reached:
-                    break
-                if stop.reached(done - start):
-                    jax.block_until_ready(state)
-                    if pending is not None:
-                        last_loss = _log_step(pending, record, batch_size, ckpt)
-                        pending = None
-                    board.flush()
-                    if ckpt:
-                        _save(ckpt, done, state, checkpointed.save_form, force=True, metadata=position(done))
-                        ckpt.close()
-                    raise Interrupted(done, stop.stopped_by, saved=ckpt is not None, processes=jax.process_count())
-            if pending is not None:
-                last_loss = _log_step(pending, record, batch_size, ckpt)
-            jax.block_until_ready(state)
-            timed_until = time.perf_counter()
-            clock.loop_ended(timed_until - loop_from)
-    finally:
-        loader.close()
-        if log:
-            log.close()
+def _finish(
+    config: TrainConfig, begun: _Begun, hooks: Hooks, mlog: RunLog, lead: bool, state, step: int
+) -> dict[str, Any]:
+    """After the loop: MLPerf's ``run_stop``, the last checkpoint, the export, the goodput; the summary."""
+    run, evaluation, clocks = begun.run, hooks.evaluation, hooks.clocks
+    task, dp, batch_size = run.task, run.dp, run.batch_size
+    summary: dict[str, Any] = {"time_to_target_s": None, "eval": evaluation.results}
+    if evaluation.target_step is not None:
+        summary["target_step"] = evaluation.target_step
     final_step = step + 1 if step < config.steps else config.steps
     reached = config.target is not None and summary.get("target_step") is not None
-    mlog.end(
-        C.RUN_STOP,
-        metadata={
-            "status": C.SUCCESS if reached or config.target is None else C.ABORTED,
-            "epoch_num": epoch(final_step),
-            "step_num": final_step,
-        },
-    )
+    hooks.blocks.run_stop(final_step, success=reached or config.target is None)
     if reached:
-        summary["time_to_target_s"] = time_to_target(parse(mlog.lines), accuracy(targets))["seconds"]
-    if ckpt:
-        with clock.part("checkpointing"):
-            _save(ckpt, final_step, state, checkpointed.save_form, force=True, metadata=position(final_step))
-            ckpt.close()
-    elapsed = timed_until - timed_from - excluded if timed_from else 0.0
+        target = evaluation.accuracy(evaluation.targets)
+        summary["time_to_target_s"] = time_to_target(parse(mlog.lines), target)["seconds"]
+    hooks.checkpoints.at_end(final_step, state)
     if config.export and lead:
         try:
-            np.savez(config.export, **_flat_params(dp.gather_state(state).params))
+            np.savez(config.export, **flat_params(dp.gather_state(state).params))
         except OSError as e:
             raise write_error(f"--export {config.export}", e) from None
-    step_s = elapsed / timed_steps if timed_steps and elapsed > 0 else None
-    device_kind = jax.devices()[0].device_kind
-    flops = None
-    if goodput.system_of(device_kind) is not None:  # a peak to compare with: the compiled step's FLOPs
-        with clock.part("compilation"):
-            flops = goodput.step_flops(dp, first_batch)
-    summary["goodput"] = clock.summary(redone, timed_steps, step_s, goodput.mfu(flops, step_s, device_kind))
-    board.goodput(summary["goodput"], final_step)
-    board.close()
-    if lead and metrics_path:
-        try:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"goodput": summary["goodput"]}) + "\n")
-        except OSError as e:
-            raise write_error(f"the metrics file {metrics_path}", e) from None
+    summary["goodput"] = clocks.goodput(dp)
+    hooks.records.goodput(summary["goodput"], final_step)
+    elapsed = clocks.elapsed
     summary.update(
         steps=final_step,
         schedule_steps=run.schedule_steps,
-        final_train_loss=last_loss,
+        final_train_loss=hooks.records.last_loss,
         eval_metric=task.eval_metric,
         eval_value=summary["eval"].get(task.eval_metric),
         target=config.target,
-        targets=targets,
-        examples_per_s=timed_steps * batch_size / elapsed if elapsed > 0 else None,
+        targets=evaluation.targets,
+        examples_per_s=clocks.timed_steps * batch_size / elapsed if elapsed > 0 else None,
         replicas=dp.replicas,
         processes=jax.process_count(),
-        mesh=dict(mesh.shape),
+        mesh=dict(run.mesh.shape),
         grad_sum={
             "mode": dp.grad_sum.mode,
             "order": list(dp.grad_sum.order),
@@ -382,11 +310,11 @@ def _train(
         data=config.data,
         optimizer=resolved_run_config(config, task)["optimizer"],
         batch_size=batch_size,
-        resumed_from=resumed_from,
+        resumed_from=begun.resumed_from,
         mllog=mlog.path,
         seed=config.seed,
         learning_rate=_base_learning_rate(task, config),
-        wall_time_s=time.perf_counter() - run_start,
+        wall_time_s=time.perf_counter() - clocks.run_start,
         configuration=json.loads(
             json.dumps(dataclasses.asdict(dataclasses.replace(config, strategy=dp.strategy)), default=str)
         ),
