@@ -18,7 +18,7 @@ from jax.extend import core
 from podscale._jax import all_gather_invariant
 from podscale.parallel import _interpret
 from podscale.parallel.collectives import Collective
-from podscale.parallel.partition import chunked
+from podscale.parallel.partition import chunked, partials
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import _CONTROL
 from podscale.parallel.partition.draws import _random_bits_rows
@@ -27,8 +27,6 @@ from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chun
 from podscale.parallel.partition.rules import _RULES, ELEMENTWISE, _elementwise
 from podscale.parallel.partition.sums import (
     _IDENTITY,
-    _LINEAR_SUMS,
-    _LINEAR_UNARY,
     WIDE,
     _feeding_group_sums,
     _linear_in_partial,
@@ -37,8 +35,6 @@ from podscale.parallel.partition.sums import (
     widen,
 )
 
-_MOVES = frozenset("neg reshape transpose squeeze expand_dims slice broadcast_in_dim rev copy copy_p".split())
-"""Ops that only move (or negate) elements: they commute with rounding each element."""
 _REBOUND = frozenset(("scan", "while", "cond", "remat2", "checkpoint"))
 """Control flow whose bodies are traced anew (their inputs read by their types)."""
 
@@ -113,7 +109,7 @@ class Partitioner:
         self.group_axis, self.group_size = group_axis, group_size
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
-        self._feeds_group_sum: set = set()
+        self.feeds_group_sum: set = set()
         self._zeros: set = set()
         """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
         self._group_values: set[int] = set()
@@ -134,7 +130,7 @@ class Partitioner:
         rows or a product contracting them is the whole value's; a value made whole drops them."""
         self.summed_apart_bytes = 0
         """Bytes per replica of partial sums summed apart because one device rounds each term of
-        their sum apart (:meth:`sums_apart`): beyond each weight's one gradient sum, for the plan."""
+        their sum apart (:func:`.partials.sums_apart`): beyond each weight's one gradient sum, for the plan."""
         self._apart: dict[int, Any] = {}
         """Sums of such terms, by id: a further term added to one is summed apart too."""
         self._wide: dict[int, tuple[Any, np.dtype, np.dtype]] = {}
@@ -377,12 +373,12 @@ class Partitioner:
             return env[var]
 
         if self.group_axis is not None:
-            self._feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
+            self.feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
                 self._zeros.add(eqn.outvars[0])
             ins = [read(v) for v in eqn.invars]
-            apart = self.sums_apart(eqn, ins)
+            apart = partials.sums_apart(self, eqn, ins)
             with _interpret.source(eqn):
                 outs = self.equation(eqn, ins)
             if apart:
@@ -398,7 +394,7 @@ class Partitioner:
             # a cast sum's rounding is not in its type: it enters summed.
             ins = [(self.whole(v, lay), REPLICATED) if self.cast_type(v) is not None else (v, lay) for v, lay in ins]
         if name not in _CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
-            out = self.wide_rule(eqn, ins)
+            out = partials.wide_rule(self, eqn, ins)
             if out is not None:
                 return out
             # Anything else reads the sum, rounded to the program's type (in chunks, for the update
@@ -423,7 +419,7 @@ class Partitioner:
             finally:
                 self._group_values -= group_ids
             return [(v, GROUP if lay is REPLICATED else lay) for v, lay in outs]
-        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
+        if PARTIAL in layouts and id(eqn) in self.feeds_group_sum:
             # On its way to the model's group sum: linear ops keep the partial sum.
             scaled = name in ("div", "mul") and layouts[1] is REPLICATED
             scaled |= name == "mul" and layouts[0] is REPLICATED
@@ -441,7 +437,7 @@ class Partitioner:
         if name in _IDENTITY and len(ins) == 1:
             return [ins[0]]
         if PARTIAL in layouts:
-            out = self.partial_rule(eqn, ins)
+            out = partials.partial_rule(self, eqn, ins)
             if out is not None:
                 return out
             ins = [chunked.settle(self, eqn, ins, i) if lay is PARTIAL else (v, lay) for i, (v, lay) in enumerate(ins)]
@@ -523,113 +519,3 @@ class Partitioner:
         if conv:
             outs = split_spatially(eqn, outs, dn.out_spec, self.conv_axes)
         return list(outs) if eqn.primitive.multiple_results else [outs]
-
-    # -- partial sums ----------------------------------------------------------------------------
-    def wide_rule(self, eqn, ins):
-        """Equations through which a partial sum held in float32 stays partial (and in float32:
-        the ops a partial sum stays partial through are sums and shape ops, so no rounding is
-        skipped that one device would make before the sum), or ``None``."""
-        name = eqn.primitive.name
-        layouts = [lay for _, lay in ins]
-        if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
-            return [self.group_sum(v, lay) for v, lay in ins]
-        if name in _IDENTITY and len(ins) == 1:
-            return [ins[0]]
-        if any(self.cast_type(v) is not None for v, _ in ins):
-            return self.cast_rule(eqn, ins)
-        vals = [v for v, _ in ins]
-        if name == "convert_element_type" and len(ins) == 1 and self.narrow_type(vals[0]) is not None:
-            new = np.dtype(eqn.params["new_dtype"])
-            if jnp.issubdtype(new, jnp.floating) and new.itemsize >= WIDE.itemsize:
-                # A 16-bit partial sum the program casts to a wide type (a float32 master weight's
-                # gradient of a 16-bit product): still partial, its sum rounded to the 16-bit type
-                # before the cast, as one device rounds the sum to the product's type whatever the
-                # program casts it to afterwards (a float16 sum past 65504 is inf). A new value, so
-                # that the 16-bit one (if read elsewhere) keeps its own registration.
-                out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
-                return [(self.hold_cast(out, self.narrow_type(vals[0]), new), PARTIAL)]
-        keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
-            name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
-        )
-        keeps |= name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1])
-        keeps |= name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:])
-        keeps |= GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts)
-        if PARTIAL in layouts and id(eqn) in self._feeds_group_sum:
-            keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
-            keeps |= name == "mul" and layouts[0] is REPLICATED
-        if name in ("scatter-add", "scatter_add") and layouts[1] is REPLICATED:
-            vals = [self.convert(vals[0], layouts[0], PARTIAL), vals[1], self.convert(vals[2], layouts[2], PARTIAL)]
-            keeps = True
-        if not keeps:
-            return None
-        if name in ("scatter-add", "scatter_add", "dot_general", "conv_general_dilated"):
-            return [(o, PARTIAL) for o in self.wide_bind(eqn, vals)]
-        vals = [widen(v) for v in vals]
-        return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-
-    def sums_apart(self, eqn, ins) -> bool:
-        """Whether ``eqn`` adds terms of a sum that one device rounds apart: cast 16-bit partial sums
-        (a weight used twice in 16-bit products, each use's gradient rounded to 16 bits, then
-        added in float32), each summed over the replicas on its own. Their bytes past one term's
-        are counted in :attr:`summed_apart_bytes`."""
-        if eqn.primitive.name not in _LINEAR_SUMS:
-            return False
-        apart = [v for v, _ in ins if self.cast_type(v) is not None or self._apart.get(id(v)) is v]
-        terms = [v for v, lay in ins if lay is PARTIAL or self._apart.get(id(v)) is v]
-        if not apart or len(terms) < 2:
-            return False
-        var = eqn.outvars[0]
-        self.summed_apart_bytes += (len(terms) - 1) * math.prod(var.aval.shape) * WIDE.itemsize
-        return True
-
-    def cast_rule(self, eqn, ins):
-        """Equations through which a cast 16-bit partial sum (:meth:`cast_type`) stays partial, or
-        ``None`` (then it is summed first): only those that move its elements, which commute with
-        the rounding one device makes before the cast; its type goes with it."""
-        name = eqn.primitive.name
-        layouts = [lay for _, lay in ins]
-        vals = [v for v, _ in ins]
-        if name in _MOVES and len(ins) == 1:
-            keeps = True
-        elif name == "pad" or name == "dynamic_slice":
-            keeps = self.cast_type(vals[0]) is not None and all(lay is REPLICATED for lay in layouts[1:])
-            keeps &= name != "pad" or _is_zero(eqn.invars[1])
-        elif name == "concatenate":
-            tags = {(self.narrow_type(v), self.cast_type(v)) for v in vals}
-            keeps = len(tags) == 1 and None not in tags.pop() and all(lay is PARTIAL for lay in layouts)
-        else:
-            keeps = False
-        if not keeps:
-            return None
-        narrow = self.narrow_type(vals[0])
-        outs = self.bind(eqn, vals)
-        return [(self.hold_cast(o, narrow, _dtype(var)), PARTIAL) for o, var in zip(outs, eqn.outvars, strict=True)]
-
-    def partial_rule(self, eqn, ins):
-        """Equations through which a partial sum stays partial, or ``None``."""
-        name = eqn.primitive.name
-        layouts = [lay for _, lay in ins]
-        vals = [v for v, _ in ins]
-        if name in _LINEAR_UNARY and len(ins) == 1:
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name in _LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) == np.dtype(vals[0].dtype):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]  # a weak type made strong: no rounding
-        if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "dynamic_update_slice" and all(lay is REPLICATED for lay in layouts[2:]):
-            # Linear in operand and update together (the gradient of a weight sliced at a start,
-            # put back into a zero weight): a whole one counts once, on replica 0.
-            if all(lay in (PARTIAL, REPLICATED) for lay in layouts[:2]):
-                vals = [self.convert(v, lay, PARTIAL) for v, lay in zip(vals[:2], layouts[:2], strict=True)] + vals[2:]
-                return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name in ("concatenate", "stack") and all(lay is PARTIAL for lay in layouts):
-            return [(o, PARTIAL) for o in self.bind(eqn, vals)]
-        if name == "scatter-add" and layouts[1] is REPLICATED:
-            operand = self.convert(vals[0], layouts[0], PARTIAL)
-            updates = self.convert(vals[2], layouts[2], PARTIAL)
-            return [(o, PARTIAL) for o in self.bind(eqn, [operand, vals[1], updates])]
-        return None
