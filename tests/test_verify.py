@@ -72,7 +72,7 @@ def test_every_strategy_on_a_2d_mesh_is_within_the_floor():
     step, state, batch = _problem()
     result = podscale.verify(step, state, batch, podscale.make_mesh((4, 2)), steps=2)
     ran = {r.name: r for r in result.results if r.applies}
-    assert set(ran) == {"replicated", "sharded", "replicated+2d", "sharded+2d"}
+    assert set(ran) == {"replicated", "sharded", "fsdp", "replicated+2d", "sharded+2d", "fsdp+2d"}
     assert result.passed, "\n".join(result.lines())
     assert all(r.ratio <= podscale.verification.MULTIPLE and r.leaf for r in ran.values())
     assert len(result.floor) == 2 and all(0 < f < 1e-5 for f in result.floor), result.floor  # float32 rounding
@@ -84,12 +84,12 @@ def test_a_gradient_divided_by_the_wrong_replica_count_is_caught_and_named(broke
     step, state, batch = _problem()
     result = podscale.verify(step, state, batch, podscale.make_mesh((4, 2)), steps=2)
     assert not result.passed
-    assert result.failed == ["replicated+2d", "sharded+2d"]
+    assert result.failed == ["replicated+2d", "sharded+2d", "fsdp+2d"]  # FSDP's small leaves: the 2-D sum
     for name in result.failed:
         (r,) = [r for r in result.results if r.name == name]
         assert r.left_floor["step"] == 1 and r.left_floor["leaf"].startswith("state/params/")
         assert r.ratio > 1e3
-    assert "FAILED: replicated+2d, sharded+2d" in result.lines()[-1]
+    assert "FAILED: replicated+2d, sharded+2d, fsdp+2d" in result.lines()[-1]
 
 
 def test_the_command_exits_1_naming_the_broken_strategy(broken_2d_sum, capsys, monkeypatch):
