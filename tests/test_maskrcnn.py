@@ -40,7 +40,7 @@ def test_the_recipe_freezes_the_stem_and_res2_and_spares_biases_weight_decay():
     variables = jax.eval_shape(
         lambda x: model.init(jax.random.key(0), x), jax.ShapeDtypeStruct((1, *cfg.image_size, 3), jnp.float32)
     )
-    labels = maskrcnn._groups(cfg)(variables["params"])
+    labels = maskrcnn.groups(cfg)(variables["params"])
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(labels)}
     assert flat["['stem']['kernel']"] == "frozen"
     assert all(v == "frozen" for k, v in flat.items() if k.startswith("['res2_"))
