@@ -39,13 +39,13 @@ def plan(plan: Plan, console: Console | None = None) -> None:
         leaves.add_row(
             leaf["path"],
             "x".join(map(str, leaf["shape"])) or "()",
-            f"1/{plan.replicas * leaf['split']}"
+            f"1/{plan.replicas} on dim {leaf['fsdp_dim']}"
+            + (f", 1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "")
+            if leaf.get("fsdp_dim") is not None
+            else f"1/{plan.replicas * leaf['split']}"
             if leaf["sharded"]
             else f"rows 1/{plan.replicas}"
             if leaf.get("table_rows")
-            else f"1/{plan.replicas} on dim {leaf['fsdp_dim']}"
-            + (f", 1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "")
-            if leaf.get("fsdp_dim") is not None
             else (f"1/{leaf['model_split']} on dim {leaf['model_dim']}" if leaf["model_dim"] is not None else "whole"),
             size(leaf["bytes_per_device"]),
             leaf["reason"],

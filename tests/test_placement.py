@@ -82,7 +82,7 @@ def test_prepare_returns_one_frozen_placement_that_never_changes():
         dp.prepare((params, TX.init(params)), _batch())
     assert dp.placement is placement
     # The layout: the weights are read by the forward pass (whole), Adam's moments are chunks.
-    sharded = {leaf.path for leaf in placement.state.leaves if leaf.sharded}
+    sharded = {leaf.path for leaf in placement.state.leaves if leaf.sharded or leaf.chunked}
     assert sharded == {"[1][0].mu['w']", "[1][0].nu['w']", "[1][0].mu['b']", "[1][0].nu['b']"}
     assert placement.batch_specs() == (P(("data",)), P(("data",)))
     assert placement.batch.images == (False, False)

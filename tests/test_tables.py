@@ -58,7 +58,7 @@ def test_ten_steps_with_tables_split_by_rows_equal_one_device(optimizer, weight_
     got, metrics = run_parallel(dp, state, _batches())
     if weight_update == "sharded":  # the dense layers' gradients reduce-scattered, updated on 1/8 chunks
         assert any(c.kind == "reduce-scatter" and c.update for c in dp.trace.collectives)
-        assert sum(leaf.sharded for leaf in dp.layout.leaves) == (0 if optimizer == "sgd" else 3)
+        assert sum(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves) == (0 if optimizer == "sgd" else 3)
     tables = {leaf.path: leaf for leaf in dp.layout.leaves if leaf.table}
     split = [p for p in tables if p.startswith(".params")]
     assert sorted(split) == [".params['table_0']", ".params['table_1']", ".params['table_3']"], split
@@ -170,7 +170,7 @@ def _placed_eval(eval_fn):
     state = _single("adagrad")[1][0]
     dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update="sharded", min_shard_size=64)
     stored = dp.place_state(state, _batches(1)[0])
-    assert sum(leaf.table for leaf in dp.layout.leaves) == 6 and any(leaf.sharded for leaf in dp.layout.leaves)
+    assert sum(leaf.table for leaf in dp.layout.leaves) == 6 and any(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves)
     return state, dp, stored, distributed_eval(eval_fn, dp)
 
 

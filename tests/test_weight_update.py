@@ -41,11 +41,13 @@ NORM_BASED = {
 }
 
 
-def _run(task, tx, weight_update, mesh_shape=(8,), steps=STEPS, min_shard_size=256):
+def _run(task, tx, weight_update, mesh_shape=(8,), steps=STEPS, min_shard_size=256, **strategy):
     step = make_train_step(task, tx)
     state = task.init_state(jax.random.key(0), tx)
     batches = [task.train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(steps)]
-    dp = data_parallel(step, make_mesh(mesh_shape), weight_update=weight_update, min_shard_size=min_shard_size)
+    dp = data_parallel(
+        step, make_mesh(mesh_shape), weight_update=weight_update, min_shard_size=min_shard_size, **strategy
+    )
     dp.prepare(state, batches[0])
     out, _ = run_parallel(dp, state, batches)
     return out, dp, (step, state, batches)
@@ -83,9 +85,15 @@ def test_norm_based_optimizers_match_to_1e_6_relative(mlp, name):
     assert any(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves)
 
 
-def test_adafactor_factored_moments_are_reported_as_gathered(mlp):
-    _, dp, _ = _run(mlp, optax.adafactor(1e-3), "sharded", steps=1)
+def test_adafactor_factored_moments_are_reported_as_gathered_in_flat_chunks(mlp):
+    """Flat chunks (the 2-D sum's fused buffers) cannot take adafactor's row and column means of
+    its factored moments: gathered, and the plan says so. Chunks along a dim (the 1-D sum) can."""
+    _, dp, _ = _run(mlp, optax.adafactor(1e-3), "sharded", steps=1, mesh_shape=(4, 2), grad_sum="2d")
     assert any(op.startswith("reduce_sum") for op in dp.trace.gathered_ops)
+    rep, _, _ = _run(mlp, optax.adafactor(1e-3), "replicated", steps=2)
+    dims, dp, _ = _run(mlp, optax.adafactor(1e-3), "sharded", steps=2)
+    assert not dp.trace.gathered_ops and any(leaf.chunked for leaf in dp.layout.leaves)
+    assert max_abs_diff(rep.params, dims.params) <= 1e-6
 
 
 def test_sharded_update_equals_the_single_device_step(mlp):
@@ -148,13 +156,17 @@ def test_results_do_not_depend_on_the_fusion_bucket_size(mlp):
     step = make_train_step(mlp, tx)
     state = mlp.init_state(jax.random.key(0), tx)
     batches = [mlp.train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(5)]
-    outs = []
-    for bucket_bytes in (4096, 2**30):
-        dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=256, bucket_bytes=bucket_bytes)
+    outs, counts = [], []
+    for bucket_bytes in (4096, 2**30):  # the 2-D sum's fused buffers (flat chunks)
+        dp = data_parallel(
+            step, make_mesh((4, 2)), weight_update="sharded", min_shard_size=256, bucket_bytes=bucket_bytes, grad_sum="2d"
+        )
         dp.prepare(state, batches[0])
         outs.append(run_parallel(dp, state, batches)[0])
-        n_scatter = sum(c.kind == "reduce-scatter" for c in dp.trace.collectives)
-        assert (n_scatter > 1) == (bucket_bytes == 4096)
+        first = dp.grad_sum.order[:1]  # one reduce-scatter along the first axis per fused buffer
+        buffers = sum(c.kind == "reduce-scatter" and tuple(c.axes) == first for c in dp.trace.collectives)
+        counts.append(buffers)
+    assert counts[0] > counts[1] >= 1  # smaller buckets: more buffers
     assert max_abs_diff(outs[0].params, outs[1].params) <= EXACT
     assert max_abs_diff(outs[0].opt_state, outs[1].opt_state) <= EXACT
 

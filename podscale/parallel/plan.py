@@ -101,7 +101,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "path": leaf.path,
             "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
-            "sharded": leaf.sharded,
+            "sharded": leaf.sharded or leaf.chunked,  # stored 1/N over the replicas: flat, or along a dim
             "table_rows": leaf.table_rows,
             "shard_shape": [leaf.shard_len // leaf.split]
             if leaf.sharded
