@@ -367,7 +367,9 @@ def test_plan_eval_states_the_evaluation_steps_memory_beside_the_train_steps():
 
 
 def test_plan_strict_fails_on_ops_that_cannot_run_on_shards():
-    proc = _run("plan", "--model", "mlp", "--optimizer", "adafactor", "--strict", check=False)
+    # flat chunks (the 2-D sum's fused buffers) cannot take adafactor's factored row and column means
+    args = ("plan", "--model", "mlp", "--optimizer", "adafactor", "--mesh", "4x2", "--grad-sum", "2d", "--strict")
+    proc = _run(*args, check=False)
     assert proc.returncode == 2 and "refused before running" in proc.stderr and "reduce_sum" in proc.stderr
 
 
