@@ -219,7 +219,7 @@ def _bn_step(model, tx):
     return step
 
 
-@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded", "fsdp"])
 def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_batch(weight_update):
     """bn_group_size=4 on 8 replicas: two groups, each normalizing over its 4 replicas' rows."""
     tx = optax.sgd(0.1)

@@ -59,7 +59,7 @@ def convert(p: Partitioner, x, src: Layout, dst: Layout):
         return whole if dst is REPLICATED else p.convert(whole, REPLICATED, dst)
     if src is PARTIAL:
         return scatter(p, x, dst.dim)
-    if src is not REPLICATED and src is not GROUP:
+    if src is not REPLICATED:  # a split value, or a batch-norm group's (averaged over the groups)
         x = p.whole(x, src)
     size = x.shape[dst.dim] // p.n
     return lax.dynamic_slice_in_dim(x, p.index() * size, size, dst.dim)
@@ -125,11 +125,11 @@ def _elementwise(p: Partitioner, eqn, ins):
         elif vshape == () or (len(vshape) > dim and vshape[dim] == 1 and len(vshape) == len(shape)):
             if lay is PARTIAL:
                 v = p.whole(v, lay)
-            elif lay not in (REPLICATED, GROUP):
+            elif lay is not REPLICATED:  # a group's value: each group's own, not a chunk's
                 return None
             vals.append(v)
-        elif vshape == shape and lay in (REPLICATED, PARTIAL, GROUP):
-            vals.append(p.convert(v, REPLICATED if lay is GROUP else lay, Chunked(dim)))
+        elif vshape == shape and lay in (REPLICATED, PARTIAL):
+            vals.append(p.convert(v, lay, Chunked(dim)))
         else:
             return None
     return [(o, Chunked(dim)) for o in p.bind(eqn, vals)]

@@ -411,6 +411,9 @@ class Partitioner:
             # of (group sum x group value), as batch norm over each group's rows gives.
             return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
         if GROUP in layouts and name not in _CONTROL:
+            # A chunk beside a group's value is gathered first: each group's result is its own,
+            # where a chunk of it would mix the groups' values once gathered.
+            ins = [(self.whole(v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
             # Computes like a replicated value; what comes out whole is the group's.
             group_ids = {id(v) for v, lay in ins if lay is GROUP}
             self._group_values |= group_ids
