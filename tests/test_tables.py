@@ -170,7 +170,9 @@ def _placed_eval(eval_fn):
     state = _single("adagrad")[1][0]
     dp = data_parallel(make_train_step(task, tx), make_mesh(), weight_update="sharded", min_shard_size=64)
     stored = dp.place_state(state, _batches(1)[0])
-    assert sum(leaf.table for leaf in dp.layout.leaves) == 6 and any(leaf.sharded or leaf.chunked for leaf in dp.layout.leaves)
+    assert sum(leaf.table for leaf in dp.layout.leaves) == 6 and any(
+        leaf.sharded or leaf.chunked for leaf in dp.layout.leaves
+    )
     return state, dp, stored, distributed_eval(eval_fn, dp)
 
 

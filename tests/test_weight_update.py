@@ -159,7 +159,12 @@ def test_results_do_not_depend_on_the_fusion_bucket_size(mlp):
     outs, counts = [], []
     for bucket_bytes in (4096, 2**30):  # the 2-D sum's fused buffers (flat chunks)
         dp = data_parallel(
-            step, make_mesh((4, 2)), weight_update="sharded", min_shard_size=256, bucket_bytes=bucket_bytes, grad_sum="2d"
+            step,
+            make_mesh((4, 2)),
+            weight_update="sharded",
+            min_shard_size=256,
+            bucket_bytes=bucket_bytes,
+            grad_sum="2d",
         )
         dp.prepare(state, batches[0])
         outs.append(run_parallel(dp, state, batches)[0])

@@ -20,7 +20,7 @@ from jax import lax
 from podscale._jax import all_gather_invariant
 from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel.partition.jaxprs import _global_shape
-from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
+from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
 from podscale.parallel.partition.rules import ELEMENTWISE
 from podscale.parallel.partition.sums import _IDENTITY, _narrow_float, one_replica_sum, widen
 
