@@ -140,7 +140,7 @@ def jax_shims() -> list[str]:
     from podscale.parallel.partition import control
 
     done = []
-    original = control._CONTROL["scan"]
+    original = control.CONTROL["scan"]
     if getattr(original, "_gpu_check_shim", False):
         return ["scan: num_consts/num_carry from ft_in where missing"]
 
@@ -152,7 +152,7 @@ def jax_shims() -> list[str]:
         return original(p, eqn, ins)
 
     scan._gpu_check_shim = True
-    control._CONTROL["scan"] = scan  # core.py holds the same dict
+    control.CONTROL["scan"] = scan  # core.py holds the same dict
     done.append("scan: num_consts/num_carry from ft_in where missing")
     return done
 
@@ -289,15 +289,15 @@ def custom_call_cost(instr: tuple) -> tuple[str, float, str, float] | None:
     if len(results) > 1 and results[-1].startswith(("u8[", "s8[")):
         results = results[:-1]
     operands = [a for t in operand_types for a in _arrays(t)]
-    nbytes = float(sum(hlo_cost._bytes(a)[0] for a in results + operands))
+    nbytes = float(sum(hlo_cost.type_bytes(a)[0] for a in results + operands))
     if not results or len(operands) < 2:
         return None
     if target in GEMM_TARGETS or target.startswith("__cublas"):
-        lhs = hlo_cost._dims(operands[0])
+        lhs = hlo_cost.type_dims(operands[0])
         c = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', attrs)
         dims = [int(x) for x in re.findall(r"\d+", c.group(1))] if c else []
         k = math.prod(lhs[d] for d in dims if d < len(lhs)) if dims else (lhs[-1] if lhs else 1)
-        return "cublas gemm", 2.0 * hlo_cost._elements(results[0]) * k, hlo_cost._bytes(operands[0])[1], nbytes
+        return "cublas gemm", 2.0 * hlo_cost._elements(results[0]) * k, hlo_cost.type_bytes(operands[0])[1], nbytes
     if target.startswith("__cudnn$conv"):
         if "BackwardInput" in target:
             out, lhs, kernel, kind = operands[0], results[0], operands[1], "cudnn conv backward-input"
@@ -306,7 +306,7 @@ def custom_call_cost(instr: tuple) -> tuple[str, float, str, float] | None:
         else:  # convForward, convBiasActivationForward (bias, side input after the two)
             out, lhs, kernel, kind = results[0], operands[0], operands[1], "cudnn conv forward"
         flops = hlo_cost._conv_instr_flops(out, [lhs, kernel], attrs)
-        return kind, flops, hlo_cost._bytes(lhs)[1], nbytes
+        return kind, flops, hlo_cost.type_bytes(lhs)[1], nbytes
     return None
 
 
@@ -379,13 +379,13 @@ def row_of(system, module, dp, strategy, replica_batch: int, compiler: str) -> d
     """The row ``podscale.projection.project._project_one`` builds for 1 chip (target mesh {"data": 1})."""
     from podscale.compiled.network import Topology
     from podscale.projection.cost import cost
-    from podscale.projection.rows import _row
+    from podscale.projection.rows import draft_row
 
     topology = Topology(system, 1, "torus")
     target = {"data": 1}
     phases, collectives, exposed, hidden = cost(system, topology, module, target)
     row = (
-        _row(system, topology, "replicated", strategy, replica_batch, target, target, 1, dp, module)
+        draft_row(system, topology, "replicated", strategy, replica_batch, target, target, 1, dp, module)
         ._replace(phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, compiler=compiler)
         .build()
     )

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 from podscale import Strategy, data_parallel, make_mesh
-from podscale.cli import _as_flags
+from podscale.cli import as_flags
 from podscale.parallel.gradsum import make_grad_sum
 from podscale.parallel.strategy import flag_name
 
@@ -190,29 +190,29 @@ CLI_FIELDS = [f for f in dataclasses.fields(Strategy) if f.metadata.get("cli", T
 @pytest.mark.parametrize("field", [f.name for f in CLI_FIELDS])
 def test_every_parameter_reads_as_its_flag(field):
     flag = flag_name(field)
-    assert _as_flags(f"{field}=3: no") == f"{flag} 3: no"
-    assert _as_flags(f"{field}='abc'; no") == f"{flag} abc; no"
-    assert _as_flags(f"{field} must be at least 1") == f"{flag} must be at least 1"
-    assert _as_flags(f"{field}=Rules(((r'x', 0),))") == f"{field}=Rules(((r'x', 0),))"  # Python-only advice kept
+    assert as_flags(f"{field}=3: no") == f"{flag} 3: no"
+    assert as_flags(f"{field}='abc'; no") == f"{flag} abc; no"
+    assert as_flags(f"{field} must be at least 1") == f"{flag} must be at least 1"
+    assert as_flags(f"{field}=Rules(((r'x', 0),))") == f"{field}=Rules(((r'x', 0),))"  # Python-only advice kept
 
 
 @pytest.mark.parametrize("field", [f.name for f in CLI_FIELDS if f.type in ("bool", bool)])
 def test_a_switch_reads_as_the_bare_flag(field):
     flag = flag_name(field)
-    assert _as_flags(f"{field}=True: refused before running") == f"{flag}: refused before running"
-    assert _as_flags(f"drop {field}=True to run") == f"drop {flag} to run"
-    assert "True" not in _as_flags(f"{field}=True")
+    assert as_flags(f"{field}=True: refused before running") == f"{flag}: refused before running"
+    assert as_flags(f"drop {field}=True to run") == f"drop {flag} to run"
+    assert "True" not in as_flags(f"{field}=True")
 
 
 @pytest.mark.parametrize("field", [f.name for f in CLI_FIELDS if "_" in f.name])
 def test_a_bare_two_word_parameter_reads_as_its_flag(field):
-    assert _as_flags(f"drop {field}, or give it") == f"drop {flag_name(field)}, or give it"
-    assert _as_flags(f"make_{field}(x)") == f"make_{field}(x)"  # part of a Python name: kept
+    assert as_flags(f"drop {field}, or give it") == f"drop {flag_name(field)}, or give it"
+    assert as_flags(f"make_{field}(x)") == f"make_{field}(x)"  # part of a Python name: kept
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (1, 8), (2, 2, 2), (8,)])
 def test_a_mesh_in_python_reads_as_the_mesh_flag(shape):
-    assert _as_flags(f"make one with make_mesh({shape})") == "make one with --mesh " + "x".join(map(str, shape))
+    assert as_flags(f"make one with make_mesh({shape})") == "make one with --mesh " + "x".join(map(str, shape))
 
 
 @pytest.mark.parametrize(

@@ -70,3 +70,80 @@ def test_jax_private_names_have_one_home():
             private += [f"{name}: {n}" for n in names if n == "jax._src" or n.startswith("jax._src.")]
     assert all(p.startswith("podscale._jax:") for p in private), private
     assert private, "podscale._jax imports nothing private: the check would be empty"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _reaches_into(module: str, package: str, tree: ast.Module) -> list[str]:
+    """Where ``module`` (in ``package``) takes another podscale module's underscore names:
+    ``from podscale.x import _name``, a read of ``m._name`` where ``m`` was imported from podscale
+    (a module, or anything a module exports), or an import from an underscore-named module
+    (``podscale._jax``, the one home of JAX's private names, aside)."""
+    imported: set[str] = set()  # the names bound here by imports from podscale
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:  # relative to the package this module sits in
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([source] if source else []))
+            if source.split(".")[0] != "podscale":
+                continue
+            sources = [source]
+            for a in node.names:
+                imported.add(a.asname or a.name)
+                if _private(a.name):
+                    found.append(f"{module}:{node.lineno}: from {source} import {a.name}")
+        elif isinstance(node, ast.Import):
+            sources = [a.name for a in node.names if a.name.split(".")[0] == "podscale"]
+            imported |= {a.asname or a.name.split(".")[0] for a in node.names if a.name in sources}
+        else:
+            continue
+        for source in sources:
+            if source != "podscale._jax" and any(_private(part) for part in source.split(".")):
+                found.append(f"{module}:{node.lineno}: imports {source}, an underscore-named module")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in imported:
+                found.append(f"{module}:{node.lineno}: reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_imports_another_s_underscore_names():
+    """A name another module imports is that module's API, and is named without an underscore; an
+    underscore name is its own module's alone (issue 43). JAX's private names are read in
+    ``podscale/_jax.py`` and exported from there under public names."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        package = ".".join(parts[:-1])  # a package's __init__ is the package itself
+        module = package if parts[-1] == "__init__" else ".".join(parts)
+        found += _reaches_into(module, package, ast.parse(path.read_text()))
+    assert not found, "drop the underscore of these names at their definition:\n" + "\n".join(found)
+
+
+def test_the_underscore_check_sees_each_way_in():
+    """The check above finds what it is for (it would pass on an empty walk too)."""
+    source = """
+import podscale.compiled.hlo
+from podscale.compiled import hlo_cost
+from podscale.parallel.partition.sums import _narrow_float, widen
+from podscale.parallel._interpret import sub_jaxprs
+from . import _rules
+from podscale._jax import mlir, xla_bridge
+hlo_cost._bytes("f32[2]"), podscale.compiled.hlo._HEADER, xla_bridge._backends, hlo_cost.__name__
+"""
+    found = _reaches_into("podscale.parallel.partition.core", "podscale.parallel.partition", ast.parse(source))
+    assert sorted(f.split(": ", 1)[1] for f in found) == [
+        "from podscale.parallel.partition import _rules",
+        "from podscale.parallel.partition.sums import _narrow_float",
+        "imports podscale.parallel._interpret, an underscore-named module",
+        "reads hlo_cost._bytes",
+        "reads podscale.compiled.hlo._HEADER",
+        "reads xla_bridge._backends",
+    ]

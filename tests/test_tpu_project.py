@@ -176,11 +176,13 @@ def test_compiler_tpu_without_libtpu_is_one_refusal_naming_the_extra(monkeypatch
 
 
 def test_xla_tpu_replica_groups_in_mesh_form():
-    groups = hlo_groups._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true")
+    groups = hlo_groups.replica_groups(
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true"
+    )
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    groups = hlo_groups._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}")
+    groups = hlo_groups.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}")
     assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert hlo_groups._groups("replica_groups=mesh['axis_0'=8] {'axis_0'}") == [list(range(8))]
+    assert hlo_groups.replica_groups("replica_groups=mesh['axis_0'=8] {'axis_0'}") == [list(range(8))]
 
 
 def _module(schedule, ops, collectives):
@@ -343,13 +345,15 @@ def test_a_loop_without_a_recorded_trip_count_is_read_with_its_step():
 
 
 def test_replica_groups_in_mesh_form_with_device_ids_and_sub_axes():
-    assert hlo_groups._groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
-    assert hlo_groups._groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hlo_groups.replica_groups("replica_groups=mesh['x'=2,'y'=2], device_ids=(0,2,1,3) {'y'}") == [[0, 2], [1, 3]]
+    assert hlo_groups.replica_groups("replica_groups=mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     # XLA:CPU writes the device ids in iota form: 0..7 as 4x2, transposed: 0,2,4,6,1,3,5,7.
-    groups = hlo_groups._groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}")
+    groups = hlo_groups.replica_groups(
+        "replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, dimensions={0}"
+    )
     assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="mesh form"):
-        hlo_groups._groups("replica_groups=mesh['x'=2] <unknown>")
+        hlo_groups.replica_groups("replica_groups=mesh['x'=2] <unknown>")
 
 
 def test_the_host_s_tpu_check_reads_jax_s_own_without_importing_jax():

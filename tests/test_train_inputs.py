@@ -14,7 +14,7 @@ from helpers import podscale_main
 from podscale import cli
 from podscale.train import distributed
 from podscale.train.config import OUTPUT_PATHS, RUN_CONFIG, TrainConfig, make_output_folders
-from podscale.train.resume import FIXED_ON_RESUME, _check_run_config
+from podscale.train.resume import FIXED_ON_RESUME, check_run_config
 from podscale.train.supervise import EXIT_PEER_LOST
 from podscale.train.tasks import make_task
 
@@ -146,9 +146,9 @@ def test_every_field_fixed_on_resume_has_a_default_here():
 
 def _started_and_resumed(tmp_path, task, first: dict, then: dict):
     workdir = str(tmp_path / "run")
-    _check_run_config(TrainConfig(workdir=workdir, **first), task, write=True)
+    check_run_config(TrainConfig(workdir=workdir, **first), task, write=True)
     os.makedirs(os.path.join(workdir, "checkpoints"))
-    _check_run_config(TrainConfig(workdir=workdir, resume=True, **then), task, write=True)
+    check_run_config(TrainConfig(workdir=workdir, resume=True, **then), task, write=True)
     with open(os.path.join(workdir, RUN_CONFIG)) as f:
         return json.load(f)
 
@@ -187,9 +187,9 @@ def test_a_run_config_of_an_older_podscale_holding_none_resolves_to_the_defaults
     (workdir / "checkpoints").mkdir(parents=True)
     old = {k: None for k in FIXED_ON_RESUME} | {"model": "mlp", "batch_size": 64, "seed": 0, "precision": "bf16"}
     (workdir / RUN_CONFIG).write_text(json.dumps(old))
-    _check_run_config(TrainConfig(workdir=str(workdir), resume=True, **DEFAULTS), task, write=False)
+    check_run_config(TrainConfig(workdir=str(workdir), resume=True, **DEFAULTS), task, write=False)
     with pytest.raises(ValueError, match="was started with --optimizer adam, this one asks for sgd"):
-        _check_run_config(TrainConfig(workdir=str(workdir), resume=True, optimizer="sgd"), task, write=False)
+        check_run_config(TrainConfig(workdir=str(workdir), resume=True, optimizer="sgd"), task, write=False)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ def _tiny(name):
 
 
 def _all_eqns(jaxpr):
-    from podscale.parallel._interpret import sub_jaxprs
+    from podscale.parallel.interpret import sub_jaxprs
 
     for eqn in jaxpr.eqns:
         yield eqn

@@ -15,54 +15,54 @@ import os
 import sys
 import warnings
 
-from podscale.cli.bench import _run_bench
+from podscale.cli.bench import run_bench
 from podscale.cli.flags import (
     DESCRIPTION,
-    _bench_parser,
-    _launch_parser,
-    _models_parser,
-    _Parser,
-    _plan_parser,
-    _project_parser,
-    _train_parser,
-    _verify_parser,
+    Parser,
+    bench_parser,
+    launch_parser,
+    models_parser,
     parse_shape,
+    plan_parser,
+    project_parser,
+    train_parser,
+    verify_parser,
 )
-from podscale.cli.messages import _JSON_OUT, _as_flags, _refusals, _show_warning
-from podscale.cli.models import _run_models
-from podscale.cli.plan import _run_plan
-from podscale.cli.processes import _dry_run_launch, _run_supervised, _supervise_before_jax
-from podscale.cli.project import _run_project
-from podscale.cli.train import _run_train
-from podscale.cli.verify import _run_verify
+from podscale.cli.messages import JSON_OUT, as_flags, refusals, show_warning
+from podscale.cli.models import run_models
+from podscale.cli.plan import run_plan
+from podscale.cli.processes import dry_run_launch, run_supervised, supervise_before_jax
+from podscale.cli.project import run_project
+from podscale.cli.train import run_train
+from podscale.cli.verify import run_verify
 from podscale.train import distributed, supervise
 from podscale.train.interrupt import Interrupted
 
 # The modules that load JAX (the parallel layer, checkpoints, the trainer) are imported where a
 # command needs them: ``podscale launch`` and the supervisor of each process of a multi-process
-# run (``_supervise_before_jax``) start without loading JAX.
+# run (``supervise_before_jax``) start without loading JAX.
 
 __all__ = ["main", "parse_shape"]
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
-    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
-    supervised = _supervise_before_jax(_Parser.argv)
+    Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    supervised = supervise_before_jax(Parser.argv)
     if supervised is not None:
         return supervised
-    parser = _Parser(prog="podscale", description=DESCRIPTION)
+    parser = Parser(prog="podscale", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    if _Parser.argv[:1] != ["launch"]:  # the launcher reads its own flags only, without loading JAX
-        _train_parser(sub)
-        _plan_parser(sub)
-        _bench_parser(sub)
-        _project_parser(sub)
-        _models_parser(sub)
-        _verify_parser(sub)
-    _launch_parser(sub)
+    if Parser.argv[:1] != ["launch"]:  # the launcher reads its own flags only, without loading JAX
+        train_parser(sub)
+        plan_parser(sub)
+        bench_parser(sub)
+        project_parser(sub)
+        models_parser(sub)
+        verify_parser(sub)
+    launch_parser(sub)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():
-        warnings.showwarning = _show_warning
+        warnings.showwarning = show_warning
         return _dispatch(args, argv)
 
 
@@ -71,28 +71,28 @@ def _dispatch(args, argv) -> int:  # noqa: C901
         if args.command == "launch":
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if args.dry_run:
-                return _dry_run_launch(args, cmd)
+                return dry_run_launch(args, cmd)
             return distributed.launch(args.processes, cmd, grace_s=args.grace)
         if args.command == "models":
-            return _run_models(args)
+            return run_models(args)
         if args.command == "bench":
-            return _run_bench(args)
+            return run_bench(args)
         if args.command == "plan":
-            return _run_plan(args)
+            return run_plan(args)
         if args.command == "project":
-            return _run_project(args)
+            return run_project(args)
         if args.command == "verify":
-            return _run_verify(args)
-        supervised = None if args.dry_run else _run_supervised(args, sys.argv[1:] if argv is None else list(argv))
+            return run_verify(args)
+        supervised = None if args.dry_run else run_supervised(args, sys.argv[1:] if argv is None else list(argv))
         if supervised is not None:
             return supervised
         try:
-            return _run_train(args)
+            return run_train(args)
         except Exception as e:
             # A collective whose peer went away: the distributed service names the lost process
             # shortly (see podscale.train.supervise); wait for it rather than print this.
             if os.environ.get(supervise.ENV_SUPERVISED) and "gloo" in str(e).lower():
-                supervise.wait_for_verdict(e, args.heartbeat_timeout, _JSON_OUT[0] if args.json else None)
+                supervise.wait_for_verdict(e, args.heartbeat_timeout, JSON_OUT[0] if args.json else None)
             raise
     except Interrupted as e:
         print(f"podscale: {e}", file=sys.stderr)
@@ -108,12 +108,12 @@ def _dispatch(args, argv) -> int:  # noqa: C901
         message = str(write_error(e.filename or "an output", e))
         print(f"podscale: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):
-            print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+            print(json.dumps({"error": message, "exit_code": 2}), file=JSON_OUT[0] or sys.stdout, flush=True)
         return 2
-    except _refusals() as e:
-        message = _as_flags(str(e))
+    except refusals() as e:
+        message = as_flags(str(e))
         if distributed.note_refusal(message):  # under launch, process 0 says it (launch: what differs)
             print(f"podscale: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):  # scripts read one JSON object either way
-            print(json.dumps({"error": message, "exit_code": 2}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+            print(json.dumps({"error": message, "exit_code": 2}), file=JSON_OUT[0] or sys.stdout, flush=True)
         return 2

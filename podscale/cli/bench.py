@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from podscale.cli.messages import _dry_run_result
+from podscale.cli.messages import dry_run_result
 from podscale.train import distributed
 
 
-def _run_bench(args) -> int:
+def run_bench(args) -> int:
     import importlib
 
     from podscale.bench import check_flags
@@ -18,7 +18,7 @@ def _run_bench(args) -> int:
     kwargs = check_flags(args.which, vars(args))  # every flag, before any work
     distributed.setup(args.replicas, distributed.ClusterSpec())
     if args.dry_run:
-        return _dry_run_result(args, {"benchmark": args.which, **kwargs})
+        return dry_run_result(args, {"benchmark": args.which, **kwargs})
     # Each benchmark is ``podscale.bench.WHICH.bench_WHICH``, its table ``podscale.render.bench_WHICH``.
     bench = getattr(importlib.import_module(f"podscale.bench.{args.which}"), f"bench_{args.which}")
     result = bench(**kwargs, progress=True) if args.which == "wus" else bench(**kwargs)

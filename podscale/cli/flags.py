@@ -1,6 +1,6 @@
 """The command line's parsers: every command's flags, each group that commands share declared once
 (:func:`add_model_flags`, :func:`add_cluster_flags`; the strategy's flags come from
-:func:`podscale.parallel.strategy.add_flags`), and argparse's refusals as podscale's (:class:`_Parser`).
+:func:`podscale.parallel.strategy.add_flags`), and argparse's refusals as podscale's (:class:`Parser`).
 Nothing here loads JAX until a parser is built for a command that needs it."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ DRY_RUN_HELP = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse's own refusals (an unknown flag, ``--steps x``) as podscale's: one ``podscale:
     error:`` line after the usage, exit code 2, and under ``--json`` one JSON object on stdout."""
 
@@ -79,7 +79,7 @@ def add_model_flags(p, model: str = "mlp") -> None:
 
 def add_cluster_flags(g) -> None:
     """The cluster's flags of one process of a multi-process run: ``train`` reads them, and so does
-    its supervisor's short reading before JAX loads (:func:`podscale.cli.processes._supervise_before_jax`)."""
+    its supervisor's short reading before JAX loads (:func:`podscale.cli.processes.supervise_before_jax`)."""
     g.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
@@ -99,7 +99,7 @@ def add_cluster_flags(g) -> None:
     )
 
 
-def _train_parser(sub) -> None:
+def train_parser(sub) -> None:
     from podscale.parallel.strategy import add_flags
     from podscale.train.config import TrainConfig
 
@@ -175,7 +175,7 @@ def _train_parser(sub) -> None:
     add_cluster_flags(g)
 
 
-def _plan_parser(sub) -> None:
+def plan_parser(sub) -> None:
     from podscale.parallel.strategy import Strategy, add_flags
 
     p = sub.add_parser("plan", help="show what the step does on the mesh, without running it")
@@ -206,7 +206,7 @@ def _plan_parser(sub) -> None:
     add_flags(p, Strategy(weight_update="sharded"))
 
 
-def _verify_parser(sub) -> None:
+def verify_parser(sub) -> None:
     p = sub.add_parser(
         "verify",
         help="run a model's step under every strategy the mesh allows and compare it with one device, against "
@@ -233,7 +233,7 @@ def _verify_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
 
 
-def _project_parser(sub) -> None:
+def project_parser(sub) -> None:
     from podscale.parallel.strategy import Strategy, add_flags
 
     p = sub.add_parser(
@@ -301,7 +301,7 @@ def project_strategies() -> tuple[str, ...]:
     return DEFAULT_STRATEGIES
 
 
-def _bench_parser(sub) -> None:
+def bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: wus (replicated vs sharded vs FSDP vs GSPMD weight update), gradsum (1-D vs 2-D), "
@@ -329,12 +329,12 @@ def _bench_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
 
 
-def _models_parser(sub) -> None:
+def models_parser(sub) -> None:
     mp = sub.add_parser("models", help="list the MLPerf reference workloads with their parameter counts")
     mp.add_argument("--json", action="store_true")
 
 
-def _launch_parser(sub) -> None:
+def launch_parser(sub) -> None:
     lp = sub.add_parser("launch", help="run a command as N local processes of one JAX run")
     lp.add_argument("--processes", type=int, required=True)
     lp.add_argument(

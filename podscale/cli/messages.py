@@ -11,14 +11,14 @@ import warnings
 
 from podscale.parallel.checks import PodscaleWarning
 
-_JSON_OUT = [None]
+JSON_OUT = [None]
 """Where ``--json`` output goes once ``train`` has pointed file descriptor 1 at stderr."""
 
 
-def _dry_run_result(args, what: dict) -> int:
+def dry_run_result(args, what: dict) -> int:
     """What ``--dry-run`` prints once every check has passed: nothing was run."""
     if getattr(args, "json", False):
-        print(json.dumps({"dry_run": True, **what}), file=_JSON_OUT[0] or sys.stdout, flush=True)
+        print(json.dumps({"dry_run": True, **what}), file=JSON_OUT[0] or sys.stdout, flush=True)
     else:
         shown = ", ".join(
             f"{k} {v}" for k, v in what.items() if v is not None and k != "dry_run" and not isinstance(v, list)
@@ -30,15 +30,15 @@ def _dry_run_result(args, what: dict) -> int:
     return 0
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """On the command line a podscale warning is one line in flags, like its errors."""
     if issubclass(category, PodscaleWarning):
-        print(f"podscale: warning: {_as_flags(str(message))}", file=sys.stderr)
+        print(f"podscale: warning: {as_flags(str(message))}", file=sys.stderr)
     else:
         warnings._showwarning_orig(message, category, filename, lineno, file, line)
 
 
-def _refusals() -> tuple[type[Exception], ...]:
+def refusals() -> tuple[type[Exception], ...]:
     """What a command refuses with one ``podscale: error:`` line and exit code 2: a ValueError, or a
     CheckpointError where checkpoints were read (evaluated as an exception reaches it: the
     checkpoint module loads JAX, and a command that never loaded it raises none)."""
@@ -46,7 +46,7 @@ def _refusals() -> tuple[type[Exception], ...]:
     return (ValueError,) if checkpoint is None else (ValueError, checkpoint.CheckpointError)
 
 
-def _as_flags(message: str) -> str:
+def as_flags(message: str) -> str:
     """Library errors name parameters (``grad_sum='2d'``, ``strict=True``, ``min_shard_size must``,
     ``drop model_parallel``, ``make_mesh((4, 2))``); on the command line they are flags
     (``--grad-sum 2d``, ``--strict``, ``--min-shard-size must``, ``drop --model-parallel``,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 
-def _run_models(args) -> int:
+def run_models(args) -> int:
     from podscale import render, workloads
 
     rows = []

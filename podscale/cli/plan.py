@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from podscale.cli.messages import _dry_run_result
+from podscale.cli.messages import dry_run_result
 from podscale.train import distributed
 
 
@@ -32,7 +32,7 @@ def _plan_devices(args) -> list | None:
     return list(tpu.devices(system.name, tpu.topology_name(system, args.chips)))
 
 
-def _run_plan(args) -> int:
+def run_plan(args) -> int:
     from podscale.parallel.strategy import from_flags
 
     if args.batch_size is not None and not 1 <= args.batch_size < 2**31:
@@ -66,7 +66,7 @@ def _run_plan(args) -> int:
         f"XLA:TPU for {args.system} {args.chips} chips ({len(tpu_devices)} devices)" if tpu_devices else "XLA:CPU"
     )
     if args.dry_run:
-        return _dry_run_result(
+        return dry_run_result(
             args, {"mesh": dict(mesh.shape), "replicas": dp.replicas, "batch_size": batch_size, "compiler": compiler}
         )
 

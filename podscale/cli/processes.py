@@ -1,6 +1,6 @@
 """Several processes: ``podscale launch`` (N local processes of one run) and the supervisor each
 process of a multi-process ``podscale train`` runs under (:mod:`podscale.train.supervise`). Neither
-loads JAX: the supervisor reads the cluster's flags only (:func:`_supervise_before_jax`), and the
+loads JAX: the supervisor reads the cluster's flags only (:func:`supervise_before_jax`), and the
 child it starts reads and checks them all."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from podscale.cli.flags import JOIN_S, add_cluster_flags
 from podscale.train import distributed, supervise
 
 
-def _dry_run_launch(args, cmd: list[str]) -> int:
+def dry_run_launch(args, cmd: list[str]) -> int:
     """``launch --dry-run``: launch's flags, then a podscale command's dry run as process 0 of
     ``--processes`` (a child process, as launch would start it, that joins nothing)."""
     import subprocess
@@ -32,7 +32,7 @@ def _dry_run_launch(args, cmd: list[str]) -> int:
     return subprocess.run([*child, "--dry-run"], env=env).returncode
 
 
-def _cluster_spec(args) -> distributed.ClusterSpec:
+def cluster_spec(args) -> distributed.ClusterSpec:
     return distributed.ClusterSpec.from_env(
         coordinator_address=args.coordinator_address,
         num_processes=args.num_processes,
@@ -43,12 +43,12 @@ def _cluster_spec(args) -> distributed.ClusterSpec:
     )
 
 
-def _run_supervised(args, argv: list[str]) -> int | None:
+def run_supervised(args, argv: list[str]) -> int | None:
     """A process of a multi-process run trains in a child under :mod:`podscale.train.supervise`;
     returns ``None`` where this process is to train itself (one process, or the child)."""
     if os.environ.get(supervise.ENV_SUPERVISED):
         return None
-    return _supervise(_cluster_spec(args), argv, args.json)
+    return _supervise(cluster_spec(args), argv, args.json)
 
 
 def _supervise(spec: distributed.ClusterSpec, argv: list[str], json_out: bool) -> int | None:
@@ -66,7 +66,7 @@ def _supervise(spec: distributed.ClusterSpec, argv: list[str], json_out: bool) -
 
 
 class _Unreadable(Exception):
-    """Flags that :func:`_supervise_before_jax`'s short reading cannot take."""
+    """Flags that :func:`supervise_before_jax`'s short reading cannot take."""
 
 
 class _ClusterFlags(argparse.ArgumentParser):
@@ -74,7 +74,7 @@ class _ClusterFlags(argparse.ArgumentParser):
         raise _Unreadable(message)
 
 
-def _supervise_before_jax(argv: list[str]) -> int | None:
+def supervise_before_jax(argv: list[str]) -> int | None:
     """``podscale train`` as one process of a multi-process run: its supervisor, before anything
     loads JAX. It reads the cluster's flags only; the child it starts reads and checks them all,
     and the child's refusals reach this process's stderr, stdout and exit code as they are.
@@ -97,7 +97,7 @@ def _supervise_before_jax(argv: list[str]) -> int | None:
         flags, _ = p.parse_known_args(argv[1:])
         if flags.dry_run or flags.help or flags.h:
             return None
-        spec = _cluster_spec(flags)
+        spec = cluster_spec(flags)
         if not (spec.auto or (spec.explicit and spec.num_processes > 1)):
             return None
     except (_Unreadable, ValueError):  # the whole reading refuses it, with its message and exit code

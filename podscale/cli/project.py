@@ -9,7 +9,7 @@ import json
 import math
 import sys
 
-from podscale.cli.messages import _dry_run_result
+from podscale.cli.messages import dry_run_result
 from podscale.train import distributed
 
 _VALIDATE_ONLY = ("validate_models", "steps")
@@ -101,7 +101,7 @@ def _strategy_names() -> tuple[str, ...]:
     return tuple(STRATEGIES)
 
 
-def _run_project(args) -> int:
+def run_project(args) -> int:
     from podscale.parallel.mesh import MAX_CPU_DEVICES
     from podscale.parallel.strategy import from_flags
 
@@ -118,12 +118,12 @@ def _run_project(args) -> int:
         from podscale.projection.validate import check, print_validation, validate
 
         if args.dry_run:
-            return _dry_run_result(args, {"validate": ",".join(check(models, args.steps)), "steps": args.steps})
+            return dry_run_result(args, {"validate": ",".join(check(models, args.steps)), "steps": args.steps})
         result = validate(models=models, steps=args.steps, progress=True)
         print(json.dumps(result)) if args.json else print_validation(result)
         return 0
     if args.list_systems:
-        return _dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
+        return dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
     from podscale.compiled import systems
     from podscale.projection import mesh as project_mesh
     from podscale.projection import project as proj
@@ -211,9 +211,7 @@ def _run_project(args) -> int:
             for s in effective
         ]
         compiler = "XLA:TPU (libtpu, compile-only)" if on_tpu else "XLA:CPU"
-        return _dry_run_result(
-            args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows}
-        )
+        return dry_run_result(args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows})
     rows = proj.project(
         make_train_step(task, tx),
         state,

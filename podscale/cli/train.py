@@ -9,12 +9,12 @@ import json
 import os
 import sys
 
-from podscale.cli.messages import _JSON_OUT, _dry_run_result
-from podscale.cli.processes import _cluster_spec
+from podscale.cli.messages import JSON_OUT, dry_run_result
+from podscale.cli.processes import cluster_spec
 from podscale.train import distributed, supervise
 
 
-def _run_train(args) -> int:
+def run_train(args) -> int:
     from podscale.parallel.strategy import from_flags
 
     out = sys.stdout
@@ -24,8 +24,8 @@ def _run_train(args) -> int:
         sys.stdout.flush()
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
-        _JSON_OUT[0] = out
-    spec = _cluster_spec(args)
+        JSON_OUT[0] = out
+    spec = cluster_spec(args)
     from podscale.train.config import TrainConfig
     from podscale.train.prepare import check
     from podscale.train.trainer import train
@@ -39,7 +39,7 @@ def _run_train(args) -> int:
     config = TrainConfig(**values)  # flags and output paths, before joining any cluster
     if args.dry_run and (spec.auto or spec.explicit):
         local = distributed.check_devices(args.replicas, spec)
-        return _dry_run_result(
+        return dry_run_result(
             args,
             {
                 "processes": spec.num_processes,
@@ -57,7 +57,7 @@ def _run_train(args) -> int:
         from podscale.train.prepare import resume_step
 
         run = check(config)
-        return _dry_run_result(args, run.dry_run_summary() | {"resume_from": resume_step(config, run)})
+        return dry_run_result(args, run.dry_run_summary() | {"resume_from": resume_step(config, run)})
     summary = train(config)
     if jax.process_index() == 0:
         if summary["time_to_target_s"] is not None:

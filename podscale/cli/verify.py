@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from podscale.cli.messages import _dry_run_result
+from podscale.cli.messages import dry_run_result
 from podscale.train import distributed
 
 
@@ -23,7 +23,7 @@ def _names(text: str, choices) -> list[str]:
     return some_of("--strategies", items, list(choices), "strategy")
 
 
-def _run_verify(args) -> int:
+def run_verify(args) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if not 0 <= args.seed < 2**63:
@@ -59,7 +59,7 @@ def _run_verify(args) -> int:
             for n, (_, p) in checked.prepared.items()
         ]
         what = {"mesh": dict(mesh.shape), "batch_size": batch_size, "steps": args.steps}
-        return _dry_run_result(args, {**what, "strategies": names})
+        return dry_run_result(args, {**what, "strategies": names})
     state = task.init_state(key, tx, batch)
     checked = check(step, state, batch, mesh, chosen, rules=rules, what="--strategies")
     result = run(checked, steps=args.steps, seed=args.seed)

@@ -28,18 +28,18 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from podscale.compiled.hlo_cost import (
-    _NO_COST,
+    NO_COST,
+    Draft,
     Op,
-    _bytes,
-    _conv_flops,
-    _converts,
-    _Draft,
-    _fusion_reader,
-    _mark_upcasts,
-    _op_cost,
+    convert_from_dtype,
+    fusion_reader,
+    mark_upcasts,
+    op_conv_flops,
+    op_cost,
+    type_bytes,
 )
-from podscale.compiled.hlo_groups import _axes, _groups, _pair_axes
-from podscale.compiled.hlo_loops import _trip_count
+from podscale.compiled.hlo_groups import group_axes, pair_axes, replica_groups
+from podscale.compiled.hlo_loops import trip_count
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 PHASES = ("forward", "backward", "update")
@@ -259,7 +259,7 @@ def read_text(
         for name, _, opcode, operands, attrs, rest in instrs:
             trips = 1
             if opcode == "while":
-                trips = _trip_count(comps, comp, operands, attrs, rest)
+                trips = trip_count(comps, comp, operands, attrs, rest)
                 if trips is None:
                     unknown.append(name)
                     trips = 1
@@ -343,21 +343,21 @@ def read_text(
                         if callee in comps:
                             events.append(("call", callee, trips if role in ("body", "condition") else 1))
                 continue
-            if opcode in _NO_COST or opcode.endswith("-start"):
+            if opcode in NO_COST or opcode.endswith("-start"):
                 continue
             operand_types = [types[comp].get(o, "") for o in operands]
-            flops, mm, dtype, nbytes = _op_cost(comps, types, opcode, type_text, operand_types, attrs)
-            out_dtype = _bytes(type_text)[1]
-            conv, channels = _conv_flops(comps, types, opcode, type_text, operand_types, attrs)
+            flops, mm, dtype, nbytes = op_cost(comps, types, opcode, type_text, operand_types, attrs)
+            out_dtype = type_bytes(type_text)[1]
+            conv, channels = op_conv_flops(comps, types, opcode, type_text, operand_types, attrs)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
-            raw[name] = _Draft(
+            raw[name] = Draft(
                 dataclasses.replace(op, conv_flops=conv, conv_channels=channels),
                 operands,
                 operand_types,
-                _converts(comps, opcode, attrs, operand_types, out_dtype),
+                convert_from_dtype(comps, opcode, attrs, operand_types, out_dtype),
             )
             events.append(("op", name))
-        _mark_upcasts(raw)
+        mark_upcasts(raw)
         index = {name: len(ops) + i for i, name in enumerate(raw)}
         ops += [r.op for r in raw.values()]
         schedule[comp] = [("op", index[e[1]]) if e[0] == "op" else e for e in events]
@@ -376,7 +376,7 @@ def _scattered(comps, types, comp: str, readers, result: str, n: int) -> list[in
     if n <= 1:
         return []
     type_text = types.get(comp, {}).get(result, "")
-    sizes = _bytes(type_text)[2]
+    sizes = type_bytes(type_text)[2]
     if not sizes:
         return []
     if type_text.lstrip().startswith("("):
@@ -406,17 +406,17 @@ def _read_of(comps, types, readers, name: str, full: float, depth: int = 0) -> f
     most = static = 0.0
     for ins, pos in uses:
         if ins[2] == "slice" and pos == 0:
-            static += _bytes(ins[1])[0]  # different static slices of one buffer add up
+            static += type_bytes(ins[1])[0]  # different static slices of one buffer add up
             continue
         if ins[2] == "dynamic-slice" and pos == 0:
-            read = _bytes(ins[1])[0]
+            read = type_bytes(ins[1])[0]
         elif ins[2] in _PASS_THROUGH and depth < 8:
             read = _read_of(comps, types, readers, ins[0], full, depth + 1)
         elif ins[2] == "fusion":
             m = re.search(r"calls=%?([\w.\-]+)", ins[4])
             inner = comps.get(m.group(1), []) if m else []
             params = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
-            read = _fusion_reader(comps, types, m.group(1))(params[0][0], 0) if params else full
+            read = fusion_reader(comps, types, m.group(1))(params[0][0], 0) if params else full
         else:
             return full
         most = max(most, read)
@@ -447,11 +447,11 @@ def _wrapped_collective(comps, attrs: str) -> tuple[str, str, str] | None:
 
 
 def _collective(name, kind, opcode, type_text, rest, mesh_shape, devices, count, op_name) -> Collective:
-    total, dtype, sizes = _bytes(type_text)
+    total, dtype, sizes = type_bytes(type_text)
     if kind == "collective-permute":
-        size, axes = 2, _pair_axes(rest, mesh_shape)
+        size, axes = 2, pair_axes(rest, mesh_shape)
     else:
-        size, axes = _axes(_groups(rest), mesh_shape, devices)
+        size, axes = group_axes(replica_groups(rest), mesh_shape, devices)
     if opcode == "all-gather-start":  # (operands..., results...)
         total = sum(sizes[len(sizes) // 2 :])
     elif opcode == "collective-permute-start" and len(sizes) > 1:  # (operand, result, contexts)

@@ -5,7 +5,7 @@ convolution's input covers; one per element of elementwise arithmetic and reduct
 a fusion's body and the fusions nested in it) and bytes (operands read and the result written; a
 fusion's parameters as they are read, slices only where read through slices, an in-place
 dynamic-update-slice's update), the sizes of HLO types they are counted from, the :class:`Op`
-record that carries them, and XLA:CPU's converts around bf16 matrix products (``_mark_upcasts``).
+record that carries them, and XLA:CPU's converts around bf16 matrix products (``mark_upcasts``).
 :mod:`podscale.compiled.hlo` reads the module and calls these for each op that does work.
 """
 
@@ -42,7 +42,7 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
-def _bytes(type_text: str) -> tuple[int, str, list[int]]:
+def type_bytes(type_text: str) -> tuple[int, str, list[int]]:
     """Total bytes of an HLO type (array or tuple), the first array's dtype, and each array's bytes."""
     sizes, first = [], ""
     for dtype, dims in _ARRAY.findall(type_text):
@@ -52,7 +52,7 @@ def _bytes(type_text: str) -> tuple[int, str, list[int]]:
     return sum(sizes), first, sizes
 
 
-_NO_COST = frozenset(
+NO_COST = frozenset(
     {
         "parameter",
         "constant",
@@ -142,7 +142,7 @@ class Op:
     """The dtype of its (first) result."""
     upcast: bool = False
     """A convert XLA:CPU adds around a bf16 matrix product (which it computes in f32); an
-    accelerator runs the product in bf16 and has no such op (see ``_mark_upcasts``)."""
+    accelerator runs the product in bf16 and has no such op (see ``mark_upcasts``)."""
     conv_flops: float = 0.0
     """The part of ``matmul_flops`` in convolutions."""
     conv_channels: int = 0
@@ -156,7 +156,7 @@ def _elements(type_text: str) -> int:
     return math.prod(int(d) for d in m.group(2).split(",") if d) if m.group(2) else 1
 
 
-def _dims(type_text: str) -> list[int]:
+def type_dims(type_text: str) -> list[int]:
     m = _ARRAY.search(type_text)
     return [int(d) for d in m.group(2).split(",") if d] if m and m.group(2) else []
 
@@ -165,14 +165,14 @@ def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: s
     """(FLOPs, matmul FLOPs, matmul operand dtype) of one instruction."""
     out = _elements(type_text)
     if opcode == "dot":
-        lhs = _dims(operand_types[0]) if operand_types else []
+        lhs = type_dims(operand_types[0]) if operand_types else []
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
         k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
         f = 2.0 * out * k
-        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+        return f, f, type_bytes(operand_types[0])[1] if operand_types else ""
     if opcode == "convolution":
         f = _conv_instr_flops(type_text, operand_types, attrs)
-        return f, f, _bytes(operand_types[0])[1] if operand_types else ""
+        return f, f, type_bytes(operand_types[0])[1] if operand_types else ""
     if opcode in ("reduce", "reduce-window"):
         return float(sum(_elements(t) for t in operand_types[: max(1, len(operand_types) // 2)])), 0.0, ""
     if opcode in _FLOP_PER_ELEMENT:
@@ -190,13 +190,13 @@ def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> f
     (not on padding), as XLA's cost analysis does: XLA:TPU writes some matrix products as
     convolutions whose padded window touches one input position (heads as a spatial dimension)."""
     out = _elements(type_text)
-    lhs = _dims(operand_types[0]) if operand_types else []
-    kernel = _dims(operand_types[1]) if len(operand_types) > 1 else []
+    lhs = type_dims(operand_types[0]) if operand_types else []
+    kernel = type_dims(operand_types[1]) if len(operand_types) > 1 else []
     m = re.search(r"dim_labels=([^_]+)_([^-]+)->(\w+)", attrs)
     if not m or not kernel or not lhs:
         return 2.0 * out * (math.prod(kernel[:-1]) if kernel else 1)
     lhs_l, rhs_l, out_l = m.groups()
-    outs = _dims(type_text)
+    outs = type_dims(type_text)
     taps = float(kernel[rhs_l.index("i")]) if "i" in rhs_l else 1.0
     per_out = out / max(1, math.prod(outs[out_l.index(d)] for d in out_l if d.isdigit()))
     window = _window(attrs)
@@ -218,7 +218,7 @@ def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> f
     return 2.0 * per_out * taps
 
 
-def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
+def op_conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
     """(FLOPs in convolutions, the smaller feature count of the first) of a top-level op."""
     if opcode == "convolution":
         convs = [(type_text, operand_types, attrs)]
@@ -230,7 +230,7 @@ def _conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[
     channels = 0
     if convs:
         _, ots, a = convs[0]
-        kernel = _dims(ots[1]) if len(ots) > 1 else []
+        kernel = type_dims(ots[1]) if len(ots) > 1 else []
         m = re.search(r"dim_labels=[^_]+_([^-]+)->", a)
         if kernel and m and "i" in m.group(1) and "o" in m.group(1):
             channels = min(kernel[m.group(1).index("i")], kernel[m.group(1).index("o")])
@@ -241,7 +241,7 @@ _NARROW = ("bf16", "f16")
 _SHAPE_ONLY = frozenset({"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"})
 
 
-def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
+def convert_from_dtype(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
     """The dtype a convert-only op (a ``convert``, or a fusion of a convert and shape-only ops)
     converts from, when it changes bf16/f16 to f32 or back; else ``None``."""
     if opcode == "fusion":
@@ -253,24 +253,24 @@ def _converts(comps, opcode, attrs, operand_types, out_dtype) -> str | None:
         return None
     if len(operand_types) != 1:
         return None
-    source = _bytes(operand_types[0])[1]
+    source = type_bytes(operand_types[0])[1]
     if (source in _NARROW and out_dtype == "f32") or (source == "f32" and out_dtype in _NARROW):
         return source
     return None
 
 
 @dataclasses.dataclass
-class _Draft:
-    """An op while its module is read: what :func:`_mark_upcasts` needs beside it."""
+class Draft:
+    """An op while its module is read: what :func:`mark_upcasts` needs beside it."""
 
     op: Op
     operands: list[str]
     operand_types: list[str]
     converts_from: str | None
-    """The dtype it converts from, when it is a convert-only op (see :func:`_converts`)."""
+    """The dtype it converts from, when it is a convert-only op (see :func:`convert_from_dtype`)."""
 
 
-def _mark_upcasts(raw: dict[str, _Draft]) -> None:
+def mark_upcasts(raw: dict[str, Draft]) -> None:
     """XLA:CPU has no bf16 matrix products: it converts their operands to f32 and the result back.
     A matmul op all of whose float32 operands are such converts (from bf16 or f16) is marked with
     the program's dtype and its bytes at that width, and the converts around it as ``upcast``
@@ -279,10 +279,10 @@ def _mark_upcasts(raw: dict[str, _Draft]) -> None:
     for name, r in raw.items():
         if not r.op.matmul_flops:
             continue
-        wide = [(o, t) for o, t in zip(r.operands, r.operand_types, strict=False) if _bytes(t)[1] == "f32"]
+        wide = [(o, t) for o, t in zip(r.operands, r.operand_types, strict=False) if type_bytes(t)[1] == "f32"]
         if not wide or any(o not in raw or raw[o].converts_from not in _NARROW for o, _ in wide):
             continue
-        saved = sum(_bytes(t)[0] / 2 for _, t in wide)
+        saved = sum(type_bytes(t)[0] / 2 for _, t in wide)
         for o, _ in wide:
             raw[o].op = dataclasses.replace(raw[o].op, upcast=True)
         r.op = dataclasses.replace(r.op, matmul_dtype=raw[wide[0][0]].converts_from, bytes=max(0.0, r.op.bytes - saved))
@@ -291,7 +291,7 @@ def _mark_upcasts(raw: dict[str, _Draft]) -> None:
         if r.converts_from == "f32" and r.operands and r.operands[0] in narrow:
             r.op = dataclasses.replace(r.op, upcast=True)
             mm = raw[r.operands[0]]
-            mm.op = dataclasses.replace(mm.op, bytes=max(0.0, mm.op.bytes - _bytes(r.operand_types[0])[0] / 2))
+            mm.op = dataclasses.replace(mm.op, bytes=max(0.0, mm.op.bytes - type_bytes(r.operand_types[0])[0] / 2))
 
 
 def _nested_flops(comps, types, attrs: str, depth: int = 0) -> tuple[float, float, str]:
@@ -327,15 +327,15 @@ def _body_convs(comps, types, attrs: str, depth: int = 0) -> list[tuple]:
     return out
 
 
-def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
+def op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
     """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
     if opcode != "fusion":
         flops, mm, dtype = _instr_flops(opcode, type_text, operand_types, attrs)
         if opcode in ("slice", "dynamic-slice"):
-            return flops, mm, dtype, 2.0 * _bytes(type_text)[0]
+            return flops, mm, dtype, 2.0 * type_bytes(type_text)[0]
         if opcode == "dynamic-update-slice":
-            return flops, mm, dtype, 2.0 * _bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
-        return flops, mm, dtype, float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+            return flops, mm, dtype, 2.0 * type_bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
+        return flops, mm, dtype, float(type_bytes(type_text)[0] + sum(type_bytes(t)[0] for t in operand_types))
     m = re.search(r"calls=%?([\w.\-]+)", attrs)
     body = comps.get(m.group(1), []) if m else []
     btypes = types.get(m.group(1), {}) if m else {}
@@ -352,7 +352,7 @@ def _op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[flo
         if g and operands and operands[0] in converts:
             d = converts[operands[0]]  # XLA:CPU computes a bf16 product in f32: the program's dtype is the input's
         if opc == "convert" and operands:
-            converts[name] = _bytes(btypes.get(operands[0], ""))[1]
+            converts[name] = type_bytes(btypes.get(operands[0], ""))[1]
         flops, mm, dtype = flops + f, mm + g, dtype or d
     return flops, mm, dtype, _fusion_bytes(comps, types, m.group(1) if m else "", type_text, operand_types)
 
@@ -367,7 +367,7 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
     update, read and written)."""
     body = comps.get(body_name, [])
     if not body:
-        return float(_bytes(type_text)[0] + sum(_bytes(t)[0] for t in operand_types))
+        return float(type_bytes(type_text)[0] + sum(type_bytes(t)[0] for t in operand_types))
     by_name = {ins[0]: ins for ins in body}
     params: dict[int, str] = {}
     for ins in body:
@@ -390,19 +390,19 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
             target = through(ins[3][0])
             if target is not None and target[2] == "parameter":
                 in_place.add(target[0])
-            nbytes += 2.0 * _bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
+            nbytes += 2.0 * type_bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
         else:
-            nbytes += _bytes(by_name[e][1] if e in by_name else "")[0]
+            nbytes += type_bytes(by_name[e][1] if e in by_name else "")[0]
 
-    read = _fusion_reader(comps, types, body_name)
+    read = fusion_reader(comps, types, body_name)
     for index, pname in params.items():
         if pname in in_place:
             continue
-        nbytes += read(pname, depth) if pname in by_name else _bytes(operand_types[index])[0]
+        nbytes += read(pname, depth) if pname in by_name else type_bytes(operand_types[index])[0]
     return nbytes
 
 
-def _fusion_reader(comps, types, body_name: str):
+def fusion_reader(comps, types, body_name: str):
     """The ``read`` of :func:`_fusion_bytes` for a nested fusion's body."""
     body = comps.get(body_name, [])
     by_name = {ins[0]: ins for ins in body}
@@ -412,11 +412,11 @@ def _fusion_reader(comps, types, body_name: str):
             readers[o].append((ins, pos))
 
     def read(name: str, level: int) -> float:
-        full = float(_bytes(by_name[name][1])[0])
+        full = float(type_bytes(by_name[name][1])[0])
         total = 0.0
         for ins, pos in readers.get(name, []):
             if ins[2] in ("slice", "dynamic-slice") and pos == 0:
-                total += _bytes(ins[1])[0]
+                total += type_bytes(ins[1])[0]
             elif ins[2] == "dynamic-update-slice" and pos == 0:
                 continue  # updated in place: its update is counted with the result
             elif ins[2] in _SHAPE:
@@ -425,7 +425,7 @@ def _fusion_reader(comps, types, body_name: str):
                 m = re.search(r"calls=%?([\w.\-]+)", ins[4])
                 inner = comps.get(m.group(1) if m else "", [])
                 names = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
-                total += _fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else full
+                total += fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else full
             else:
                 return full
         return min(full, total)

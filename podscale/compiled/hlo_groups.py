@@ -61,7 +61,7 @@ def _device_ids(text: str) -> np.ndarray:
     return ids.reshape(-1)
 
 
-def _groups(attrs: str) -> list[list[int]] | None:
+def replica_groups(attrs: str) -> list[list[int]] | None:
     """``replica_groups``, listed (``{{0,1},{2,3}}``), in iota form (``[2,4]<=[4,2]T(1,0)``) or in
     XLA:TPU's mesh form (see :func:`_mesh_groups`)."""
     m = _MESH_GROUPS.search(attrs)
@@ -83,7 +83,7 @@ def _groups(attrs: str) -> list[list[int]] | None:
     return None
 
 
-def _pair_axes(attrs: str, mesh_shape: dict[str, int] | None) -> tuple:
+def pair_axes(attrs: str, mesh_shape: dict[str, int] | None) -> tuple:
     """The mesh axes a collective-permute's ``source_target_pairs`` move data along (a halo
     exchange: the space axis)."""
     m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
@@ -97,7 +97,7 @@ def _pair_axes(attrs: str, mesh_shape: dict[str, int] | None) -> tuple:
     return tuple(n for n in names if n in varying)
 
 
-def _axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, devices: int) -> tuple[int, tuple]:
+def group_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int] | None, devices: int) -> tuple[int, tuple]:
     """(group size, the mesh axes a group spans). Device ids are positions in the mesh's
     flattened device order (the program's device assignment)."""
     if not groups:  # empty replica_groups: one group of every device

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import re
 
-from podscale.compiled.hlo_cost import _dims
+from podscale.compiled.hlo_cost import type_dims
 
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONSTANT = re.compile(r"^(-?\d+)\)")
 
 
-def _trip_count(comps, comp: str, operands: list[str], attrs: str, rest: str) -> int | None:
+def trip_count(comps, comp: str, operands: list[str], attrs: str, rest: str) -> int | None:
     """A ``while`` loop's trip count: XLA's ``known_trip_count`` (XLA:CPU records it), else read
     from the loop (XLA:TPU does not record it): a condition ``i < N`` on a tuple element whose
     initial value is a constant (through copies), as ``jax.lax.scan`` and ``fori_loop`` lower."""
@@ -75,7 +75,7 @@ def _constant_of(by_name: dict, name: str, depth: int = 0) -> int | None:
         return None
     if ins[2] == "constant":
         m = _CONSTANT.match(ins[5])
-        return int(m.group(1)) if m and not _dims(ins[1]) else None
+        return int(m.group(1)) if m and not type_dims(ins[1]) else None
     if ins[2] in ("copy", "bitcast", "convert") and ins[3]:
         return _constant_of(by_name, ins[3][0], depth + 1)
     return None

@@ -100,9 +100,9 @@ def quiet_platforms() -> None:
         return
     import jax
 
-    from podscale._jax import xla_bridge
+    from podscale._jax import backends_started
 
-    if jax.config.jax_platforms or xla_bridge._backends:
+    if jax.config.jax_platforms or backends_started():
         return
     jax.config.update("jax_platforms", "cpu")
 

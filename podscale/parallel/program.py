@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podscale.parallel import _interpret
+from podscale.parallel import interpret
 from podscale.parallel.weight_update import Sharded
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
@@ -92,7 +92,7 @@ def signature(batch) -> tuple:
 
 
 def as_whole(kind: str, path, x):
-    if _interpret.varying_axes(jax.typeof(x)):
+    if interpret.varying_axes(jax.typeof(x)):
         raise AssertionError(f"podscale left {kind}{path_str(path)} per replica; please report this with the step")
     return x
 

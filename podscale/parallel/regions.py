@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from podscale.parallel._interpret import varying_axes
+from podscale.parallel.interpret import varying_axes
 
 ROLES = ("space", "model")
 _PREFIX = "podscale_region_"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from podscale._jax import source_info_util
-from podscale.parallel._interpret import sub_jaxprs
+from podscale.parallel.interpret import sub_jaxprs
 
 WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window")
 

@@ -29,7 +29,7 @@ import math
 import numpy as np
 from jax.extend import core
 
-from podscale.parallel import _interpret
+from podscale.parallel import interpret
 
 
 def looked_up(jaxpr, n_state: int) -> set[int]:
@@ -55,7 +55,7 @@ def looked_up(jaxpr, n_state: int) -> set[int]:
             if name in ("dot_general", "conv_general_dilated"):
                 contracted.update(ins)
             outs = None  # what each output is derived from, where a call says it exactly
-            for sub in _interpret.sub_jaxprs(eqn):
+            for sub in interpret.sub_jaxprs(eqn):
                 if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                     inner = {s: read(o) for s, o in zip(sub.invars, eqn.invars, strict=True) if read(o)}
                     visit(sub, inner)
@@ -80,7 +80,7 @@ def _has_product(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
             return True
-        if any(_has_product(sub) for sub in _interpret.sub_jaxprs(eqn)):
+        if any(_has_product(sub) for sub in interpret.sub_jaxprs(eqn)):
             return True
     return False
 

@@ -44,7 +44,7 @@ from podscale.projection.mesh import (
     strategy_for,
     target_shape,
 )
-from podscale.projection.rows import Row, _not_applicable, _row, mark_fastest
+from podscale.projection.rows import Row, draft_row, mark_fastest, not_applicable_row
 from podscale.report import elapsed, heartbeat
 
 
@@ -54,12 +54,12 @@ def accelerator_lowerings():
     on CPU as a rolled loop, whose every round writes the whole state to memory, and on
     accelerators unrolled into one fusion. Without this, a step with dropout would be costed with
     the CPU's loop (a third of transformer-big's bytes). Uses JAX's lowering registry (private)."""
-    from podscale._jax import mlir
+    from podscale._jax import mlir, platform_lowerings, threefry2x32_lowering_rule
     from podscale._jax import threefry2x32 as threefry
 
-    rules = mlir._platform_specific_lowerings["cpu"]
+    rules = platform_lowerings["cpu"]
     old = rules.get(threefry.threefry2x32_p)
-    mlir.register_lowering(threefry.threefry2x32_p, threefry._threefry2x32_lowering_rule, platform="cpu")
+    mlir.register_lowering(threefry.threefry2x32_p, threefry2x32_lowering_rule, platform="cpu")
     try:
         yield
     finally:
@@ -174,7 +174,7 @@ def project(
             reason = reasons[n_chips, name]
             if reason is not None:
                 say(f"{what}: not applicable: {reason}")
-                rows.append(_not_applicable(topology, name, strategy, per_chips[n_chips], reason))
+                rows.append(not_applicable_row(topology, name, strategy, per_chips[n_chips], reason))
                 continue
             one = time.perf_counter()
             say(f"{what}: compiling for {topology.devices} devices ({elapsed(started)} since the start)")
@@ -258,7 +258,7 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
         points.append((math.prod(smaller.values()), update_seconds(system, compile_(smaller)[1])))
         phases["update"] = scale_update(points, points[0], topology.devices)
     return (
-        _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module)
+        draft_row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module)
         ._replace(phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, compiler="XLA:CPU")
         .build()
     )
@@ -386,7 +386,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             reason = reasons[n_chips, name]
             if reason is not None:
                 say(f"{system.name} {n_chips} chips, {name}: not applicable: {reason}")
-                rows.append(_not_applicable(topology, name, strategy, replica_batch, reason))
+                rows.append(not_applicable_row(topology, name, strategy, replica_batch, reason))
                 continue
             target = target_shape(topology, strategy)
             shape, reduced, factor = compile_shape_of(topology, name, strategy)
@@ -396,7 +396,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             if entry.error:
                 rows.append(
                     dataclasses.replace(
-                        _not_applicable(topology, name, strategy, replica_batch, None),
+                        not_applicable_row(topology, name, strategy, replica_batch, None),
                         mesh=target,
                         compiled_mesh=shape,
                         fits=False,
@@ -417,7 +417,9 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                     if key[0] == name and key[2] == replica_batch and cache[key].module is not None
                 ]
                 phases["update"] = scale_update(points, (n, phases["update"]), topology.devices)
-            draft = _row(system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module)
+            draft = draft_row(
+                system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module
+            )
             row = draft._replace(
                 phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, **common
             ).build()

@@ -74,7 +74,7 @@ class Row:
         return dataclasses.asdict(self)
 
 
-def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
+def not_applicable_row(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
     k = strategy.spatial or strategy.model_parallel or 1
     replicas = topology.devices // k if topology.devices % k == 0 else None
     return Row(
@@ -90,7 +90,7 @@ def _not_applicable(topology, name: str, strategy: Strategy, replica_batch: int,
 
 
 class _Draft(dict):
-    """A row's figures while they are gathered (see :func:`_row`)."""
+    """A row's figures while they are gathered (see :func:`draft_row`)."""
 
     def _replace(self, **fields):
         self.update(fields)
@@ -164,7 +164,7 @@ def partition_bytes(
     return halo, other
 
 
-def _row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module) -> _Draft:
+def draft_row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module) -> _Draft:
     k = strategy.spatial or strategy.model_parallel or 1
     return _Draft(
         system=system,

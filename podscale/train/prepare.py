@@ -15,9 +15,9 @@ from podscale.parallel.strategy import Strategy
 from podscale.parallel.tensor import RuleWarning, with_model_rules
 from podscale.train.config import TrainConfig, check_output_paths
 from podscale.train.resume import (
-    _check_checkpoints,
-    _check_run_config,
+    check_checkpoints,
     check_data_position,
+    check_run_config,
     resolved_run_config,
     schedule_steps,
 )
@@ -97,9 +97,9 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
             f"--eval-batch-size {eval_batch} is not divisible by the {dp.replicas} replicas the evaluation splits it "
             f"over; use a multiple of {dp.replicas}"
         )
-    latest = _check_checkpoints(config)
+    latest = check_checkpoints(config)
     if config.workdir:
-        _check_run_config(config, task, write=write and lead, horizon=horizon)
+        check_run_config(config, task, write=write and lead, horizon=horizon)
 
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)

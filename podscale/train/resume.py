@@ -143,7 +143,7 @@ def schedule_steps(config: TrainConfig, task) -> int | None:
     return recorded
 
 
-def _check_run_config(config: TrainConfig, task, write: bool, horizon: int | None = None) -> None:
+def check_run_config(config: TrainConfig, task, write: bool, horizon: int | None = None) -> None:
     """A fresh run records the resolved ``FIXED_ON_RESUME`` values (:func:`resolved_run_config`:
     what it used, not the flags as typed) in ``WORKDIR/run_config.json``; ``--resume`` refuses,
     before any work, a run that resolves to another value of one of them, naming the flag."""
@@ -172,7 +172,7 @@ def _check_run_config(config: TrainConfig, task, write: bool, horizon: int | Non
             )
 
 
-def _check_checkpoints(config: TrainConfig) -> int | None:
+def check_checkpoints(config: TrainConfig) -> int | None:
     """The latest checkpoint step in ``--workdir`` (``None``: none), checked against ``--resume``
     and ``--steps`` before any work; nothing is created."""
     folder = os.path.join(config.workdir, "checkpoints") if config.workdir else None

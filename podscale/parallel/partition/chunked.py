@@ -19,10 +19,10 @@ from jax import lax
 
 from podscale._jax import all_gather_invariant
 from podscale.compiled.hlo import UPDATE_SCOPE
-from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
 from podscale.parallel.partition.rules import ELEMENTWISE
-from podscale.parallel.partition.sums import _IDENTITY, _narrow_float, one_replica_sum, widen
+from podscale.parallel.partition.sums import IDENTITY, narrow_float, one_replica_sum, widen
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -81,8 +81,8 @@ def settle(p: Partitioner, eqn, ins, i: int):
     else whole. Returns ``(value, layout)`` after the sum."""
     value, layout = ins[i]
     target = REPLICATED
-    shape = _global_shape(eqn.invars[i])
-    if eqn.primitive.name in ELEMENTWISE and shape == _global_shape(eqn.outvars[0]):
+    shape = global_shape(eqn.invars[i])
+    if eqn.primitive.name in ELEMENTWISE and shape == global_shape(eqn.outvars[0]):
         dims = {lay.dim for _, lay in ins if isinstance(lay, Chunked)}
         others = [lay for _, lay in ins if lay not in (REPLICATED, PARTIAL) and not isinstance(lay, Chunked)]
         if len(dims) == 1 and not others:
@@ -95,7 +95,7 @@ def settle(p: Partitioner, eqn, ins, i: int):
 def equation(p: Partitioner, eqn, ins):
     """``eqn``, which reads a chunk, on the chunks where it can be, else on gathered values."""
     name = eqn.primitive.name
-    if name in _IDENTITY and len(ins) == 1:
+    if name in IDENTITY and len(ins) == 1:
         return [ins[0]]
     with jax.named_scope(UPDATE_SCOPE):  # work on chunks is the update's (compiled.hlo's phases)
         out = _elementwise(p, eqn, ins) if name in ELEMENTWISE else None
@@ -110,7 +110,7 @@ def equation(p: Partitioner, eqn, ins):
 
 
 def _elementwise(p: Partitioner, eqn, ins):
-    shape = _global_shape(eqn.outvars[0])
+    shape = global_shape(eqn.outvars[0])
     dims = {lay.dim for _, lay in ins if isinstance(lay, Chunked)}
     if len(dims) != 1:
         return None
@@ -152,7 +152,7 @@ def _reduce(p: Partitioner, eqn, arg):
         local = p.bind(eqn, [v], **changes)[0]
         return [(local, Chunked(lay.dim - sum(a < lay.dim for a in axes)))]
     if name == "reduce_sum":
-        if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
+        if narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
             v = widen(v)
         return [(p.bind(eqn, [v], **changes)[0], PARTIAL)]
     local = p.bind(eqn, [v], **changes)[0]

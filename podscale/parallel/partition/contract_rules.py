@@ -11,9 +11,9 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from podscale.parallel.partition import tables
-from podscale.parallel.partition.jaxprs import _global_shape, _source
+from podscale.parallel.partition.jaxprs import global_shape, source_at
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
-from podscale.parallel.partition.sums import _narrow_float
+from podscale.parallel.partition.sums import narrow_float
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -34,7 +34,7 @@ def split_spatially(eqn, x, spec, axes: tuple[str, ...]):
     spatial = spec[2:]
     if len(spatial) < len(axes):
         raise ValueError(
-            f"conv_general_dilated{_source(eqn)}: a convolution with {len(spatial)} spatial dimension(s) cannot be split over "
+            f"conv_general_dilated{source_at(eqn)}: a convolution with {len(spatial)} spatial dimension(s) cannot be split over "
             f"the {len(axes)} mesh axes {axes} podscale leaves to XLA (one per spatial dimension); split "
             "images (space_axis) or weights (model_axis), not both"
         )
@@ -44,18 +44,18 @@ def split_spatially(eqn, x, spec, axes: tuple[str, ...]):
     return jax.lax.with_sharding_constraint(x, P(*dims))
 
 
-def _dot_general(p: Partitioner, eqn, ins):
+def dot_general(p: Partitioner, eqn, ins):
     (lhs, ll), (rhs, rl) = ins
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
-    lshape, rshape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    lshape, rshape = global_shape(eqn.invars[0]), global_shape(eqn.invars[1])
     lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
     nb = len(lb)
     changes = {"out_sharding": None} if "out_sharding" in eqn.params else {}
 
     def done(l_val, r_val, layout):
-        if layout is PARTIAL and _narrow_float(eqn.outvars[0].aval.dtype):  # accumulated in float32
+        if layout is PARTIAL and narrow_float(eqn.outvars[0].aval.dtype):  # accumulated in float32
             return [(o, layout) for o in p.wide_bind(eqn, [l_val, r_val], **changes)]
         return [(o, layout) for o in p.bind(eqn, [l_val, r_val], **changes)]
 
@@ -85,7 +85,7 @@ def _dot_general(p: Partitioner, eqn, ins):
     return done(lhs, rhs, Split(nb + len(lfree) + rfree.index(e)))
 
 
-def _conv(p: Partitioner, eqn, ins):
+def conv(p: Partitioner, eqn, ins):
     (lhs, ll), (rhs, rl) = ins
     prm = eqn.params
     dn = prm["dimension_numbers"]
@@ -98,17 +98,17 @@ def _conv(p: Partitioner, eqn, ins):
         return None
     if isinstance(ll, Split) and isinstance(rl, Split) and ll.dim == lhs_spec[1] and rl.dim == rhs_spec[1]:
         # contracts the split batch (a kernel's gradient), accumulated in float32 for a narrow type
-        if _narrow_float(eqn.outvars[0].aval.dtype):
+        if narrow_float(eqn.outvars[0].aval.dtype):
             return [(o, PARTIAL) for o in p.wide_bind(eqn, [lhs, rhs])]
         return [(o, PARTIAL) for o in p.bind(eqn, [lhs, rhs])]
     return None
 
 
-def _gather(p: Partitioner, eqn, ins):
+def gather(p: Partitioner, eqn, ins):
     (op, ol), (idx, il) = ins
     dn = eqn.params["dimension_numbers"]
-    oshape, ishape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
-    out_rank = len(_global_shape(eqn.outvars[0]))
+    oshape, ishape = global_shape(eqn.invars[0]), global_shape(eqn.invars[1])
+    out_rank = len(global_shape(eqn.outvars[0]))
     offset_dims = tuple(dn.offset_dims)
     batch_out = [d for d in range(out_rank) if d not in offset_dims]  # one per index dim but the last
     obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
@@ -134,10 +134,10 @@ def _gather(p: Partitioner, eqn, ins):
     return None
 
 
-def _scatter(p: Partitioner, eqn, ins):
+def scatter(p: Partitioner, eqn, ins):
     (op, ol), (idx, il), (upd, ul) = ins
     dn = eqn.params["dimension_numbers"]
-    oshape, ishape, ushape = (_global_shape(v) for v in eqn.invars)
+    oshape, ishape, ushape = (global_shape(v) for v in eqn.invars)
     obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims)
     window = [d for d in range(len(oshape)) if d not in dn.inserted_window_dims and d not in obatch]
     upd_scatter = [d for d in range(len(ushape)) if d not in dn.update_window_dims]  # one per index dim but the last
@@ -188,6 +188,6 @@ def _scatter(p: Partitioner, eqn, ins):
     zero = not isinstance(eqn.invars[0], core.Literal) and eqn.invars[0] in p._zeros
     operand = op if zero else p.convert(op, REPLICATED, PARTIAL)
     vals = [operand, p.convert(idx, il, Split(i)), p.convert(upd, ul, Split(ud))]
-    if _narrow_float(vals[0].dtype):  # added up in float32, rounded after the sum over the replicas
+    if narrow_float(vals[0].dtype):  # added up in float32, rounded after the sum over the replicas
         return [(o, PARTIAL) for o in p.wide_bind(eqn, vals)]
     return [(o, PARTIAL) for o in p.bind(eqn, vals)]

@@ -15,7 +15,7 @@ from jax.extend import core
 from podscale._jax import pe
 from podscale.parallel import regions
 from podscale.parallel.partition import chunked
-from podscale.parallel.partition.jaxprs import _source
+from podscale.parallel.partition.jaxprs import source_at
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Split
 from podscale.parallel.regions import partitioned
 
@@ -349,7 +349,7 @@ def _debug_callback(p: Partitioner, eqn, ins):
     as one device fires them (replica 0 fires; the others skip it)."""
     if any(type(e).__name__.startswith("Ordered") for e in eqn.effects):
         raise NotImplementedError(
-            f"{eqn.primitive.name}{_source(eqn)} with ordered=True: JAX runs ordered effects on one device only, "
+            f"{eqn.primitive.name}{source_at(eqn)} with ordered=True: JAX runs ordered effects on one device only, "
             "and podscale runs the step on every replica. Drop ordered=True: podscale fires the callback once per "
             "step, on the whole values."
         )
@@ -365,13 +365,13 @@ def _debug_callback(p: Partitioner, eqn, ins):
 
 def _io_callback(p: Partitioner, eqn, ins):
     raise NotImplementedError(
-        f"io_callback{_source(eqn)} in the step: podscale runs the step on every replica, so it would fire once per "
+        f"io_callback{source_at(eqn)} in the step: podscale runs the step on every replica, so it would fire once per "
         "replica, where one device fires it once per step. Call it outside the step (on the metrics the step "
         "returns), or use jax.debug.callback, which podscale fires once per step on the whole values."
     )
 
 
-_CONTROL = {
+CONTROL = {
     "debug_callback": _debug_callback,
     "debug_print": _debug_callback,
     "io_callback": _io_callback,

@@ -16,21 +16,21 @@ from jax import lax
 from jax.extend import core
 
 from podscale._jax import all_gather_invariant
-from podscale.parallel import _interpret
+from podscale.parallel import interpret
 from podscale.parallel.collectives import Collective
 from podscale.parallel.partition import chunked, partials
 from podscale.parallel.partition.contract_rules import split_spatially
-from podscale.parallel.partition.control import _CONTROL
-from podscale.parallel.partition.draws import _random_bits_rows
-from podscale.parallel.partition.jaxprs import _dtype, _global_shape, _is_zero, _source, _vma
+from podscale.parallel.partition.control import CONTROL
+from podscale.parallel.partition.draws import random_bits_rows
+from podscale.parallel.partition.jaxprs import global_shape, is_zero, source_at, var_dtype, vma
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, Split
-from podscale.parallel.partition.rules import _RULES, ELEMENTWISE, _elementwise
+from podscale.parallel.partition.rules import ELEMENTWISE, RULES, elementwise
 from podscale.parallel.partition.sums import (
-    _IDENTITY,
+    IDENTITY,
     WIDE,
-    _feeding_group_sums,
-    _linear_in_partial,
-    _narrow_float,
+    feeding_group_sums,
+    linear_in_partial,
+    narrow_float,
     one_replica_sum,
     widen,
 )
@@ -156,7 +156,7 @@ class Partitioner:
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         if self.one:
             return x
-        have = _vma(x)
+        have = vma(x)
         missing = tuple(a for a in self.axes if a not in have)
         return lax.pcast(x, missing, to="varying") if missing else x
 
@@ -182,7 +182,7 @@ class Partitioner:
         name = eqn.primitive.name
         if name in ("scatter-add", "scatter_add"):
             operand, idx, upd = vals
-            if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+            if any(vma(v) for v in vals if isinstance(v, jax.Array)):
                 operand, idx, upd = (self.vary(v) for v in (operand, idx, upd))
             prm = eqn.params
             out = lax.scatter_add(
@@ -236,7 +236,7 @@ class Partitioner:
         """``x`` as the partitioner holds a value of the program's type ``dtype`` (``x``'s own
         where not given) in ``layout``: a partial sum of a narrow float type in float32."""
         dtype = getattr(x, "dtype", None) if dtype is None else dtype
-        if layout is not PARTIAL or not _narrow_float(dtype) or not hasattr(x, "dtype"):
+        if layout is not PARTIAL or not narrow_float(dtype) or not hasattr(x, "dtype"):
             return x
         if self.narrow_type(x) is not None:
             return x
@@ -256,7 +256,7 @@ class Partitioner:
         an op made of them, ``exp(0)`` say, is not carried on)."""
         if not isinstance(layout, Split) or self.one or not hasattr(x, "shape"):
             return x
-        rows = _global_shape(var)[layout.dim] if hasattr(var, "aval") else None
+        rows = global_shape(var)[layout.dim] if hasattr(var, "aval") else None
         if rows is None or x.shape[layout.dim] * self.n == rows:
             return x
         if self.padded_rows(x, layout) is None:
@@ -365,7 +365,7 @@ class Partitioner:
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)
         for v, (a, lay) in zip(jaxpr.invars, args, strict=True):
-            env[v] = (self.pad_rows(self.hold(a, lay, _dtype(v)), lay, v), lay)
+            env[v] = (self.pad_rows(self.hold(a, lay, var_dtype(v)), lay, v), lay)
 
         def read(var):
             if isinstance(var, core.Literal):
@@ -373,18 +373,18 @@ class Partitioner:
             return env[var]
 
         if self.group_axis is not None:
-            self.feeds_group_sum |= _feeding_group_sums(jaxpr, self.group_axis)
+            self.feeds_group_sum |= feeding_group_sums(jaxpr, self.group_axis)
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0]):
+            if eqn.primitive.name == "broadcast_in_dim" and is_zero(eqn.invars[0]):
                 self._zeros.add(eqn.outvars[0])
             ins = [read(v) for v in eqn.invars]
             apart = partials.sums_apart(self, eqn, ins)
-            with _interpret.source(eqn):
+            with interpret.source(eqn):
                 outs = self.equation(eqn, ins)
             if apart:
                 self._apart.update((id(o), o) for o, _ in outs)
             for var, (out, lay) in zip(eqn.outvars, outs, strict=True):
-                env[var] = (self.pad_rows(self.hold(out, lay, _dtype(var)), lay, var), lay)
+                env[var] = (self.pad_rows(self.hold(out, lay, var_dtype(var)), lay, var), lay)
         return [read(v) for v in jaxpr.outvars]
 
     def equation(self, eqn, ins) -> list[tuple[Any, Layout]]:
@@ -393,7 +393,7 @@ class Partitioner:
             # A body traced anew (a loop, a branch, a remat) reads its inputs by their types, and
             # a cast sum's rounding is not in its type: it enters summed.
             ins = [(self.whole(v, lay), REPLICATED) if self.cast_type(v) is not None else (v, lay) for v, lay in ins]
-        if name not in _CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
+        if name not in CONTROL and any(self.narrow_type(v) is not None for v, _ in ins):
             out = partials.wide_rule(self, eqn, ins)
             if out is not None:
                 return out
@@ -406,11 +406,11 @@ class Partitioner:
         layouts = [lay for _, lay in ins]
         if name == "psum" and self.group_axis is not None and set(eqn.params["axes"]) == {self.group_axis}:
             return [self.group_sum(v, lay) for v, lay in ins]
-        if GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts):
+        if GROUP in layouts and PARTIAL in layouts and linear_in_partial(eqn, layouts):
             # A partial sum times a group's value: the group's share of the sum over the groups
             # of (group sum x group value), as batch norm over each group's rows gives.
             return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
-        if GROUP in layouts and name not in _CONTROL:
+        if GROUP in layouts and name not in CONTROL:
             # A chunk beside a group's value is gathered first: each group's result is its own,
             # where a chunk of it would mix the groups' values once gathered.
             ins = [(self.whole(v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
@@ -429,15 +429,15 @@ class Partitioner:
             joined = name in ("stack", "concatenate") and all(lay is PARTIAL for lay in layouts)
             if scaled or joined:
                 return [(o, PARTIAL) for o in self.bind(eqn, [v for v, _ in ins])]
-        if name in _CONTROL:
-            return _CONTROL[name](self, eqn, ins)
+        if name in CONTROL:
+            return CONTROL[name](self, eqn, ins)
         if name == "random_bits" and layouts == [REPLICATED]:
-            out = _random_bits_rows(self, eqn, ins[0][0])
+            out = random_bits_rows(self, eqn, ins[0][0])
             if out is not None:
                 return out
         if all(lay is REPLICATED for lay in layouts):
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
-        if name in _IDENTITY and len(ins) == 1:
+        if name in IDENTITY and len(ins) == 1:
             return [ins[0]]
         if PARTIAL in layouts:
             out = partials.partial_rule(self, eqn, ins)
@@ -448,9 +448,9 @@ class Partitioner:
                 return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if any(isinstance(lay, Chunked) for _, lay in ins):
             return chunked.equation(self, eqn, ins)
-        rule = _RULES.get(name)
+        rule = RULES.get(name)
         if name in ELEMENTWISE:
-            rule = _elementwise
+            rule = elementwise
         out = rule(self, eqn, ins) if rule is not None else None
         if out is not None:
             return out
@@ -472,7 +472,7 @@ class Partitioner:
 
     def fallback(self, eqn, ins):
         shapes = [list(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")]
-        where = _source(eqn)
+        where = source_at(eqn)
         if any(isinstance(lay, Split) for _, lay in ins) and any(id(v) in self._group_values for v, _ in ins):
             # Whole rows of every group with this group's statistics would be wrong for the others.
             raise NotImplementedError(
@@ -488,7 +488,7 @@ class Partitioner:
         """Binds ``eqn``'s primitive on ``vals``, with the params in ``changes`` that it has."""
         params = dict(eqn.params, **{k: v for k, v in changes.items() if k in eqn.params})
         params = eqn.primitive.get_bind_params(params)
-        if any(_vma(v) for v in vals if isinstance(v, jax.Array)):
+        if any(vma(v) for v in vals if isinstance(v, jax.Array)):
             vals = [self.vary(v) for v in vals]
         conv = eqn.primitive.name == "conv_general_dilated" and self.conv_axes
         if conv and len(self.conv_axes) == 1:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
 
 
-def _random_bits_rows(p: Partitioner, eqn, key):
+def random_bits_rows(p: Partitioner, eqn, key):
     """This replica's rows of a threefry draw with the batch's leading size (a dropout mask):
     the very bits of the single-device draw (``jax_threefry_partitionable``: bit i is a function
     of the key and the flat index i), computed for the local rows only."""

@@ -8,21 +8,24 @@ import numpy as np
 from jax.extend import core
 
 from podscale._jax import source_info_util
-from podscale.parallel._interpret import varying_axes
+from podscale.parallel.interpret import varying_axes
 
 
-def _vma(x) -> frozenset:
+def vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over (none where its type records none)."""
     try:
         return varying_axes(jax.typeof(x))
     except TypeError:
         return frozenset()
 
 
-def _is_zero(var) -> bool:
+def is_zero(var) -> bool:
+    """Whether ``var`` is a literal zero."""
     return isinstance(var, core.Literal) and np.all(np.asarray(var.val) == 0)
 
 
-def _source(eqn) -> str:
+def source_at(eqn) -> str:
+    """`` at file.py:line``, the user's line that traced ``eqn``, for messages (``""`` where unknown)."""
     try:
         frame = source_info_util.user_frame(eqn.source_info.traceback)
         return f" at {frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
@@ -30,11 +33,12 @@ def _source(eqn) -> str:
         return ""
 
 
-def _dtype(var):
+def var_dtype(var):
     """The program's type of ``var`` (``None`` for a token or a key)."""
     dtype = getattr(getattr(var, "aval", None), "dtype", None)
     return dtype if isinstance(dtype, np.dtype) else None
 
 
-def _global_shape(var) -> tuple[int, ...]:
+def global_shape(var) -> tuple[int, ...]:
+    """The whole (unsplit) shape of ``var``, as the program has it."""
     return tuple(var.aval.shape)

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from podscale.parallel.partition.jaxprs import _dtype, _is_zero
+from podscale.parallel.partition.jaxprs import is_zero, var_dtype
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED
 from podscale.parallel.partition.sums import (
-    _IDENTITY,
-    _LINEAR_SUMS,
-    _LINEAR_UNARY,
+    IDENTITY,
+    LINEAR_SUMS,
+    LINEAR_UNARY,
     WIDE,
-    _linear_in_partial,
+    linear_in_partial,
     widen,
 )
 
@@ -38,7 +38,7 @@ def wide_rule(p: Partitioner, eqn, ins):
     layouts = [lay for _, lay in ins]
     if name == "psum" and p.group_axis is not None and set(eqn.params["axes"]) == {p.group_axis}:
         return [p.group_sum(v, lay) for v, lay in ins]
-    if name in _IDENTITY and len(ins) == 1:
+    if name in IDENTITY and len(ins) == 1:
         return [ins[0]]
     if any(p.cast_type(v) is not None for v, _ in ins):
         return cast_rule(p, eqn, ins)
@@ -53,12 +53,12 @@ def wide_rule(p: Partitioner, eqn, ins):
             # that the 16-bit one (if read elsewhere) keeps its own registration.
             out = lax.copy_p.bind(vals[0]) if new == WIDE else vals[0].astype(new)
             return [(p.hold_cast(out, p.narrow_type(vals[0]), new), PARTIAL)]
-    keeps = (name in _LINEAR_UNARY and len(ins) == 1) or (
-        name in (*_LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
+    keeps = (name in LINEAR_UNARY and len(ins) == 1) or (
+        name in (*LINEAR_SUMS, "concatenate", "stack") and all(lay is PARTIAL for lay in layouts)
     )
-    keeps |= name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1])
+    keeps |= name == "pad" and layouts[1] is REPLICATED and is_zero(eqn.invars[1])
     keeps |= name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:])
-    keeps |= GROUP in layouts and PARTIAL in layouts and _linear_in_partial(eqn, layouts)
+    keeps |= GROUP in layouts and PARTIAL in layouts and linear_in_partial(eqn, layouts)
     if PARTIAL in layouts and id(eqn) in p.feeds_group_sum:
         keeps |= name in ("div", "mul") and layouts[1] is REPLICATED
         keeps |= name == "mul" and layouts[0] is REPLICATED
@@ -78,7 +78,7 @@ def sums_apart(p: Partitioner, eqn, ins) -> bool:
     (a weight used twice in 16-bit products, each use's gradient rounded to 16 bits, then
     added in float32), each summed over the replicas on its own. Their bytes past one term's
     are counted in :attr:`summed_apart_bytes`."""
-    if eqn.primitive.name not in _LINEAR_SUMS:
+    if eqn.primitive.name not in LINEAR_SUMS:
         return False
     apart = [v for v, _ in ins if p.cast_type(v) is not None or p._apart.get(id(v)) is v]
     terms = [v for v, lay in ins if lay is PARTIAL or p._apart.get(id(v)) is v]
@@ -100,7 +100,7 @@ def cast_rule(p: Partitioner, eqn, ins):
         keeps = True
     elif name == "pad" or name == "dynamic_slice":
         keeps = p.cast_type(vals[0]) is not None and all(lay is REPLICATED for lay in layouts[1:])
-        keeps &= name != "pad" or _is_zero(eqn.invars[1])
+        keeps &= name != "pad" or is_zero(eqn.invars[1])
     elif name == "concatenate":
         tags = {(p.narrow_type(v), p.cast_type(v)) for v in vals}
         keeps = len(tags) == 1 and None not in tags.pop() and all(lay is PARTIAL for lay in layouts)
@@ -110,7 +110,7 @@ def cast_rule(p: Partitioner, eqn, ins):
         return None
     narrow = p.narrow_type(vals[0])
     outs = p.bind(eqn, vals)
-    return [(p.hold_cast(o, narrow, _dtype(var)), PARTIAL) for o, var in zip(outs, eqn.outvars, strict=True)]
+    return [(p.hold_cast(o, narrow, var_dtype(var)), PARTIAL) for o, var in zip(outs, eqn.outvars, strict=True)]
 
 
 def partial_rule(p: Partitioner, eqn, ins):
@@ -118,13 +118,13 @@ def partial_rule(p: Partitioner, eqn, ins):
     name = eqn.primitive.name
     layouts = [lay for _, lay in ins]
     vals = [v for v, _ in ins]
-    if name in _LINEAR_UNARY and len(ins) == 1:
+    if name in LINEAR_UNARY and len(ins) == 1:
         return [(o, PARTIAL) for o in p.bind(eqn, vals)]
-    if name in _LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
+    if name in LINEAR_SUMS and all(lay is PARTIAL for lay in layouts):
         return [(o, PARTIAL) for o in p.bind(eqn, vals)]
     if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) == np.dtype(vals[0].dtype):
         return [(o, PARTIAL) for o in p.bind(eqn, vals)]  # a weak type made strong: no rounding
-    if name == "pad" and layouts[1] is REPLICATED and _is_zero(eqn.invars[1]):
+    if name == "pad" and layouts[1] is REPLICATED and is_zero(eqn.invars[1]):
         return [(o, PARTIAL) for o in p.bind(eqn, vals)]
     if name == "dynamic_slice" and all(lay is REPLICATED for lay in layouts[1:]):
         return [(o, PARTIAL) for o in p.bind(eqn, vals)]

@@ -1,5 +1,5 @@
 """The rules for split values: elementwise ops, reductions, ops along one dimension, pooling
-windows, and the table (``_RULES``) of every op's rule, with the shape ops' of :mod:`.shape_rules`
+windows, and the table (``RULES``) of every op's rule, with the shape ops' of :mod:`.shape_rules`
 and the contractions' and indexing ops' of :mod:`.contract_rules`. A rule runs an equation on the
 local pieces and gives its output layouts, or returns ``None`` (the equation is then computed on
 whole values)."""
@@ -11,25 +11,25 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 from jax import lax
 
-from podscale.parallel.partition.contract_rules import _conv, _dot_general, _gather, _scatter
-from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.contract_rules import conv, dot_general, gather, scatter
+from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
 from podscale.parallel.partition.shape_rules import (
-    _broadcast_in_dim,
-    _concatenate,
-    _dynamic_slice,
-    _dynamic_update_slice,
-    _pad,
-    _reshape,
-    _rev,
-    _slice,
-    _split_op,
-    _squeeze,
-    _stack,
-    _transpose,
-    _unstack,
+    broadcast_in_dim,
+    concatenate,
+    dynamic_slice,
+    dynamic_update_slice,
+    pad,
+    reshape,
+    rev,
+    slice_op,
+    split_op,
+    squeeze,
+    stack,
+    transpose,
+    unstack,
 )
-from podscale.parallel.partition.sums import _narrow_float, widen
+from podscale.parallel.partition.sums import narrow_float, widen
 
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
@@ -49,9 +49,9 @@ operands' leading dimensions for the random-key ops, whose outputs extend the ke
 _KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
 
 
-def _elementwise(p: Partitioner, eqn, ins):
+def elementwise(p: Partitioner, eqn, ins):
     name = eqn.primitive.name
-    shape = _global_shape(eqn.outvars[0])
+    shape = global_shape(eqn.outvars[0])
     dims = {lay.dim for _, lay in ins if isinstance(lay, Split)}
     if len(dims) != 1:
         return None
@@ -91,7 +91,7 @@ def _reduce(p: Partitioner, eqn, ins):
         v = p.mask_padding(v, lay, -big if name == "reduce_max" else big)
         local = p.bind(eqn, [v], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
     if name == "reduce_sum":
-        if _narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
+        if narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
             local = p.bind(eqn, [widen(v)], **({"out_sharding": None} if "out_sharding" in eqn.params else {}))[0]
         return [(local, PARTIAL)]
     collective = {"reduce_max": lax.pmax, "reduce_min": lax.pmin}.get(name)
@@ -130,7 +130,7 @@ def _along_other_dim(param: str):
         (dim,) = dims
         value = eqn.params[param]
         along = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-        rank = len(_global_shape(eqn.invars[0]))
+        rank = len(global_shape(eqn.invars[0]))
         if dim in tuple(a % rank for a in along):
             return None
         vals = [v if isinstance(lay, Split) else p.slice_rows(v, dim) for v, lay in ins]
@@ -158,7 +158,7 @@ def _windowed(p: Partitioner, eqn, ins):
             return None
     vals = []
     for (v, lay), var in zip(ins, eqn.invars, strict=True):
-        shape = _global_shape(var)
+        shape = global_shape(var)
         if shape == ():
             vals.append(v)  # an init value
         elif isinstance(lay, Split) or p.splittable(shape, dim):
@@ -173,11 +173,11 @@ def _optimization_barrier(p: Partitioner, eqn, ins):
     return list(zip(outs, [lay for _, lay in ins], strict=True))
 
 
-_RULES = {
-    "broadcast_in_dim": _broadcast_in_dim,
-    "reshape": _reshape,
-    "transpose": _transpose,
-    "squeeze": _squeeze,
+RULES = {
+    "broadcast_in_dim": broadcast_in_dim,
+    "reshape": reshape,
+    "transpose": transpose,
+    "squeeze": squeeze,
     "reduce_sum": _reduce,
     "reduce_max": _reduce,
     "reduce_min": _reduce,
@@ -193,21 +193,21 @@ _RULES = {
     "cumlogsumexp": _along_other_dim("axis"),
     "sort": _along_other_dim("dimension"),
     "top_k": _along_other_dim("axis"),
-    "dot_general": _dot_general,
-    "conv_general_dilated": _conv,
-    "gather": _gather,
-    "scatter-add": _scatter,
-    "scatter_add": _scatter,
-    "scatter": _scatter,
-    "slice": _slice,
-    "dynamic_slice": _dynamic_slice,
-    "dynamic_update_slice": _dynamic_update_slice,
-    "pad": _pad,
-    "concatenate": _concatenate,
-    "rev": _rev,
-    "stack": _stack,
-    "unstack": _unstack,
-    "split": _split_op,
+    "dot_general": dot_general,
+    "conv_general_dilated": conv,
+    "gather": gather,
+    "scatter-add": scatter,
+    "scatter_add": scatter,
+    "scatter": scatter,
+    "slice": slice_op,
+    "dynamic_slice": dynamic_slice,
+    "dynamic_update_slice": dynamic_update_slice,
+    "pad": pad,
+    "concatenate": concatenate,
+    "rev": rev,
+    "stack": stack,
+    "unstack": unstack,
+    "split": split_op,
     "optimization_barrier": _optimization_barrier,
     "reduce_window_max": _windowed,
     "reduce_window_min": _windowed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import REPLICATED, Split
 
 if TYPE_CHECKING:
@@ -19,12 +19,12 @@ def _local_shape(p: Partitioner, shape, dim: int):
     return tuple(shape)
 
 
-def _broadcast_in_dim(p: Partitioner, eqn, ins):
+def broadcast_in_dim(p: Partitioner, eqn, ins):
     (v, lay), *dyn = ins
     if dyn or not isinstance(lay, Split):
         return None
     out_dim = eqn.params["broadcast_dimensions"][lay.dim]
-    in_shape, shape = _global_shape(eqn.invars[0]), eqn.params["shape"]
+    in_shape, shape = global_shape(eqn.invars[0]), eqn.params["shape"]
     if in_shape[lay.dim] != shape[out_dim]:
         return None
     out = p.bind(eqn, [v], shape=_local_shape(p, shape, out_dim), sharding=None)
@@ -65,11 +65,11 @@ def _prefix_product(dims, target) -> bool:
     return acc == target
 
 
-def _reshape(p: Partitioner, eqn, ins):
+def reshape(p: Partitioner, eqn, ins):
     (v, lay), *dyn = ins
     if dyn or not isinstance(lay, Split) or eqn.params.get("dimensions") is not None:
         return None
-    in_shape, out_shape = _global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    in_shape, out_shape = global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
     out_dim = _reshape_dim(in_shape, out_shape, lay.dim, p.n)
     if out_dim is None or not p.splittable(out_shape, out_dim):
         return None
@@ -77,23 +77,23 @@ def _reshape(p: Partitioner, eqn, ins):
     return [(out[0], Split(out_dim))]
 
 
-def _transpose(p: Partitioner, eqn, ins):
+def transpose(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
     perm = tuple(eqn.params["permutation"])
     return [(p.bind(eqn, [v])[0], Split(perm.index(lay.dim)))]
 
 
-def _squeeze(p: Partitioner, eqn, ins):
+def squeeze(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
-    dims = tuple(d % len(_global_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    dims = tuple(d % len(global_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
     if lay.dim in dims:
         return None
     return [(p.bind(eqn, [v])[0], Split(lay.dim - sum(d < lay.dim for d in dims)))]
 
 
-def _slice(p: Partitioner, eqn, ins):
+def slice_op(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
-    shape = _global_shape(eqn.invars[0])
+    shape = global_shape(eqn.invars[0])
     d = lay.dim
     start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
     strides = eqn.params["strides"]
@@ -103,32 +103,32 @@ def _slice(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, [v], limit_indices=tuple(limit))[0], lay)]
 
 
-def _dynamic_slice(p: Partitioner, eqn, ins):
+def dynamic_slice(p: Partitioner, eqn, ins):
     (v, lay), *idx = ins
     if any(il is not REPLICATED for _, il in idx) or not isinstance(lay, Split):
         return None
     sizes = list(eqn.params["slice_sizes"])
-    if sizes[lay.dim] != _global_shape(eqn.invars[0])[lay.dim]:
+    if sizes[lay.dim] != global_shape(eqn.invars[0])[lay.dim]:
         return None
     sizes[lay.dim] //= p.n
     return [(p.bind(eqn, [v, *[i for i, _ in idx]], slice_sizes=tuple(sizes))[0], lay)]
 
 
-def _dynamic_update_slice(p: Partitioner, eqn, ins):
+def dynamic_update_slice(p: Partitioner, eqn, ins):
     (op, ol), (upd, ul), *idx = ins
     if any(il is not REPLICATED for _, il in idx):
         return None
     dim = ol.dim if isinstance(ol, Split) else ul.dim if isinstance(ul, Split) else None
     if dim is None:
         return None
-    oshape, ushape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    oshape, ushape = global_shape(eqn.invars[0]), global_shape(eqn.invars[1])
     if ushape[dim] != oshape[dim] or not p.splittable(oshape, dim):
         return None
     op, upd = p.convert(op, ol, Split(dim)), p.convert(upd, ul, Split(dim))
     return [(p.bind(eqn, [op, upd, *[i for i, _ in idx]])[0], Split(dim))]
 
 
-def _pad(p: Partitioner, eqn, ins):
+def pad(p: Partitioner, eqn, ins):
     (v, lay), (pv, pl) = ins
     if not isinstance(lay, Split) or pl is not REPLICATED:
         return None
@@ -147,13 +147,13 @@ def _split_operands(p: Partitioner, eqn, ins, along: int):
     (dim,) = dims
     vals = []
     for (v, lay), var in zip(ins, eqn.invars, strict=True):
-        if not (isinstance(lay, Split) or p.splittable(_global_shape(var), dim)):
+        if not (isinstance(lay, Split) or p.splittable(global_shape(var), dim)):
             return None
         vals.append(p.convert(v, lay, Split(dim)))
     return dim, vals
 
 
-def _concatenate(p: Partitioner, eqn, ins):
+def concatenate(p: Partitioner, eqn, ins):
     found = _split_operands(p, eqn, ins, eqn.params["dimension"])
     if found is None:
         return None
@@ -161,7 +161,7 @@ def _concatenate(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, vals)[0], Split(dim))]
 
 
-def _stack(p: Partitioner, eqn, ins):
+def stack(p: Partitioner, eqn, ins):
     found = _split_operands(p, eqn, ins, -1)  # the new axis is not an operand's
     if found is None:
         return None
@@ -169,7 +169,7 @@ def _stack(p: Partitioner, eqn, ins):
     return [(p.bind(eqn, vals)[0], Split(dim + 1 if eqn.params["axis"] <= dim else dim))]
 
 
-def _unstack(p: Partitioner, eqn, ins):
+def unstack(p: Partitioner, eqn, ins):
     """The transpose of ``stack``: each piece keeps the split, one dimension lower past the axis."""
     ((v, lay),) = ins
     if not isinstance(lay, Split) or lay.dim == eqn.params["axis"]:
@@ -177,14 +177,14 @@ def _unstack(p: Partitioner, eqn, ins):
     return [(o, Split(lay.dim - 1 if eqn.params["axis"] < lay.dim else lay.dim)) for o in p.bind(eqn, [v])]
 
 
-def _rev(p: Partitioner, eqn, ins):
+def rev(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
     if lay.dim in eqn.params["dimensions"]:
         return None
     return [(p.bind(eqn, [v])[0], lay)]
 
 
-def _split_op(p: Partitioner, eqn, ins):
+def split_op(p: Partitioner, eqn, ins):
     ((v, lay),) = ins
     if lay.dim == eqn.params["axis"]:
         return None

@@ -13,18 +13,18 @@ from podscale.parallel.partition.layouts import PARTIAL, Split
 # Ops through which a partial sum stays partial: the sum of their results over the replicas is
 # their result on the sum. Shape-only ops and sums; nothing that multiplies, so that the arithmetic
 # after the sum is the single device's.
-_LINEAR_UNARY = frozenset(
+LINEAR_UNARY = frozenset(
     "neg reshape transpose squeeze expand_dims slice broadcast_in_dim reduce_sum rev copy copy_p".split()
 )
-_LINEAR_SUMS = frozenset("add add_any sub".split())
-_IDENTITY = frozenset("reshard sharding_constraint mesh_cast".split())
+LINEAR_SUMS = frozenset("add add_any sub".split())
+IDENTITY = frozenset("reshard sharding_constraint mesh_cast".split())
 
 
 def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _narrow_float(dtype) -> bool:
+def narrow_float(dtype) -> bool:
     """A float type narrower than float32 (float16, bfloat16, the float8s): a partial sum in it is
     held in float32."""
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
@@ -49,17 +49,17 @@ def widen(x):
     hand the float32 value before the rounding on: a bfloat16 activation or input cast unrounded
     into a weight's gradient, where one device rounds it (measured on XLA:CPU, ~1 step of
     bfloat16 in 40% of a gradient's elements). The barrier keeps the 16-bit value as it is."""
-    if not _narrow_float(getattr(x, "dtype", None)):
+    if not narrow_float(getattr(x, "dtype", None)):
         return x
     return jax.lax.optimization_barrier(x).astype(WIDE)
 
 
-def _linear_in_partial(eqn, layouts) -> bool:
+def linear_in_partial(eqn, layouts) -> bool:
     """Whether ``eqn`` is linear in its one partial operand, the others whole."""
     if layouts.count(PARTIAL) != 1 or any(isinstance(lay, Split) for lay in layouts):
         return False
     name = eqn.primitive.name
-    if name in ("mul", "dot_general", "conv_general_dilated", "neg", "convert_element_type", *_LINEAR_UNARY):
+    if name in ("mul", "dot_general", "conv_general_dilated", "neg", "convert_element_type", *LINEAR_UNARY):
         return True
     return name == "div" and layouts[0] is PARTIAL
 
@@ -70,7 +70,7 @@ _GROUP_FEEDERS = frozenset(
 )
 
 
-def _feeding_group_sums(jaxpr, axis: str) -> set:
+def feeding_group_sums(jaxpr, axis: str) -> set:
     """ids of the equations whose results reach a ``psum`` over ``axis`` only through scalings
     and shape ops (a mean's division by its count, flax's stacking of mean and mean square)."""
     found: set = set()

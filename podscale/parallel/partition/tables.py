@@ -31,7 +31,7 @@ from jax import lax
 from jax.extend import core
 
 from podscale._jax import all_gather_invariant
-from podscale.parallel.partition.jaxprs import _global_shape
+from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def lookup(p: Partitioner, eqn, ins):
     ``None`` where the op is not such a lookup."""
     (table, tl), (ids, il) = ins
     dn = eqn.params["dimension_numbers"]
-    shape, ishape = _global_shape(eqn.invars[0]), _global_shape(eqn.invars[1])
+    shape, ishape = global_shape(eqn.invars[0]), global_shape(eqn.invars[1])
     if not (isinstance(tl, Split) and tl.dim == 0 and tuple(dn.start_index_map) == (0,)):
         return None
     if 0 not in dn.collapsed_slice_dims or dn.operand_batching_dims or ishape[-1] != 1:
@@ -94,7 +94,7 @@ def lookup(p: Partitioner, eqn, ins):
         rows = jnp.where(_broadcast_rows(valid, rows, dn), rows, jnp.where(p.index() == 0, fill, 0).astype(rows.dtype))
     if il is REPLICATED:
         return [(rows, PARTIAL)]
-    out_rank = len(_global_shape(eqn.outvars[0]))
+    out_rank = len(global_shape(eqn.outvars[0]))
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
     dim = batch_out[il.dim]
     if p.one:
@@ -117,7 +117,7 @@ def gradient(p: Partitioner, eqn, ins, local_rows: int):
     transpose): the result ``Split(0)``, or ``None`` where the op is not such a gradient."""
     (_, ol), (ids, il), (upd, ul) = ins
     dn = eqn.params["dimension_numbers"]
-    shape, ishape, ushape = (_global_shape(v) for v in eqn.invars)
+    shape, ishape, ushape = (global_shape(v) for v in eqn.invars)
     if tuple(dn.scatter_dims_to_operand_dims) != (0,) or 0 not in dn.inserted_window_dims:
         return None
     if dn.operand_batching_dims or ishape[-1] != 1 or ol is not REPLICATED:

@@ -1,6 +1,6 @@
 """The collectives of the replayed step, and their fusion.
 
-Cross-replica sums are deferred (:class:`_Pending`) and sent together by :class:`_Fuser`: the
+Cross-replica sums are deferred (:class:`Pending`) and sent together by :class:`Fuser`: the
 gradient sums as fused reduce-scatters (gradients of at least ``min_shard_size`` elements, in
 :mod:`~podscale.parallel.weight_update.chunks`' layout) and fused all-reduces (the rest), the
 partials of reductions over whole sharded tensors (per-layer norms) as one small all-reduce per
@@ -236,14 +236,14 @@ def _k(by) -> int:
     return 1 if by is None else by.k
 
 
-class _Pending:
+class Pending:
     """A cross-replica reduction whose collective is deferred, so that many can be fused.
 
     ``kind`` is ``"grad"`` (a gradient sum, divided by the replica count: reduce-scattered when
     ``shard``, else all-reduced) or ``"sum"``/``"max"``/``"min"`` (the partials of a reduction
     over a whole sharded tensor, such as a per-layer norm)."""
 
-    def __init__(self, fuser: _Fuser, value, shard: bool, kind: str = "grad"):
+    def __init__(self, fuser: Fuser, value, shard: bool, kind: str = "grad"):
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
         self.by = None  # a sharded gradient's chunking (per model partition, or flat)
@@ -256,17 +256,17 @@ class _Pending:
         return self.result
 
 
-class _Fuser:
+class Fuser:
     def __init__(self, layout: Layout, trace: Trace):
         self.layout, self.trace, self.pending = layout, trace, []
 
-    def add(self, value, kind: str = "grad", scatter: bool = True) -> _Pending:
+    def add(self, value, kind: str = "grad", scatter: bool = True) -> Pending:
         """``scatter=False``: the sum is read by per-replica computation (a batch-norm statistic
         over the whole batch), so it is all-reduced whatever its size."""
         shard = scatter and kind == "grad" and self.layout.shards(value.shape, value.dtype)
         if shard and not self.layout.scatter and tuple(value.shape) in self.layout.split_shapes:
             shard = False  # the replicated update sums a split weight's gradient as it is (see split_shapes)
-        p = _Pending(self, value, shard, kind)
+        p = Pending(self, value, shard, kind)
         p.scatter = scatter
         p.by = self.layout.by(value.shape) if shard else None
         if kind == "grad":
@@ -280,20 +280,20 @@ class _Fuser:
         self.pending.append(p)
         return p
 
-    def move(self, old: _Pending, value) -> _Pending:
+    def move(self, old: Pending, value) -> Pending:
         """``old``'s sum is deferred past a shape-only op: sum ``value`` (the op applied to the
         local gradient) instead. Exact, since the op moves no value across elements."""
         if old in self.pending:
             self.pending.remove(old)
         return self.add(value, old.kind, scatter=old.scatter)
 
-    def flush(self, only: list[_Pending] | None = None) -> None:
+    def flush(self, only: list[Pending] | None = None) -> None:
         if only is None:
             pending, self.pending = self.pending, []
         else:
             pending = only
             self.pending = [q for q in self.pending if q not in only]
-        groups: dict[tuple, list[_Pending]] = {}
+        groups: dict[tuple, list[Pending]] = {}
         for p in pending:
             alone = p.kind == "grad" and not p.shard and tuple(p.value.shape) in self.layout.split_shapes
             key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None)

@@ -22,10 +22,10 @@ from jax import lax
 from jax.extend import core
 
 from podscale.compiled.hlo import UPDATE_SCOPE
-from podscale.parallel import _interpret
-from podscale.parallel._interpret import GRAD_SUM, is_grad_sum
+from podscale.parallel import interpret
+from podscale.parallel.interpret import GRAD_SUM, is_grad_sum
 from podscale.parallel.weight_update.chunks import Layout, Sharded
-from podscale.parallel.weight_update.fusion import Collective, Trace, _Fuser, _Pending, gather
+from podscale.parallel.weight_update.fusion import Collective, Fuser, Pending, Trace, gather
 
 ELEMENTWISE = frozenset(
     """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
@@ -41,7 +41,7 @@ class Rewriter:
 
     def __init__(self, layout: Layout, trace: Trace):
         self.layout, self.trace = layout, trace
-        self.fuser = _Fuser(layout, trace)
+        self.fuser = Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
         self._update: dict[int, Any] = {}  # values downstream of a gradient sum (id -> value, kept alive)
 
@@ -52,7 +52,7 @@ class Rewriter:
 
     # -- reading values -------------------------------------------------------------------
     def resolve(self, v):
-        return v.get() if isinstance(v, _Pending) else v
+        return v.get() if isinstance(v, Pending) else v
 
     def full(self, v, why: str):
         v = self.resolve(v)
@@ -62,7 +62,7 @@ class Rewriter:
 
     # -- the interpreter ------------------------------------------------------------------
     def evaluate(self, jaxpr, consts, args) -> list:
-        env, read = _interpret.environment(jaxpr, consts, args)
+        env, read = interpret.environment(jaxpr, consts, args)
         # Equations run in order, except that one waiting on a deferred collective (and all that
         # depend on it) waits until nothing else can run; then every deferred collective is sent,
         # fused. The jaxpr is a dataflow graph, so this order computes the same values; effectful
@@ -82,11 +82,11 @@ class Rewriter:
                     blocked_vars.update(eqn.outvars)
                     continue
                 if self._in_update(invals):
-                    with jax.named_scope(UPDATE_SCOPE), _interpret.source(eqn):
+                    with jax.named_scope(UPDATE_SCOPE), interpret.source(eqn):
                         outs = self.equation(eqn, invals)
                     self._update.update((id(o), o) for o in outs)
                 else:
-                    with _interpret.source(eqn):
+                    with interpret.source(eqn):
                         outs = self.equation(eqn, invals)
                 for var, val in zip(eqn.outvars, outs, strict=True):
                     env[var] = val
@@ -99,7 +99,7 @@ class Rewriter:
         """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
         the forward pass reads, such as a batch statistic, is not the update's)."""
         for v in invals:
-            if isinstance(v, _Pending):
+            if isinstance(v, Pending):
                 if v.kind != "grad" or v.scatter:
                     return True
             elif isinstance(v, Sharded) or id(v) in self._update:
@@ -107,7 +107,7 @@ class Rewriter:
         return False
 
     def _waits(self, eqn, invals) -> bool:
-        unresolved = any(isinstance(v, _Pending) and v.result is None for v in invals)
+        unresolved = any(isinstance(v, Pending) and v.result is None for v in invals)
         return unresolved and not self._movable(eqn, invals) and not is_grad_sum(eqn, self.layout.axes)
 
     def equation(self, eqn, invals) -> list:
@@ -122,7 +122,7 @@ class Rewriter:
         vals = [self.resolve(v) for v in invals]
         has_shard = any(isinstance(v, Sharded) for v in vals)
         if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
-            has_shard or _interpret.contains_any(eqn, {GRAD_SUM})
+            has_shard or interpret.contains_any(eqn, {GRAD_SUM})
         ):
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
@@ -173,7 +173,7 @@ class Rewriter:
     def _movable(eqn, invals) -> bool:
         """A shape-only op on a deferred gradient sum (the bias gradient's reshape and unit-axis
         reduce_sum in the backward pass): moving it before the sum keeps all sums fusable."""
-        if not invals or not isinstance(invals[0], _Pending) or invals[0].result is not None:
+        if not invals or not isinstance(invals[0], Pending) or invals[0].result is not None:
             return False
         name, p = eqn.primitive.name, eqn.params
         if name == "pad":  # the transpose of a slice: zeros sum to zeros
@@ -189,7 +189,7 @@ class Rewriter:
         return False
 
     def bind(self, eqn, vals) -> list:
-        if _interpret.contains_any(eqn, {GRAD_SUM}):
+        if interpret.contains_any(eqn, {GRAD_SUM}):
             # Control flow that resolves a partial sum inside (a value that each iteration needs
             # whole): those sums stay all-reduces in the loop, the results are full values.
             self.trace.collectives.append(
@@ -276,5 +276,5 @@ def forward_used(jaxpr, seeds=None) -> set:
 
 
 def _varying(aval, axis=None) -> bool:
-    names = _interpret.varying_axes(aval)
+    names = interpret.varying_axes(aval)
     return bool(names) if axis is None else axis in names
