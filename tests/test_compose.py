@@ -120,7 +120,7 @@ def test_data_space_and_model_on_one_3d_mesh_equal_one_device(case, weight_updat
         warnings.simplefilter("ignore", RuleWarning)  # the biases and the head stay whole
         dp = data_parallel(step, mesh, strategy)
         got, _ = run_parallel(dp, state, batches)
-    assert (dp.replicas, dp.partitions) == (2, ("space", "model"))
+    assert (dp.replicas, dp.roles.partitions) == (2, ("space", "model"))
     assert leaf_relative_error(got, want) <= bound
     assert relative_error(want[0], state[0]) > 1e-3, "the parameters did not move: the check would be empty"
 

@@ -346,4 +346,4 @@ def test_a_step_called_with_another_global_batch_size_retraces(sizes, mesh_shape
     want_state, want_metrics = run_single(step, state, batches)
     assert leaf_relative_error(got_state, want_state) < 1e-6
     assert leaf_relative_error(got_metrics, want_metrics) < 1e-6
-    assert len(dp._jitted) == len(set(sizes))  # one program per signature, reused when it comes back
+    assert len(dp.programs()) == len(set(sizes))  # one program per signature, reused when it comes back

@@ -76,10 +76,10 @@ def test_eval_of_a_model_parallel_step_keeps_the_split_weights_split_and_needs_n
     module = hlo.read(step, dp.mesh)
     text = step.as_text()
     whole = {leaf.shape for leaf in split} | {leaf.shape[1:] for leaf in split}  # a leaf, one layer's slice
-    over_model = [c for c in module.collectives if c.kind == "all-gather" and dp.model in c.axes]
+    over_model = [c for c in module.collectives if c.kind == "all-gather" and dp.roles.model in c.axes]
     for c in over_model:
         assert _gathered_shape(text, c.name) not in whole, (c.name, c.op_name)
-    assert any(c.kind == "all-reduce" and dp.model in c.axes for c in module.collectives)  # XLA partitioned it
+    assert any(c.kind == "all-reduce" and dp.roles.model in c.axes for c in module.collectives)  # XLA partitioned it
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """podscale's import graph: layers point down (import-linter's contract in pyproject.toml), every
-module sits in a layer, and JAX's private names have one home."""
+module sits in a layer, and JAX's private names have one home; and the code's size: the step class
+is small and no module is over 600 lines."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
+import textwrap
 import tomllib
 
 from importlinter.cli import lint_imports
@@ -147,3 +150,43 @@ hlo_cost._bytes("f32[2]"), podscale.compiled.hlo._HEADER, xla_bridge._backends, 
         "reads podscale.compiled.hlo._HEADER",
         "reads xla_bridge._backends",
     ]
+
+
+def _public_members(cls) -> set[str]:
+    """A class's public names: those defined in its body and the ``self.x = ...`` attributes its
+    methods set (dunders such as ``__call__`` are not members)."""
+    (tree,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    for node in ast.walk(tree):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                    names.add(n.attr)
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_the_step_class_is_small():
+    """``DataParallelStep`` keeps what a user of the step needs; the strategy's fields are
+    ``dp.strategy``'s, the axes' roles ``dp.roles``', and building the step is
+    :mod:`podscale.parallel.compile_step`'s."""
+    from podscale.parallel.engine import DataParallelStep
+
+    members = _public_members(DataParallelStep)
+    assert {"step", "mesh", "strategy", "roles", "layout", "prepare", "place_state"} <= members, members
+    assert len(members) <= 20, sorted(members)
+    lines, _ = inspect.getsourcelines(DataParallelStep)
+    assert len(lines) < 200, len(lines)
+
+
+def test_no_module_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long

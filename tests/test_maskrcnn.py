@@ -302,7 +302,7 @@ def test_tiny_maskrcnn_spatial_steps_equal_one_device(replicas, k, weight_update
     assert max_relative_diff(dp.gather_state(placed), want) <= PARAMS_TOLERANCE
     if k == 1:
         return
-    assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {
+    assert dict(zip(sorted(batches[0]), dp.placement.batch.images, strict=True)) == {
         "boxes": False,
         "image": True,
         "index": False,
@@ -343,7 +343,9 @@ def _check_no_feature_map_is_gathered(dp, batch):
     assert plan["gather_bytes_per_device"] == sum(g["bytes_per_device"] for g in plan["gathers"]) > 0
     p2 = rows * (cfg.image_size[0] // 4) * (cfg.image_size[1] // 4) * cfg.fpn_features * 4
     for c in module.collectives:
-        if c.kind == "all-gather" and dp.space in c.axes and hlo.UPDATE_SCOPE not in c.op_name:  # not the update's
+        if (
+            c.kind == "all-gather" and dp.roles.space in c.axes and hlo.UPDATE_SCOPE not in c.op_name
+        ):  # not the update's
             assert c.buffer_bytes * c.group_size < p2, (c.op_name[:200], c.buffer_bytes)
 
 

@@ -48,7 +48,7 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
     assert max_relative_diff(ref[0], state[0]) > 1e-2, "the parameters did not move: the check would be empty"
     assert max_relative_diff(out, ref) <= 1e-6
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
-    assert dp.images == [True, False] and dp.uneven == []
+    assert dp.placement.batch.images == (True, False) and dp.placement.batch.uneven == ()
 
     if weight_update == "sharded":  # the update is sharded over data x space: 1/8 per device
         stored = dp.place_state(state)
@@ -110,7 +110,7 @@ def test_spatial_with_batch_norm_groups_equals_one_device(weight_update):
     assert mesh.axis_names == ("x", BN_GROUP, "y")
     dp = data_parallel(grouped, mesh, spatial=2, weight_update=weight_update, min_shard_size=64)
     out, _ = run_parallel(dp, state, batches)
-    assert dp.axes == ("x", BN_GROUP) and dp.replicas == 4
+    assert dp.roles.data == ("x", BN_GROUP) and dp.replicas == 4
     assert max_relative_diff(out, ref) <= 1e-6
 
 
@@ -132,8 +132,9 @@ def test_a_height_the_space_axis_does_not_divide_is_listed_and_strict_refuses_it
     out, _ = run_parallel(dp, state, batches[:3])
     ref, _ = run_single(step, state, batches[:3])
     assert max_relative_diff(out, ref) <= 1e-6  # XLA pads, exactly
-    assert dp.uneven and all("is not a multiple of 4" in note for note in dp.uneven)
-    assert any(note.startswith("layer Conv_1: height 6") for note in dp.uneven), dp.uneven
+    uneven = dp.placement.batch.uneven
+    assert uneven and all("is not a multiple of 4" in note for note in uneven)
+    assert any(note.startswith("layer Conv_1: height 6") for note in uneven), uneven
     strict = data_parallel(step, make_mesh((2, 4)), spatial=4, strict=True)
     with pytest.raises(ValueError, match=r"strict=True: refused before running; spatial=4 does not divide"):
         strict.place_state(state, batches[0])
@@ -225,8 +226,8 @@ def test_the_tiny_resnet50_workload_splits_its_digits_and_equals_one_device(k, w
     assert max_relative_diff(out.params, ref.params) <= max(2e-6, 2 * floors["elementwise"]), (
         floors
     )  # no element far off
-    assert bool(dp.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
-    assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {"image": True, "label": False}
+    assert bool(dp.placement.batch.uneven) == (k == 4)  # heights 8, 4, 2: 4 does not divide 2
+    assert dict(zip(sorted(batches[0]), dp.placement.batch.images, strict=True)) == {"image": True, "label": False}
 
 
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
@@ -253,7 +254,7 @@ def test_the_space_axis_is_named_by_its_role_in_any_position():
     ref, ref_metrics = _REFERENCE["ref"]
     mesh = jax.make_mesh((4, 2), ("space", "data"))
     dp = data_parallel(step, mesh, space_axis="space", weight_update="sharded", min_shard_size=64)
-    assert (dp.space, dp.axes, dp.replicas) == ("space", ("data",), 2)
+    assert (dp.roles.space, dp.roles.data, dp.replicas) == ("space", ("data",), 2)
     out, metrics = run_parallel(dp, state, batches)
     assert max_relative_diff(out, ref) <= 1e-6
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)

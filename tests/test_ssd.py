@@ -126,7 +126,7 @@ def test_tiny_ssd_spatial_step_equals_one_device(k, weight_update, bn_groups):
         out, _ = run_parallel(dp, states[i], [batch])
         # within 1e-6, or twice one device's own spread on that step where it is wider
         assert max_relative_diff(out, states[i + 1]) <= max(1e-6, 2 * spreads[i]), (f"step {i + 1}", spreads[i])
-    assert dict(zip(sorted(batches[0]), dp.images, strict=True)) == {
+    assert dict(zip(sorted(batches[0]), dp.placement.batch.images, strict=True)) == {
         "box_labels": False,
         "box_targets": False,
         "boxes": False,
@@ -164,5 +164,7 @@ def test_full_ssd300_compiles_for_one_replica_and_for_4_spatial_partitions():
         temps[k] = module.memory["temporaries"]
         if k == 4:
             assert any(c.kind == "collective-permute" for c in module.collectives)
-            assert any(note.startswith("layer _Block_0/Conv_0: height 75 ") for note in dp.uneven), dp.uneven[:3]
+            assert any(note.startswith("layer _Block_0/Conv_0: height 75 ") for note in dp.placement.batch.uneven), (
+                dp.placement.batch.uneven[:3]
+            )
     assert temps[4] < 0.8 * temps[1], temps

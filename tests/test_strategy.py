@@ -44,7 +44,7 @@ def test_bad_strategies_name_the_parameter():
 
 def test_data_axes_are_named_once_and_checked_against_the_mesh():
     mesh = make_mesh((4, 2))
-    assert data_parallel(_step, mesh, data_axes=("x", "y")).axes == ("x", "y")
+    assert data_parallel(_step, mesh, data_axes=("x", "y")).roles.data == ("x", "y")
     with pytest.raises(ValueError, match=r"mesh axes \['y'\] are not data axes"):
         data_parallel(_step, mesh, data_axes=("x",))
     with pytest.raises(ValueError, match=r"data_axes \['z'\] are not axes of the mesh"):

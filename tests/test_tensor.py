@@ -97,7 +97,7 @@ def test_tensor_partitioned_step_equals_one_device(name, shape, weight_update):
     moments = [(leaf, x) for leaf, x in moments if ".opt_state" in leaf.path and leaf.path.endswith(split_weights)]
     assert moments
     for leaf, x in moments:
-        if weight_update == "replicated" or math.prod(leaf.shape) < dp.min_shard_size:
+        if weight_update == "replicated" or math.prod(leaf.shape) < dp.strategy.min_shard_size:
             assert leaf.model_dim is not None and x.addressable_shards[0].data.nbytes * k == leaf.bytes
         else:
             assert leaf.sharded and leaf.split == k
@@ -176,7 +176,7 @@ def test_each_rule_error_is_reported_and_strict_refuses_it():
         dp = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules))
         with pytest.warns(RuleWarning, match=re.escape(message)):
             dp.prepare(state, batch)
-        assert any(note.startswith(message) for note in dp.rule_notes), (what, dp.rule_notes)
+        assert any(note.startswith(message) for note in dp.placement.rule_notes), (what, dp.placement.rule_notes)
         strict = data_parallel(step, mesh, Strategy(model_parallel=4, rules=rules, strict=True))
         with pytest.raises(ValueError, match="strict=True: refused before running"):
             strict.prepare(state, batch)
@@ -372,7 +372,7 @@ def test_the_model_axis_is_named_by_its_role_in_any_position():
     dp = data_parallel(
         make_train_step(task, tx), mesh, model_axis="model", rules="transformer", weight_update="sharded"
     )
-    assert (dp.model, dp.axes, dp.replicas) == ("model", ("data",), 4)
+    assert (dp.roles.model, dp.roles.data, dp.replicas) == ("model", ("data",), 4)
     out, _ = run_parallel(dp, state, batches)
     assert leaf_relative_error(out.params, ref.params) <= 1e-6
     assert leaf_relative_error(out.opt_state, ref.opt_state) <= 1e-6

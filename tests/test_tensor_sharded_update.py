@@ -43,7 +43,7 @@ def test_the_sharded_update_of_split_weights_moves_nothing_over_the_model_axis(g
     chunked = [leaf for leaf in dp.layout.leaves if leaf.sharded and leaf.by is not None]
     assert chunked, "no optimizer state of a split weight is chunked per model partition"
     module = hlo.read(dp.lower(stored, batch).compile(), dp.mesh)
-    model = dp.model
+    model = dp.roles.model
     over_model = [c for c in module.collectives if model in c.axes]
     assert not [c for c in over_model if c.kind in RESHUFFLES], [(c.kind, c.op_name) for c in over_model]
     # In the update, the model axis only gathers the updated pieces of the weights the rules keep

@@ -115,7 +115,7 @@ def bench_spatial(
             "halo_bytes_per_device": halo,
             "halo_exchanges": sum(c.count for c in halos),
             "halo_vs_temporaries": halo / temps if temps else None,
-            "uneven_layers": len(r["dp"].uneven),
+            "uneven_layers": len(r["dp"].placement.batch.uneven),
             "step_s": statistics.median(r["times"]),
             "final_loss": r["loss"],
         }

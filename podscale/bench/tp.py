@@ -133,7 +133,7 @@ def bench_tp(
             "weight_bytes_per_device": memory["weights"],
             "optimizer_bytes_per_device": memory["optimizer_state"],
             "collective_bytes_per_axis": dict(per_axis),
-            "rule_notes": len(r["dp"].rule_notes),
+            "rule_notes": len(r["dp"].placement.rule_notes),
             "step_s": statistics.median(r["times"]),
             "final_loss": r["loss"],
         }

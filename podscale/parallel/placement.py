@@ -143,6 +143,26 @@ def batch_sharding(mesh: Mesh, roles: Roles) -> NamedSharding:
     return NamedSharding(mesh, P(roles.data))
 
 
+def local_rows(mesh: Mesh, roles: Roles, global_batch: int) -> slice:
+    """The rows of a global batch that this process feeds (contiguous by mesh construction)."""
+    replicas = roles.replicas(mesh)
+    if global_batch % replicas:
+        raise ValueError(
+            f"global batch size {global_batch} is not divisible by the {replicas} replicas; "
+            f"use a multiple of {replicas}"
+        )
+    index_map = batch_sharding(mesh, roles).addressable_devices_indices_map((global_batch,))
+    starts = sorted({idx[0].start or 0 for idx in index_map.values()})
+    stops = sorted({idx[0].stop if idx[0].stop is not None else global_batch for idx in index_map.values()})
+    rows = slice(starts[0], stops[-1])
+    if (rows.stop - rows.start) != global_batch // replicas * len(starts):
+        raise ValueError(
+            "this process's devices do not hold a contiguous block of the batch; build the mesh "
+            "with podscale.make_mesh, which orders devices by process"
+        )
+    return rows
+
+
 def batch_shardings(mesh: Mesh, roles: Roles, batch, windows) -> Any:
     rows = batch_sharding(mesh, roles)
     if roles.space is None:

@@ -246,7 +246,7 @@ def _workload_rows(name: str, measured: dict[int, Measured], steps: int, log) ->
         module = hlo.read(dp.lower(state, batches[0]).compile(), mesh)
         predicted = predict(measured[n], module, dict(mesh.shape))
         measured_s = _time_steps(dp, state, batches, steps)
-        rows.append(_row(f"{name} (tiny)", f"{n} replica(s), {dp.weight_update}", predicted, measured_s))
+        rows.append(_row(f"{name} (tiny)", f"{n} replica(s), {dp.strategy.weight_update}", predicted, measured_s))
     return rows
 
 

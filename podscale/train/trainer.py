@@ -191,10 +191,10 @@ def _begin(config: TrainConfig, mlog: RunLog, lead: bool, closing: list) -> _Beg
 
     # Init, then shard: the layout is decided on shapes, and the state is created directly in it.
     layout = run.layout
-    if lead and dp.rule_notes:
+    if lead and dp.placement.rule_notes:
         Console(stderr=True).print(
-            f"podscale: the sharding rules {strategy.rules.name!r} leave {len(dp.rule_notes)} leaves as they are "
-            "(--strict refuses them):\n  " + "\n  ".join(dp.rule_notes),
+            f"podscale: the sharding rules {strategy.rules.name!r} leave {len(dp.placement.rule_notes)} leaves as they are "
+            "(--strict refuses them):\n  " + "\n  ".join(dp.placement.rule_notes),
             markup=False,
             highlight=False,
             soft_wrap=True,
