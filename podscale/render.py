@@ -232,7 +232,8 @@ def models(rows: list[dict[str, Any]]) -> None:
 
 
 def list_systems() -> None:
-    """What ``podscale project --list-systems`` prints: each system's figures per chip, and their sources."""
+    """What ``podscale project --list-systems`` prints: each system's figures per chip, and each
+    figure's source (or, for an assumed one, its range)."""
     numbers = ("bf16 TFLOP/s", "HBM GiB", "HBM GB/s", "link GB/s", "max chips")
     table = report.table("system", *numbers, title="systems (per chip; links one way)", numbers=numbers)
     for s in systems.SYSTEMS.values():
@@ -248,7 +249,9 @@ def list_systems() -> None:
     console = Console()
     report.show(table, console)
     for s in systems.SYSTEMS.values():
-        console.print(f"[bold]{s.name}[/]: {s.description}\n  " + "; ".join(s.sources))
+        console.print(f"[bold]{s.name}[/]: {s.description}\n  " + "; ".join(s.sources), markup=True)
+        for field, value, source in systems.figures(s):
+            console.print(f"    {field} = {value}: {source}", markup=False)
 
 
 def bench_wus(result: dict[str, Any]) -> None:

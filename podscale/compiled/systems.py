@@ -22,7 +22,30 @@ Sources, cited per figure below:
 * [NV-A100], [NV-H100]: NVIDIA's A100 and H100 datasheets (dense bf16 312 / 989 TFLOP/s; TF32
   156 / 494.5 TFLOP/s dense, which XLA uses for float32 matrix products on these GPUs by default).
   [NV-DGXA100]: DGX A100 user guide: eight 200 Gb/s HDR InfiniBand NICs, one per GPU (25 GB/s).
-* Latencies that no public source states for these links are marked *assumed* where they are set.
+* [SB-TPU-C] jax-ml/scaling-book, tpus.md, "Appendix B: How does a systolic array work?" and
+  "Appendix C: TPU internals": the MXU is a 128x128 systolic array (256x256 on v6e) fed
+  ``bf16[8,128]`` LHS tiles ("weight matrices need to be padded to at least size 128 (256 on TPU
+  v6) in all dimensions"); 2 MXUs per TensorCore on v3, 4 on v4/v5; the VPU is an (8, 128) array
+  of lanes with 2 ALUs per lane on v4 ("2048 floating point adders") and 4 on v5 ("add 4 pairs of
+  f32 values ... each cycle"), one elementwise op per ALU per cycle; VPU work is done in f32.
+  The clock is not in that table: it follows from the chip's bf16 peak, its MXUs and their size
+  (``peak / (cores x MXUs x side^2 x 2)``: v3 0.94 GHz, v4 1.05 GHz, v5e 1.5 GHz, as the page
+  states for v5e, v5p and v6e 1.75 GHz).
+* [NV-MM] NVIDIA, "Matrix Multiplication Background User's Guide" (docs.nvidia.com/deeplearning/
+  performance): Tensor Cores are used most efficiently when M, N and K are multiples of 8 for
+  16-bit operands (tile quantization below that).
+* [NV-CUDA] NVIDIA CUDA C++ Programming Guide, "Arithmetic Instructions" throughput table: 16
+  results per clock per SM for 32-bit reciprocal, rsqrt, log2, exp2, sine, cosine (compute
+  capability 8.0 and 9.0); 64 (8.0) and 128 (9.0) FP32 add/multiply per clock per SM. With the
+  datasheets' SM counts and boost clocks (A100: 108 SMs, 1.41 GHz; H100/H200 SXM: 132 SMs,
+  1.98 GHz).
+
+Latencies that no public source states for these links are marked *assumed* where they are set. So
+are three figures of each chip that no vendor publishes: the fraction of the HBM's peak a kernel
+streams at (and the size at which it reaches half of that), the fixed cost of starting one fused
+kernel, and (TPU) the transcendental unit's rate. Each of them has a range
+(:attr:`System.assumed`), and ``podscale project`` gives each row's step time at both ends of the
+ranges beside its figure at the nominal values: the uncertainty they leave is shown, not tuned away.
 """
 
 from __future__ import annotations
@@ -65,6 +88,28 @@ class System:
     overlaps: bool = True
     """Whether a collective can run while compute continues (async collectives)."""
     sources: tuple[str, ...] = ()
+    matmul_tile: tuple[int, int, int] = (1, 1, 1)
+    """The granularity (m, n, k) a matrix unit works in: a product ``[m, k] @ [k, n]`` is charged
+    for its dimensions rounded up to these (TPU: the LHS's 8 rows, the systolic array's side for
+    the contracted and output dimensions; GPU: the Tensor Cores' multiples of 8)."""
+    vector_rate: float = 0.0
+    """Elementwise operations per second per chip on the vector units (TPU VPU, GPU CUDA cores;
+    0: elementwise work is bound by its bytes only)."""
+    transcendental_rate: float = 0.0
+    """Transcendental results (exp, log, tanh, logistic, rsqrt, sqrt, power, divide) per second
+    per chip (TPU: the EUP, assumed; GPU: the SFUs); 0: at ``vector_rate``."""
+    hbm_efficiency: float = 1.0
+    """The fraction of ``hbm_bandwidth`` a large streaming kernel reaches (assumed)."""
+    half_bandwidth_bytes: float = 0.0
+    """Bytes at which a kernel's stream reaches half of the achievable bandwidth (assumed): an op
+    of ``b`` bytes streams at ``hbm_efficiency * hbm_bandwidth * b / (b + half_bandwidth_bytes)``."""
+    kernel_overhead: float = 0.0
+    """Seconds of fixed cost per fused kernel: its launch and pipeline fill (assumed)."""
+    cited: tuple[tuple[str, str], ...] = ()
+    """(field, source) for each figure of the chip: where it comes from."""
+    assumed: tuple[tuple[str, float, float], ...] = ()
+    """(field, low, high): the range of each figure no public source states; the field's own
+    value is the nominal one."""
 
     @property
     def devices_max(self) -> int:
@@ -77,6 +122,23 @@ class System:
     @property
     def device_hbm_bandwidth(self) -> float:
         return self.hbm_bandwidth / self.devices_per_chip
+
+    def device_rate(self, field: str) -> float:
+        """A per-chip rate (``vector_rate``, ``transcendental_rate``) per device."""
+        return getattr(self, field) / self.devices_per_chip
+
+    def at(self, end: str) -> System:
+        """This system with every assumed figure at one end of its range: ``fast`` (the end that
+        makes a step quicker) or ``slow``."""
+        if end not in ("fast", "slow"):
+            raise ValueError(f"end {end!r}: choose fast or slow")
+        slower_when_larger = {"kernel_overhead", "half_bandwidth_bytes", "hop_latency", "network_latency"}
+        values = {}
+        for field, low, high in self.assumed:
+            values[field] = (
+                (high if end == "slow" else low) if field in slower_when_larger else (low if end == "slow" else high)
+            )
+        return dataclasses.replace(self, **values)
 
     @property
     def device_hbm_bytes(self) -> float:
@@ -145,6 +207,66 @@ _SLICES = {
     "tpu-v6e": _v5e,  # 16x16 pods, wrap-around along any axis of 16, as v5e [SB-TPU]
 }
 
+
+def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_source: str, alu_source: str) -> dict:
+    """The per-op figures of a TPU chip (see [SB-TPU-C]): the clock from the bf16 peak, the VPU's
+    ``(8, 128)`` lanes times ``alus`` per lane per core, the transcendental unit assumed at one
+    result per lane per cycle (1/8 to 2), and the assumed HBM efficiency and fixed costs."""
+    clock = peak / (cores * mxus * side * side * 2)
+    lanes = cores * 8 * 128 * clock
+    return dict(
+        matmul_tile=(8, side, side),
+        vector_rate=lanes * alus,
+        transcendental_rate=lanes,
+        hbm_efficiency=0.85,
+        half_bandwidth_bytes=128 * 2**10,
+        kernel_overhead=1e-6,
+        cited=(
+            ("matmul_tile", f"{mxu_source}: LHS tiles of 8 rows, a {side}x{side} systolic array"),
+            ("vector_rate", f"{alu_source}: {cores} core(s) x 8x128 lanes x {alus} ALUs x {clock / 1e9:.3g} GHz"),
+            ("clock", f"{clock / 1e9:.3g} GHz = peak / ({cores} cores x {mxus} MXUs x {side}^2 x 2)"),
+        ),
+        assumed=(
+            ("transcendental_rate", lanes / 8, lanes * 2),
+            ("hbm_efficiency", 0.7, 0.95),
+            ("half_bandwidth_bytes", 32 * 2**10, 512 * 2**10),
+            ("kernel_overhead", 0.3e-6, 3e-6),
+            ("hop_latency", 0.5e-6, 2e-6),
+        ),
+    )
+
+
+def _gpu_chip(sms: int, fp32_per_sm: int, clock: float, source: str) -> dict:
+    """The per-op figures of an NVIDIA GPU: Tensor Core granularity [NV-MM], CUDA cores and SFUs
+    per SM [NV-CUDA] at the boost clock, and the assumed HBM efficiency and fixed costs."""
+    return dict(
+        matmul_tile=(8, 8, 8),
+        vector_rate=sms * fp32_per_sm * clock,
+        transcendental_rate=sms * 16 * clock,
+        hbm_efficiency=0.85,
+        half_bandwidth_bytes=2**20,
+        kernel_overhead=3e-6,
+        cited=(
+            ("matmul_tile", "[NV-MM] M, N, K in multiples of 8 for 16-bit Tensor Core products"),
+            (
+                "vector_rate",
+                f"[NV-CUDA] {sms} SMs x {fp32_per_sm} FP32 results per clock x {clock / 1e9:.3g} GHz ({source})",
+            ),
+            (
+                "transcendental_rate",
+                f"[NV-CUDA] {sms} SMs x 16 SFU results per clock x {clock / 1e9:.3g} GHz ({source})",
+            ),
+        ),
+        assumed=(
+            ("hbm_efficiency", 0.7, 0.95),
+            ("half_bandwidth_bytes", 256 * 2**10, 4 * 2**20),
+            ("kernel_overhead", 1e-6, 6e-6),
+            ("hop_latency", 0.5e-6, 2e-6),
+            ("network_latency", 2e-6, 10e-6),
+        ),
+    )
+
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
@@ -166,6 +288,15 @@ SYSTEMS: dict[str, System] = {
                 "[SB-TPU] ICI 1e11 B/s one way",
                 "[SB-SHARD] 1 us per hop",
             ),
+            **_tpu_chip(
+                2,
+                2,
+                128,
+                2,
+                123e12,
+                "[SB-TPU-C]",
+                "[SB-TPU-C] (v4's 2 ALUs per lane, as Hot Chips 2020 gives TPU v2/v3's 2048 vector ALUs per core)",
+            ),
         ),
         System(
             "tpu-v4",
@@ -179,6 +310,7 @@ SYSTEMS: dict[str, System] = {
             link_bandwidth=4.5e10,
             torus_dims=3,
             sources=("[SB-TPU] 2.75e14 FLOP/s, 32 GB at 1.2e12 B/s, ICI 4.5e10 B/s one way", "[SB-SHARD] 1 us per hop"),
+            **_tpu_chip(2, 4, 128, 2, 275e12, "[SB-TPU-C]", "[SB-TPU-C] v4: 2 ALUs per lane"),
         ),
         System(
             "tpu-v5p",
@@ -192,6 +324,7 @@ SYSTEMS: dict[str, System] = {
             link_bandwidth=9e10,
             torus_dims=3,
             sources=("[SB-TPU] 4.59e14 FLOP/s, 96 GB at 2.8e12 B/s, ICI 9e10 B/s one way", "[SB-SHARD] 1 us per hop"),
+            **_tpu_chip(2, 4, 128, 4, 459e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
         ),
         System(
             "tpu-v5e",
@@ -205,6 +338,7 @@ SYSTEMS: dict[str, System] = {
             link_bandwidth=4.5e10,
             torus_dims=2,
             sources=("[SB-TPU] 1.97e14 FLOP/s, 16 GB at 8.1e11 B/s, ICI 4.5e10 B/s one way", "[SB-SHARD] 1 us per hop"),
+            **_tpu_chip(1, 4, 128, 4, 197e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
         ),
         System(
             "tpu-v6e",
@@ -218,6 +352,15 @@ SYSTEMS: dict[str, System] = {
             link_bandwidth=9e10,
             torus_dims=2,
             sources=("[SB-TPU] 9.2e14 FLOP/s, 32 GB at 1.6e12 B/s, ICI 9e10 B/s one way", "[SB-SHARD] 1 us per hop"),
+            **_tpu_chip(
+                1,
+                4,
+                256,
+                4,
+                918e12,
+                "[SB-TPU-C] v6e: 256x256 (4 MXUs assumed as v5e)",
+                "[SB-TPU-C] v5's 4 ALUs per lane, assumed on v6e",
+            ),
         ),
         System(
             "a100",
@@ -236,6 +379,7 @@ SYSTEMS: dict[str, System] = {
                 "[NV-DGXA100] 25 GB/s network per GPU",
                 "latencies assumed: 1 us per NVLink step, 5 us per network step",
             ),
+            **_gpu_chip(108, 64, 1.41e9, "A100 SXM datasheet"),
         ),
         System(
             "h100",
@@ -253,6 +397,7 @@ SYSTEMS: dict[str, System] = {
                 "[SB-GPU] 80 GB, NVLink 450 GB/s each way, 50 GB/s network per GPU",
                 "latencies assumed: 1 us per NVLink step, 5 us per network step",
             ),
+            **_gpu_chip(132, 128, 1.98e9, "H100 SXM datasheet"),
         ),
         System(
             "h200",
@@ -270,9 +415,43 @@ SYSTEMS: dict[str, System] = {
                 "[NV-H100] TF32 494.5 TFLOP/s (the same Hopper tensor cores)",
                 "latencies assumed: 1 us per NVLink step, 5 us per network step",
             ),
+            **_gpu_chip(132, 128, 1.98e9, "H200 SXM: the H100's Hopper SMs"),
         ),
     )
 }
+
+
+_PER_OP = (
+    "matmul_tile",
+    "vector_rate",
+    "transcendental_rate",
+    "hbm_efficiency",
+    "half_bandwidth_bytes",
+    "kernel_overhead",
+    "hop_latency",
+    "network_latency",
+)
+
+
+def figures(system: System) -> list[tuple[str, str, str]]:
+    """(field, value, source) of each per-op and latency figure of ``system``: its citation, or
+    ``assumed, range LOW to HIGH`` (the chip's peak, memory and links are cited in
+    ``system.sources``)."""
+    cited, assumed = dict(system.cited), {f: (lo, hi) for f, lo, hi in system.assumed}
+    out = []
+    for field in _PER_OP:
+        if field == "network_latency" and system.kind != "gpu":
+            continue
+        value = getattr(system, field)
+        if field in assumed:
+            lo, hi = assumed[field]
+            source = f"assumed, range {lo:.3g} to {hi:.3g}"
+        else:
+            source = cited.get(field) or next((s for s in system.sources if "latenc" in s or "hop" in s), "-")
+        out.append((field, value if isinstance(value, tuple) else f"{value:.4g}", source))
+    if "clock" in cited:
+        out.append(("clock", "-", cited["clock"]))
+    return out
 
 
 def get(name: str) -> System:

@@ -2,9 +2,10 @@
 :func:`podscale.projection.project.project` does for each chip count and strategy:
 
 * **compute**: each op of the compiled module (:mod:`podscale.compiled.hlo`, loop bodies times their
-  trip counts) by a roofline, ``max(matmul FLOPs / peak, bytes / HBM bandwidth)`` with the peak of
-  the matmul's operand dtype; elementwise FLOPs are taken as bound by their bytes. Ops in
-  podscale's update scope are the *update*; the rest, forward and backward.
+  trip counts) by the chip's structure (:func:`op_terms`): a fixed cost per kernel plus the
+  slowest of its matrix products at the matrix unit's padded tiles, its elementwise and
+  transcendental work at the vector units' rates, and its bytes at the bandwidth reached for
+  their size. Ops in podscale's update scope are the *update*; the rest, forward and backward.
 * **communication**: each collective by :mod:`podscale.compiled.network` on the groups it runs over,
   times its runs per step.
 * **overlap** (only where the schedule allows it, and only on systems with asynchronous
@@ -42,13 +43,85 @@ def _groups(shape: dict[str, int], axes: tuple[str, ...], size: int) -> list[lis
     return ids.transpose(order).reshape(-1, math.prod(shape[a] for a in axes)).tolist()
 
 
-def op_time(system: System, op: hlo_cost.Op) -> float:
-    """Seconds for one run of ``op`` on one device (the roofline; see the module docstring). The
-    converts XLA:CPU adds around bf16 products (``op.upcast``) cost nothing: accelerators have none."""
+TERMS = ("mxu", "vector", "memory", "fixed")
+"""What one op's time is charged to: the matrix units, the vector units, HBM, or the fixed cost of
+starting a kernel (with ``communication``, what each row's ``terms`` splits its step into)."""
+
+
+def _round_up(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def padded_matmul_flops(op: hlo_cost.Op, tile: tuple[int, int, int]) -> float:
+    """``op.matmul_flops`` with each matrix product's dimensions rounded up to the matrix unit's
+    ``tile`` (m, n, k): a product ``[m, k] @ [k, n]`` runs as ``[ceil(m), ceil(k)] @ [ceil(k),
+    ceil(n)]``; a convolution's contraction is its input features per window tap, each tap padded
+    (:attr:`~podscale.compiled.hlo_cost.Op.matmuls`). An op without shapes is charged as it is."""
+    matmuls = getattr(op, "matmuls", ())
+    if not op.matmul_flops or not matmuls or tile == (1, 1, 1):
+        return op.matmul_flops
+    real = padded = 0.0
+    tm, tn, tk = tile
+    for batch, m, n, k, taps in (mm if len(mm) == 5 else (*mm, 1) for mm in matmuls):
+        real += batch * m * n * k * taps
+        padded += batch * _round_up(m, tm) * _round_up(n, tn) * _round_up(k, tk) * taps
+    return op.matmul_flops * padded / real if real else op.matmul_flops
+
+
+def op_terms(system: System, op: hlo_cost.Op) -> dict[str, float]:
+    """Seconds of one run of ``op`` on one device, per term (:data:`TERMS`); the op takes
+    ``fixed + max(mxu, vector, memory)``:
+
+    * ``mxu``: its matrix products at the tiles' padded size (:func:`padded_matmul_flops`) over the
+      peak of their operand dtype; or, where that is slower (shapes that leave the matrix unit
+      idle), their FLOPs at the vector units' rate;
+    * ``vector``: its elementwise work and reductions at the vector units' rate, its
+      transcendentals at the transcendental unit's (``System.vector_rate``,
+      ``transcendental_rate``; 0: not charged);
+    * ``memory``: its bytes at the HBM bandwidth reached for its size (``hbm_efficiency``,
+      ``half_bandwidth_bytes``);
+    * ``fixed``: the kernel's start (``kernel_overhead``).
+
+    The converts XLA:CPU adds around bf16 products (``op.upcast``) cost nothing: accelerators have
+    none."""
     if op.upcast:
-        return 0.0
-    compute = op.matmul_flops / system.device_peak(op.matmul_dtype) if op.matmul_flops else 0.0
-    return max(compute, op.bytes / system.device_hbm_bandwidth)
+        return dict.fromkeys(TERMS, 0.0)
+    mxu = 0.0
+    if op.matmul_flops:
+        mxu = padded_matmul_flops(op, system.matmul_tile) / system.device_peak(op.matmul_dtype)
+        if system.vector_rate:
+            mxu = min(mxu, op.matmul_flops / system.device_rate("vector_rate"))
+    vector = 0.0
+    if system.vector_rate:
+        transcendental = min(getattr(op, "transcendentals", 0.0), op.flops - op.matmul_flops)
+        elementwise = max(0.0, op.flops - op.matmul_flops - transcendental)
+        rate = system.device_rate("transcendental_rate") or system.device_rate("vector_rate")
+        vector = elementwise / system.device_rate("vector_rate") + transcendental / rate
+    bandwidth = system.device_hbm_bandwidth * system.hbm_efficiency
+    if system.half_bandwidth_bytes and op.bytes:
+        bandwidth *= op.bytes / (op.bytes + system.half_bandwidth_bytes)
+    memory = op.bytes / bandwidth if op.bytes else 0.0
+    return {"mxu": mxu, "vector": vector, "memory": memory, "fixed": system.kernel_overhead}
+
+
+def op_time(system: System, op: hlo_cost.Op) -> float:
+    """Seconds for one run of ``op`` on one device (:func:`op_terms`)."""
+    t = op_terms(system, op)
+    return t["fixed"] + max(t["mxu"], t["vector"], t["memory"])
+
+
+def terms(system: System, module: hlo.Module, phases: Sequence[str] = ("forward", "backward", "update")) -> dict:
+    """Seconds per step of the ops of ``phases``, by the term each op is bound by (:data:`TERMS`):
+    an op's time less its fixed cost counts to its largest term."""
+    out = dict.fromkeys(TERMS, 0.0)
+    for op in module.ops:
+        if op.phase not in phases:
+            continue
+        t = op_terms(system, op)
+        bound = max(("mxu", "vector", "memory"), key=lambda k: t[k])
+        out[bound] += t[bound] * op.count
+        out["fixed"] += t["fixed"] * op.count
+    return out
 
 
 def cost(

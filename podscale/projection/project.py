@@ -34,7 +34,7 @@ from podscale.compiled.systems import System
 from podscale.parallel import checks
 from podscale.parallel.mesh import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
-from podscale.projection.cost import cost, scale_update, update_seconds
+from podscale.projection.cost import cost, scale_update, terms, update_seconds
 from podscale.projection.mesh import (
     DEFAULT_STRATEGIES,
     applicability,
@@ -248,20 +248,62 @@ def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system,
     k = strategy.spatial or strategy.model_parallel or 1
     compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
     dp, module = compile_(compiled_shape)
-    phases, collectives, exposed, hidden = cost(system, topology, module, target, reduced=reduced, factor=factor)
+    partner = None
     if factor > 1 and strategy.state_scales and compiled_shape[reduced] >= 4 and compiled_shape[reduced] % 2 == 0:
         # The sharded update costs a + b / n on n devices (whole small leaves, shards): a and b
         # from this compile and one on a mesh half as large, then evaluated at the target.
         smaller = dict(compiled_shape)
         smaller[reduced] //= 2
-        points = [(math.prod(compiled_shape.values()), phases["update"])]
-        points.append((math.prod(smaller.values()), update_seconds(system, compile_(smaller)[1])))
-        phases["update"] = scale_update(points, points[0], topology.devices)
+        partner = (math.prod(smaller.values()), compile_(smaller)[1])
+    priced = price(topology, module, target, reduced, factor, strategy, partner, scheduled=False)
     return (
         draft_row(system, topology, name, strategy, replica_batch, target, compiled_shape, factor, dp, module)
-        ._replace(phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, compiler="XLA:CPU")
+        ._replace(**priced, compiler="XLA:CPU")
         .build()
     )
+
+
+def price(topology, module, target, reduced, factor, strategy, partner, scheduled: bool) -> dict:
+    """A row's costed figures from its compiled ``module``: the phases, collectives, exposed and
+    hidden communication at the system's nominal figures; the step by term
+    (:func:`~podscale.projection.cost.terms`); and the step time at both ends of the assumed
+    figures' ranges (:meth:`~podscale.compiled.systems.System.at`). ``partner``: ``(devices,
+    module)`` of the same program compiled on another mesh size, for the sharded update's
+    ``a + b / n`` (:func:`~podscale.projection.cost.scale_update`), or ``None``."""
+    n = math.prod(compile_mesh_shape(module, target, reduced, factor).values())
+    out: dict[str, Any] = {}
+    for end in ("nominal", "fast", "slow"):
+        system = topology.system if end == "nominal" else topology.system.at(end)
+        where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis)
+        phases, collectives, exposed, hidden = cost(
+            system, where, module, target, reduced=reduced, factor=factor, scheduled=scheduled
+        )
+        if partner is not None:
+            points = sorted([(n, phases["update"]), (partner[0], update_seconds(system, partner[1]))])
+            phases["update"] = scale_update(points, (n, phases["update"]), topology.devices)
+        step_s = phases["forward"] + phases["backward"] + phases["update"] + exposed
+        if end == "nominal":
+            out.update(phases=phases, collectives=collectives, exposed=exposed, hidden=hidden)
+            split = terms(system, module)
+            if partner is not None and split:  # the update's ops as scaled to the target
+                own = update_seconds(system, module)
+                scale = phases["update"] / own if own else 1.0
+                update_split = terms(system, module, ("update",))
+                for key, value in update_split.items():
+                    split[key] += value * (scale - 1.0)
+            split["communication"] = exposed
+            out["terms"] = split
+        else:
+            out[f"step_{end}_s"] = step_s
+    return out
+
+
+def compile_mesh_shape(module, target, reduced, factor) -> dict[str, int]:
+    """The mesh a module was compiled on: ``target`` with ``reduced`` ``factor`` times smaller."""
+    shape = dict(target)
+    if reduced is not None:
+        shape[reduced] //= factor
+    return shape
 
 
 @dataclasses.dataclass
@@ -347,31 +389,38 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
         return entry
 
     def compile_shape_of(topology, name, strategy) -> tuple[dict[str, int], str | None, int]:
-        live = [t for t in topologies if reasons[t.chips, name] is None]
-        smallest = min(math.prod(target_shape(t, strategy).values()) for t in live)
-        return shrink(target_shape(topology, strategy), min(smallest, MAX_TPU_COMPILE_DEVICES))
+        # the row's own target alone decides (one figure per row, whatever else is asked for)
+        return shrink(target_shape(topology, strategy), MAX_TPU_COMPILE_DEVICES)
+
+    def partner_of(shape: dict[str, int], strategy: Strategy, factor: int) -> dict[str, int] | None:
+        """The second mesh of a row whose sharded update is scaled (``a + b / n``): its first
+        axis halved (or, where it cannot be, doubled)."""
+        if factor == 1 or not strategy.state_scales:
+            return None
+        other = dict(shape)
+        first = next(iter(other))
+        other[first] = other[first] // 2 if other[first] >= 4 and other[first] % 2 == 0 else other[first] * 2
+        return other
 
     # Every distinct program first, compiled side by side (XLA compiles one program on one core):
-    # a strategy's meshes, and for a sharded update whose rows are scaled, a second size.
+    # each row's mesh, and for a sharded update whose rows are scaled, its second size.
     wanted: dict[tuple, tuple] = {}
     for topology in topologies:
         for name, strategy in resolved.items():
             if reasons[topology.chips, name] is None:
                 shape, _, factor = compile_shape_of(topology, name, strategy)
                 replica_batch = job.per_chips[topology.chips]
-                wanted[name, tuple(shape.items()), replica_batch] = (name, strategy, shape, replica_batch, factor)
-    for (name, _, replica_batch), (_, strategy, shape, _, factor) in list(wanted.items()):
-        sizes = {math.prod(dict(k[1]).values()) for k in wanted if k[0] == name and k[2] == replica_batch}
-        if factor > 1 and strategy.state_scales and len(sizes) < 2:
-            more = dict(shape)
-            more[next(iter(more))] *= 2
-            wanted[name, tuple(more.items()), replica_batch] = (name, strategy, more, replica_batch, 1)
-    for _, _, shape, _, _ in wanted.values():  # libtpu loads here, in this thread, once
+                for mesh in (shape, partner_of(shape, strategy, factor)):
+                    if mesh is not None:
+                        wanted.setdefault(
+                            (name, tuple(mesh.items()), replica_batch), (name, strategy, mesh, replica_batch)
+                        )
+    for _, _, shape, _ in wanted.values():  # libtpu loads here, in this thread, once
         tpu.devices(system.name, tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip))
     workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
-        for future in [pool.submit(compiled, *w[:4]) for w in wanted.values()]:
+        for future in [pool.submit(compiled, *w) for w in wanted.values()]:
             future.result()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)  # an error or Ctrl-C: no queued compile starts
@@ -406,23 +455,17 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                     )
                 )
                 continue
-            phases, collectives, exposed, hidden = cost(
-                system, topology, entry.module, target, reduced=reduced, factor=factor, scheduled=True
-            )
-            n = math.prod(shape.values())
-            if factor > 1 and strategy.state_scales:
-                points = [  # every compiled size of the strategy, in a fixed order
-                    (math.prod(dict(key[1]).values()), update_seconds(system, cache[key].module))
-                    for key in sorted(cache, key=repr)
-                    if key[0] == name and key[2] == replica_batch and cache[key].module is not None
-                ]
-                phases["update"] = scale_update(points, (n, phases["update"]), topology.devices)
+            other = partner_of(shape, strategy, factor)
+            partner = None
+            if other is not None:
+                partner_entry = compiled(name, strategy, other, replica_batch)
+                if partner_entry.module is not None:
+                    partner = (math.prod(other.values()), partner_entry.module)
+            priced = price(topology, entry.module, target, reduced, factor, strategy, partner, scheduled=True)
             draft = draft_row(
                 system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module
             )
-            row = draft._replace(
-                phases=phases, collectives=collectives, exposed=exposed, hidden=hidden, **common
-            ).build()
+            row = draft._replace(**priced, **common).build()
             say(f"{system.name} {n_chips} chips, {name}: step {row.step_s * 1e3:.3f} ms")
             rows.append(row)
     return rows

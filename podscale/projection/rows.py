@@ -57,6 +57,14 @@ class Row:
     does_not_fit: str | None = None
     """The TPU compiler's refusal when the program does not fit the chip's memory (the row's
     figures are then ``None`` but for memory)."""
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The step split by what bounds each op (:func:`~podscale.projection.cost.terms`): ``mxu``,
+    ``vector``, ``memory``, ``fixed`` (kernel starts) and ``communication`` (exposed), seconds."""
+    step_fast_s: float | None = None
+    step_slow_s: float | None = None
+    """The step time with every assumed figure of the system at the end of its range that makes
+    the step quicker (slower) (:attr:`~podscale.compiled.systems.System.assumed`): the range the
+    unsourced constants leave."""
     fastest: bool = False
     not_applicable: str | None = None
     """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
@@ -66,12 +74,17 @@ class Row:
         return self.not_applicable is None
 
     @property
+    def dominant(self) -> str:
+        """The term the step spends most in (``""`` without terms)."""
+        return max(self.terms, key=self.terms.get) if self.terms else ""
+
+    @property
     def costed(self) -> bool:
         """Whether the row has a step time (it applies, and its program fits the chip)."""
         return self.applicable and self.does_not_fit is None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "dominant": self.dominant}
 
 
 def not_applicable_row(topology, name: str, strategy: Strategy, replica_batch: int, reason: str) -> Row:
@@ -135,6 +148,9 @@ class _Draft(dict):
             compiled_mesh=self["compiled_shape"],
             compiler=self["compiler"],
             compile_s=self.get("compile_s"),
+            terms=dict(self.get("terms") or {}),
+            step_fast_s=self.get("step_fast_s"),
+            step_slow_s=self.get("step_slow_s"),
         )
 
 
@@ -199,12 +215,23 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     console = console or Console()
     partitioned = any(r.halo_bytes is not None for r in rows)
     moved = ("halo MB", "model-axis MB") if partitioned else ()
-    numbers = ("compute ms", "update ms", "comm ms (hidden)", *moved, "step ms", "examples/s", "MFU", "GiB/chip")
+    numbers = (
+        "compute ms",
+        "update ms",
+        "comm ms (hidden)",
+        *moved,
+        "step ms",
+        "range ms",
+        "examples/s",
+        "MFU",
+        "GiB/chip",
+    )
     table = report.table(
         "chips",
         "strategy",
         *numbers,
         "fits",
+        "bound by",
         "compiled (mesh, seconds)",
         title=f"{what} projected to {system.name} (per step; * fastest that fits; n/a: does not apply, see below)",
         numbers=("chips", *numbers),
@@ -213,7 +240,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
         if not r.costed:
             memory = f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}" if r.memory_per_chip else "-"
             fits = "n/a" if not r.applicable else "NO"
-            table.add_row(str(r.chips), r.strategy, *(["-"] * (len(numbers) - 1)), memory, fits, compiled_text(r))
+            table.add_row(str(r.chips), r.strategy, *(["-"] * (len(numbers) - 1)), memory, fits, "-", compiled_text(r))
             continue
         table.add_row(
             str(r.chips),
@@ -223,10 +250,12 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             f"{r.exposed_s * 1e3:.3f} ({r.hidden_s * 1e3:.3f})",
             *([_mb(r.halo_bytes), _mb(r.model_axis_bytes)] if partitioned else []),
             f"{r.step_s * 1e3:.3f}",
+            _range(r),
             f"{r.examples_per_s:,.0f}",
             f"{r.mfu:.1%}",
             f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}",
             "yes" if r.fits else "NO",
+            bound_text(r),
             compiled_text(r),
         )
     report.show(table, console)
@@ -254,9 +283,26 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     console.print(
         "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
         "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
-        "backward pass). "
+        "backward pass). range = the step with every assumed figure of the system (HBM efficiency, kernel start, "
+        "transcendental rate, hop latency) at either end of its range; bound by = the terms the step spends most in "
+        "(mxu, vector, memory, fixed kernel starts, exposed communication). "
         "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
     )
+
+
+def _range(row: Row) -> str:
+    if row.step_fast_s is None or row.step_slow_s is None:
+        return "-"
+    return f"{row.step_fast_s * 1e3:.3g}-{row.step_slow_s * 1e3:.3g}"
+
+
+def bound_text(row: Row) -> str:
+    """The two largest terms of a row's step and their shares: ``mxu 61%, memory 22%``."""
+    total = sum(row.terms.values())
+    if not total:
+        return "-"
+    top = sorted(row.terms.items(), key=lambda kv: -kv[1])[:2]
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in top if v > 0)
 
 
 def _mb(nbytes: float | None) -> str:
@@ -314,7 +360,7 @@ def check_plot_path(path: str, what: str = "--plot") -> None:
 
 def plot(rows: list[Row], path: str, title: str = "") -> None:
     """Step time and throughput against chips, a line per strategy (rows that do not apply are
-    left out)."""
+    left out); around each step-time line, the range the assumed figures leave."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,7 +371,17 @@ def plot(rows: list[Row], path: str, title: str = "") -> None:
     for name in dict.fromkeys(r.strategy for r in applicable):
         mine = sorted((r for r in applicable if r.strategy == name), key=lambda r: r.chips)
         chips = [r.chips for r in mine]
-        left.plot(chips, [r.step_s * 1e3 for r in mine], marker="o", label=name)
+        (line,) = left.plot(chips, [r.step_s * 1e3 for r in mine], marker="o", label=name)
+        ranged = [r for r in mine if r.step_fast_s is not None and r.step_slow_s is not None]
+        if ranged:  # the range the assumed figures leave
+            left.fill_between(
+                [r.chips for r in ranged],
+                [r.step_fast_s * 1e3 for r in ranged],
+                [r.step_slow_s * 1e3 for r in ranged],
+                color=line.get_color(),
+                alpha=0.2,
+                linewidth=0,
+            )
         right.plot(chips, [r.examples_per_s for r in mine], marker="o", label=name)
     for ax, label in ((left, "step time (ms)"), (right, "examples / s")):
         ax.set_xscale("log", base=2)
