@@ -13,16 +13,13 @@ For each workload, on ONE GPU:
     ``podscale.compiled.hlo.read(compiled, mesh)`` and costed by ``podscale.projection.cost.cost`` on
     the systems ``h200`` and ``h100`` (``podscale.compiled.systems``), as
     ``podscale.projection.project._project_one`` costs a row (1 chip, strategy ``replicated``): the row
-    podscale would give if it compiled with XLA:GPU. Given twice:
-
-    * ``as_is``: podscale's reader unchanged. XLA:GPU calls cuBLAS and cuDNN for matrix products and
-      convolutions (``custom-call``s), whose FLOPs podscale's reader does not count (it costs them
-      by their bytes only).
-    * ``custom_calls``: the same module with each cuBLAS gemm (``__cublas$gemm``,
-      ``__cublas$lt$matmul``...) and cuDNN convolution (``__cudnn$conv...``) costed as the dot or
-      convolution it runs (FLOPs from its shapes, ``dot_dimension_numbers``, window and
-      ``dim_labels``; bytes without the scratch workspace), every other op as podscale costs it.
-      This shim is in this file only (``custom_call_ops``); podscale is not changed.
+    podscale would give if it compiled with XLA:GPU (``xla_gpu``). XLA:GPU calls cuBLAS and cuDNN
+    for matrix products and convolutions (``custom-call``s); podscale's reader costs each cuBLAS
+    gemm (``__cublas$gemm``, ``__cublas$lt$matmul``...) and cuDNN convolution (``__cudnn$conv...``)
+    as the dot or convolution it runs (``podscale.compiled.hlo_library``: FLOPs from its shapes,
+    ``dot_dimension_numbers``, window and ``dim_labels``; bytes without the scratch workspace).
+    (Records of earlier runs hold ``as_is``, podscale's reader before it read these calls, and
+    ``custom_calls``, this script's shim that costed them then; ``--compare`` reads either.)
 
 (c) **predicted from XLA:CPU's module** (what ``podscale project --system h200 --chips 1`` gives
     today): not on the GPU machine. ``--xla-cpu`` computes it on a CPU for the same workloads,
@@ -83,7 +80,6 @@ START = time.perf_counter()
 DEFAULT_GPU = "resnet50@256,transformer-big@40,dlrm@6912,transformer-big@4"
 DEFAULT_SMOKE = "resnet50,transformer-big,dlrm"  # tiny configs at their per-core batch
 SYSTEMS = ("h200", "h100")
-GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
 def log(message: str) -> None:
@@ -263,106 +259,21 @@ def parse_instructions(text: str) -> Instructions:
     return out
 
 
-def _arrays(type_text: str) -> list[str]:
-    from podscale.compiled import hlo_cost
-
-    return [f"{d}[{dims}]" for d, dims in hlo_cost._ARRAY.findall(type_text)]
-
-
-def custom_call_cost(instr: tuple) -> tuple[str, float, str, float] | None:
-    """(kind, FLOPs, operand dtype, bytes) of a cuBLAS gemm or cuDNN convolution custom-call, or
-    ``None`` for another op. A gemm: 2 x its result's elements x the contracted size (from
-    ``dot_dimension_numbers``); a convolution: podscale's own count of the forward convolution it
-    computes (``hlo_cost._conv_instr_flops``: window taps on the input only), the operands mapped
-    back to the forward convolution's (XLA keeps the forward window and ``dim_labels`` on the
-    backward custom-calls: backward-input reads (output grad, kernel) and writes the input's grad,
-    backward-filter reads (input, output grad) and writes the kernel's). Bytes: the operands and the
-    results, without the scratch workspace (the last ``u8``/``s8`` element of the result tuple)."""
-    from podscale.compiled import hlo_cost
-
-    type_text, opcode, operand_types, attrs = instr[:4]
-    if opcode != "custom-call":
-        return None
-    m = re.search(r'custom_call_target="([^"]+)"', attrs)
-    target = m.group(1) if m else ""
-    results = _arrays(type_text)
-    if len(results) > 1 and results[-1].startswith(("u8[", "s8[")):
-        results = results[:-1]
-    operands = [a for t in operand_types for a in _arrays(t)]
-    nbytes = float(sum(hlo_cost.type_bytes(a)[0] for a in results + operands))
-    if not results or len(operands) < 2:
-        return None
-    if target in GEMM_TARGETS or target.startswith("__cublas"):
-        lhs = hlo_cost.type_dims(operands[0])
-        c = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', attrs)
-        dims = [int(x) for x in re.findall(r"\d+", c.group(1))] if c else []
-        k = math.prod(lhs[d] for d in dims if d < len(lhs)) if dims else (lhs[-1] if lhs else 1)
-        return "cublas gemm", 2.0 * hlo_cost._elements(results[0]) * k, hlo_cost.type_bytes(operands[0])[1], nbytes
-    if target.startswith("__cudnn$conv"):
-        if "BackwardInput" in target:
-            out, lhs, kernel, kind = operands[0], results[0], operands[1], "cudnn conv backward-input"
-        elif "BackwardFilter" in target:
-            out, lhs, kernel, kind = operands[1], operands[0], results[0], "cudnn conv backward-filter"
-        else:  # convForward, convBiasActivationForward (bias, side input after the two)
-            out, lhs, kernel, kind = results[0], operands[0], operands[1], "cudnn conv forward"
-        flops = hlo_cost._conv_instr_flops(out, [lhs, kernel], attrs)
-        return kind, flops, hlo_cost.type_bytes(lhs)[1], nbytes
-    return None
-
-
-def _inner_custom_calls(instrs: Instructions, attrs: str, depth: int = 0) -> list[tuple]:
-    """The gemm and convolution custom-calls inside a fusion's body (nested fusions too): XLA:GPU
-    can wrap a cuBLAS call in a fusion (a dynamic-slice fusion of a loop's stacked weights)."""
-    m = re.search(r"calls=%?([\w.\-]+)", attrs)
-    found = []
-    for name in instrs.bodies.get(m.group(1), []) if m and depth < 4 else []:
-        instr = instrs[name]
-        if instr[1] == "fusion":
-            found += _inner_custom_calls(instrs, instr[3], depth + 1)
-        elif (cost := custom_call_cost(instr)) is not None:
-            found.append(cost)
-    return found
-
-
-def custom_call_ops(module, instrs: Instructions):
-    """``module`` with its cuBLAS and cuDNN custom-calls costed as the products they run (a fusion
-    wrapping one: its FLOPs added, its bytes podscale's)."""
-    ops = []
-    for op in module.ops:
-        instr = instrs.get(op.name)
-        found = custom_call_cost(instr) if instr else None
-        if found is not None:
-            kind, flops, dtype, nbytes = found
-            conv = flops if "conv" in kind else 0.0
-            op = dataclasses.replace(
-                op, flops=flops, matmul_flops=flops, matmul_dtype=dtype, bytes=nbytes, conv_flops=conv, upcast=False
-            )
-        elif instr and instr[1] == "fusion" and (inner := _inner_custom_calls(instrs, instr[3])):
-            flops = sum(c[1] for c in inner)
-            conv = sum(c[1] for c in inner if "conv" in c[0])
-            op = dataclasses.replace(
-                op,
-                flops=op.flops + flops,
-                matmul_flops=op.matmul_flops + flops,
-                matmul_dtype=op.matmul_dtype or inner[0][2],
-                conv_flops=op.conv_flops + conv,
-            )
-        ops.append(op)
-    return dataclasses.replace(module, ops=ops)
-
-
 def category(op, instrs: Instructions) -> str:
     """A coarse kind of op, for the breakdown."""
     instr = instrs.get(op.name)
     if instr is None:
         return op.opcode
-    type_text, opcode, _, attrs = instr[:4]
+    from podscale.compiled import hlo_library
+
+    _, opcode, _, attrs = instr[:4]
     if opcode == "custom-call":
-        found = custom_call_cost(instr)
-        if found:
-            return found[0]
-        m = re.search(r'custom_call_target="([^"]+)"', attrs)
-        return f"custom-call {m.group(1) if m else '?'}"
+        target = hlo_library.target(attrs) or "?"
+        if target in hlo_library.GEMM_TARGETS:
+            return "cublas gemm"
+        if target in hlo_library.CONV_TARGETS:
+            return "cudnn conv " + re.sub(r"(?<!^)(?=[A-Z])", "-", target.split("$conv", 1)[1]).lower()
+        return f"custom-call {target}"
     if opcode == "fusion":
         kind = re.search(r"kind=(k\w+)", attrs)
         backend = re.search(r'"kind"\s*:\s*"([^"]+)"', attrs)
@@ -398,49 +309,37 @@ def row_of(system, module, dp, strategy, replica_batch: int, compiler: str) -> d
     return out
 
 
-def breakdown(system, module, shimmed, instrs: dict, top: int = 25) -> tuple[list, list]:
-    """Per kind of op: runs, FLOPs, bytes and predicted seconds (as is, custom-calls costed); and
-    the ``top`` ops by the latter."""
+def breakdown(system, module, instrs: dict, top: int = 25) -> tuple[list, list]:
+    """Per kind of op: runs, matmul FLOPs, bytes and predicted seconds; and the ``top`` ops by the
+    latter."""
     from podscale.projection.cost import op_time
 
     kinds: dict[str, dict] = {}
     rows = []
-    for a, b in zip(module.ops, shimmed.ops, strict=True):
-        t_a, t_b = op_time(system, a) * a.count, op_time(system, b) * b.count
-        k = kinds.setdefault(
-            category(b, instrs),
-            {
-                "kind": category(b, instrs),
-                "ops": 0,
-                "runs": 0,
-                "flops": 0.0,
-                "bytes": 0.0,
-                "as_is_s": 0.0,
-                "custom_calls_s": 0.0,
-            },
-        )
+    for op in module.ops:
+        seconds = op_time(system, op) * op.count
+        kind = category(op, instrs)
+        k = kinds.setdefault(kind, {"kind": kind, "ops": 0, "runs": 0, "flops": 0.0, "bytes": 0.0, "predicted_s": 0.0})
         k["ops"] += 1
-        k["runs"] += b.count
-        k["flops"] += b.matmul_flops * b.count
-        k["bytes"] += b.bytes * b.count
-        k["as_is_s"] += t_a
-        k["custom_calls_s"] += t_b
+        k["runs"] += op.count
+        k["flops"] += op.matmul_flops * op.count
+        k["bytes"] += op.bytes * op.count
+        k["predicted_s"] += seconds
         rows.append(
             {
-                "name": b.name,
-                "kind": category(b, instrs),
-                "phase": b.phase,
-                "runs": b.count,
-                "matmul_flops": b.matmul_flops,
-                "dtype": b.matmul_dtype,
-                "bytes": b.bytes,
-                "as_is_s": t_a,
-                "custom_calls_s": t_b,
-                "op_name": b.op_name[-160:],
+                "name": op.name,
+                "kind": kind,
+                "phase": op.phase,
+                "runs": op.count,
+                "matmul_flops": op.matmul_flops,
+                "dtype": op.matmul_dtype,
+                "bytes": op.bytes,
+                "predicted_s": seconds,
+                "op_name": op.op_name[-160:],
             }
         )
-    rows.sort(key=lambda r: -r["custom_calls_s"])
-    return sorted(kinds.values(), key=lambda k: -k["custom_calls_s"]), rows[:top]
+    rows.sort(key=lambda r: -r["predicted_s"])
+    return sorted(kinds.values(), key=lambda k: -k["predicted_s"]), rows[:top]
 
 
 def xla_cost_analysis(compiled) -> dict:
@@ -572,15 +471,10 @@ def device_check(name: str, batch: int | None, args, deadline: float) -> dict:
     try:
         module = hlo.read(compiled, mesh)
         instrs = parse_instructions(text)
-        shimmed = custom_call_ops(module, instrs)
-        record["predicted"] = {}
-        for sname in SYSTEMS:
-            system = systems.get(sname)
-            record["predicted"][sname] = {
-                "as_is": row_of(system, module, dp, strategy, batch, "XLA:GPU"),
-                "custom_calls": row_of(system, shimmed, dp, strategy, batch, "XLA:GPU, custom-calls costed"),
-            }
-        kinds, top = breakdown(systems.get("h200"), module, shimmed, instrs)
+        record["predicted"] = {
+            s: {"xla_gpu": row_of(systems.get(s), module, dp, strategy, batch, "XLA:GPU")} for s in SYSTEMS
+        }
+        kinds, top = breakdown(systems.get("h200"), module, instrs)
         record["breakdown_h200"], record["top_ops_h200"] = kinds, top
         record["unknown_trip_counts"] = list(module.unknown_trip_counts)
         record["collectives"] = len(module.collectives)
@@ -624,7 +518,7 @@ def xla_cpu_check(name: str, batch: int | None, args) -> dict:
     }
     instrs = Instructions()
     instrs.bodies = {}
-    kinds, top = breakdown(systems.get("h200"), module, module, instrs)
+    kinds, top = breakdown(systems.get("h200"), module, instrs)
     record["breakdown_h200"], record["top_ops_h200"] = kinds, top[:10]
     return record
 
@@ -669,9 +563,9 @@ def summary(record: dict) -> dict:
 
 
 def compare(gpu_path: str, cpu_path: str) -> list[str]:
-    """A Markdown table: measured (a), predicted from XLA:GPU's module (b, as is and with the
-    custom-calls costed) and from XLA:CPU's (c), each prediction over the measured median; and the
-    matrix FLOPs and op bytes per step each module is costed by (b with custom-calls / c)."""
+    """A Markdown table: measured (a), predicted from XLA:GPU's module (b) and from XLA:CPU's (c),
+    each prediction over the measured median; and the matrix FLOPs and op bytes per step each
+    module is costed by (b / c). A record of an earlier run gives its ``custom_calls`` row as (b)."""
 
     def read(path):
         with open(path) as f:
@@ -679,18 +573,19 @@ def compare(gpu_path: str, cpu_path: str) -> list[str]:
 
     gpu, cpu = read(gpu_path), read(cpu_path)
     lines = [
-        "| workload | batch | system | measured median / min ms | (b) as is ms (x) | (b) custom-calls ms (x) "
-        "| (c) XLA:CPU ms (x) | matmul TFLOP b / c | op GB b / c |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | batch | system | measured median / min ms | (b) XLA:GPU ms (x) | (c) XLA:CPU ms (x) "
+        "| matmul TFLOP b / c | op GB b / c |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, g in gpu.items():
         m = g.get("measured")
         c = cpu.get(key, {}).get("predicted", {})
         for s in SYSTEMS:
             p = g.get("predicted", {}).get(s, {})
-            if not m or not p:
+            b = p.get("xla_gpu") or p.get("custom_calls")
+            if not m or not b:
                 why = g.get("skipped") or g.get("errors")
-                lines.append(f"| {key[0]} | {key[1]} | {s} | - | {why} | | | | |")
+                lines.append(f"| {key[0]} | {key[1]} | {s} | - | {why} | | | |")
                 continue
             med = m["median_s"]
 
@@ -700,10 +595,10 @@ def compare(gpu_path: str, cpu_path: str) -> list[str]:
             def pair(field, scale, b, x):
                 return f"{b[field] / scale:.2f} / " + (f"{x[field] / scale:.2f}" if x else "-")
 
-            cc, xc = p.get("custom_calls"), c.get(s, {}).get("xla_cpu")
+            xc = c.get(s, {}).get("xla_cpu")
             lines.append(
-                f"| {key[0]} | {key[1]} | {s} | {med * 1e3:.2f} / {m['min_s'] * 1e3:.2f} | {cell(p.get('as_is'))} "
-                f"| {cell(cc)} | {cell(xc)} | {pair('matmul_flops', 1e12, cc, xc)} | {pair('op_bytes', 1e9, cc, xc)} |"
+                f"| {key[0]} | {key[1]} | {s} | {med * 1e3:.2f} / {m['min_s'] * 1e3:.2f} | {cell(b)} | {cell(xc)} "
+                f"| {pair('matmul_flops', 1e12, b, xc)} | {pair('op_bytes', 1e9, b, xc)} |"
             )
     return lines
 

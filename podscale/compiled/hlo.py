@@ -36,6 +36,8 @@ from podscale.compiled.hlo_cost import (
     mark_upcasts,
     op_conv_flops,
     op_cost,
+    op_matmuls,
+    op_transcendentals,
     type_bytes,
 )
 from podscale.compiled.hlo_groups import group_axes, pair_axes, replica_groups
@@ -348,10 +350,12 @@ def read_text(
             operand_types = [types[comp].get(o, "") for o in operands]
             flops, mm, dtype, nbytes = op_cost(comps, types, opcode, type_text, operand_types, attrs)
             out_dtype = type_bytes(type_text)[1]
-            conv, channels = op_conv_flops(comps, types, opcode, type_text, operand_types, attrs)
+            args = (comps, types, opcode, type_text, operand_types, attrs)
+            conv, channels = op_conv_flops(*args)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
+            shapes = {"matmuls": op_matmuls(*args), "transcendentals": op_transcendentals(*args)}
             raw[name] = Draft(
-                dataclasses.replace(op, conv_flops=conv, conv_channels=channels),
+                dataclasses.replace(op, conv_flops=conv, conv_channels=channels, **shapes),
                 operands,
                 operand_types,
                 convert_from_dtype(comps, opcode, attrs, operand_types, out_dtype),

@@ -6,6 +6,9 @@ a fusion's body and the fusions nested in it) and bytes (operands read and the r
 fusion's parameters as they are read, slices only where read through slices, an in-place
 dynamic-update-slice's update), the sizes of HLO types they are counted from, the :class:`Op`
 record that carries them, and XLA:CPU's converts around bf16 matrix products (``mark_upcasts``).
+XLA:GPU's calls into cuBLAS and cuDNN are costed as the dots and convolutions they run
+(:mod:`podscale.compiled.hlo_library`), on every path a dot or a convolution is: FLOPs, matmul
+FLOPs and dtype, convolution FLOPs and channels, the matrix shapes (``Op.matmuls``).
 :mod:`podscale.compiled.hlo` reads the module and calls these for each op that does work.
 """
 
@@ -17,6 +20,8 @@ import re
 from collections import defaultdict
 
 import numpy as np
+
+from podscale.compiled.hlo_library import as_product, written_type
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -113,6 +118,10 @@ _FLOP_PER_ELEMENT = frozenset(
 _TRANSCENDENTAL = frozenset(
     {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt", "rsqrt", "power"}
 )
+TRANSCENDENTAL_OPS = _TRANSCENDENTAL | {"divide"}
+"""The opcodes whose elements :attr:`Op.transcendentals` counts: the transcendental functions and
+``divide`` (which a TPU computes with a reciprocal on its transcendental unit, as GPUs do with
+their special-function units), each element of their result once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +156,13 @@ class Op:
     """The part of ``matmul_flops`` in convolutions."""
     conv_channels: int = 0
     """The smaller of its (first) convolution's input and output feature counts."""
+    matmuls: tuple[tuple[int, int, int, int], ...] = ()
+    """``(batch, m, n, k)`` of each matrix product it runs, in the order of the module: each dot,
+    convolution and cuBLAS/cuDNN custom-call of the op or of its fusion body (nested fusions too),
+    see :func:`op_matmuls`."""
+    transcendentals: float = 0.0
+    """Elements computed by transcendental ops and divides (``TRANSCENDENTAL_OPS``), summed over a
+    fusion's body (nested fusions too); see :func:`op_transcendentals`."""
 
 
 def _elements(type_text: str) -> int:
@@ -162,7 +178,14 @@ def type_dims(type_text: str) -> list[int]:
 
 
 def _instr_flops(opcode: str, type_text: str, operand_types: list[str], attrs: str) -> tuple[float, float, str]:
-    """(FLOPs, matmul FLOPs, matmul operand dtype) of one instruction."""
+    """(FLOPs, matmul FLOPs, matmul operand dtype) of one instruction; a cuBLAS or cuDNN custom-call
+    counts as the dot or convolution it runs, its dtype its first operand's."""
+    if opcode == "custom-call":
+        product = as_product(opcode, type_text, operand_types, attrs)
+        if product is None:
+            return 0.0, 0.0, ""
+        f, g, _ = _instr_flops(*product)
+        return f, g, type_bytes(operand_types[0])[1]
     out = _elements(type_text)
     if opcode == "dot":
         lhs = type_dims(operand_types[0]) if operand_types else []
@@ -220,13 +243,8 @@ def _conv_instr_flops(type_text: str, operand_types: list[str], attrs: str) -> f
 
 def op_conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, int]:
     """(FLOPs in convolutions, the smaller feature count of the first) of a top-level op."""
-    if opcode == "convolution":
-        convs = [(type_text, operand_types, attrs)]
-    elif opcode == "fusion":
-        convs = _body_convs(comps, types, attrs)
-    else:
-        return 0.0, 0
-    flops = sum(_instr_flops("convolution", t, ots, a)[1] for t, ots, a in convs)
+    convs = [p[1:] for p in _products(comps, types, opcode, type_text, operand_types, attrs) if p[0] == "convolution"]
+    flops = float(sum(_conv_instr_flops(t, ots, a) for t, ots, a in convs))
     channels = 0
     if convs:
         _, ots, a = convs[0]
@@ -235,6 +253,74 @@ def op_conv_flops(comps, types, opcode, type_text, operand_types, attrs) -> tupl
         if kernel and m and "i" in m.group(1) and "o" in m.group(1):
             channels = min(kernel[m.group(1).index("i")], kernel[m.group(1).index("o")])
     return flops, channels
+
+
+def _instructions(comps, types, opcode, type_text, operand_types, attrs, depth: int = 0):
+    """(opcode, type, operand types, attributes) of each instruction a top-level op runs: the op
+    itself, or each of a fusion's body (a nested fusion's body in its place)."""
+    if opcode != "fusion":
+        yield opcode, type_text, operand_types, attrs
+        return
+    m = re.search(r"calls=%?([\w.\-]+)", attrs)
+    if not m or depth > 16:
+        return
+    btypes = types.get(m.group(1), {})
+    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
+        yield from _instructions(comps, types, opc, t, [btypes.get(o, "") for o in operands], a, depth + 1)
+
+
+def _products(comps, types, opcode, type_text, operand_types, attrs):
+    """(opcode, type, operand types, attributes) of each dot and convolution a top-level op runs,
+    a cuBLAS or cuDNN custom-call as the dot or convolution it computes."""
+    for ins in _instructions(comps, types, opcode, type_text, operand_types, attrs):
+        if ins[0] in ("dot", "convolution"):
+            yield ins
+        elif (product := as_product(*ins)) is not None:
+            yield product
+
+
+def _dim_list(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def matmul_shape(opcode: str, type_text: str, operand_types: list[str], attrs: str) -> tuple[int, int, int, int]:
+    """``(batch, m, n, k)`` of a ``dot`` or ``convolution``. A dot: the product of its batch
+    dimensions, of the lhs's other non-contracting dimensions, of the rhs's, and of the contracting
+    dimensions. A convolution, as the matrix product it is: batch 1, ``m`` the output's batch times
+    its spatial positions, ``n`` its output features, ``k`` the input features per group times the
+    kernel's window taps (all of them, those on padding too)."""
+    out = _elements(type_text)
+    lhs = type_dims(operand_types[0]) if operand_types else []
+    rhs = type_dims(operand_types[1]) if len(operand_types) > 1 else []
+    if opcode == "dot":
+        lb, lc = _dim_list(attrs, "lhs_batch_dims"), _dim_list(attrs, "lhs_contracting_dims")
+        rb, rc = _dim_list(attrs, "rhs_batch_dims"), _dim_list(attrs, "rhs_contracting_dims")
+        batch = math.prod(lhs[d] for d in lb if d < len(lhs))
+        k = math.prod(lhs[d] for d in lc if d < len(lhs))
+        m = math.prod(s for d, s in enumerate(lhs) if d not in lb and d not in lc)
+        n = math.prod(s for d, s in enumerate(rhs) if d not in rb and d not in rc) if rhs else out // max(1, batch * m)
+        return batch, m, n, k
+    labels = re.search(r"dim_labels=[^_]+_([^-]+)->(\w+)", attrs)
+    outs = type_dims(type_text)
+    if not labels or not rhs or "f" not in labels.group(2) or "i" not in labels.group(1):
+        n = rhs[-1] if rhs else 1
+        return 1, out // max(1, n), n, math.prod(rhs[:-1]) if rhs else 1
+    kernel_l, out_l = labels.groups()
+    n = outs[out_l.index("f")]
+    taps = math.prod(rhs[kernel_l.index(d)] for d in kernel_l if d.isdigit())
+    return 1, out // max(1, n), n, rhs[kernel_l.index("i")] * taps
+
+
+def op_matmuls(comps, types, opcode, type_text, operand_types, attrs) -> tuple[tuple[int, int, int, int], ...]:
+    """:func:`matmul_shape` of each matrix product a top-level op runs (see :attr:`Op.matmuls`)."""
+    return tuple(matmul_shape(*p) for p in _products(comps, types, opcode, type_text, operand_types, attrs))
+
+
+def op_transcendentals(comps, types, opcode, type_text, operand_types, attrs) -> float:
+    """Elements a top-level op computes with ``TRANSCENDENTAL_OPS`` (a fusion: over its body)."""
+    ins = _instructions(comps, types, opcode, type_text, operand_types, attrs)
+    return float(sum(_elements(t) for opc, t, _, _ in ins if opc in TRANSCENDENTAL_OPS))
 
 
 _NARROW = ("bf16", "f16")
@@ -311,22 +397,6 @@ def _nested_flops(comps, types, attrs: str, depth: int = 0) -> tuple[float, floa
     return flops, mm, dtype
 
 
-def _body_convs(comps, types, attrs: str, depth: int = 0) -> list[tuple]:
-    """(result type, operand types, attributes) of each convolution in a fusion's body, nested
-    fusions included."""
-    m = re.search(r"calls=%?([\w.\-]+)", attrs)
-    if not m or depth > 16:
-        return []
-    btypes = types.get(m.group(1), {})
-    out = []
-    for _, t, opc, operands, a, _ in comps.get(m.group(1), []):
-        if opc == "convolution":
-            out.append((t, [btypes.get(o, "") for o in operands], a))
-        elif opc == "fusion":
-            out += _body_convs(comps, types, a, depth + 1)
-    return out
-
-
 def op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[float, float, str, float]:
     """(FLOPs, matmul FLOPs, matmul dtype, bytes) of a top-level op; a fusion sums its body."""
     if opcode != "fusion":
@@ -335,7 +405,8 @@ def op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[floa
             return flops, mm, dtype, 2.0 * type_bytes(type_text)[0]
         if opcode == "dynamic-update-slice":
             return flops, mm, dtype, 2.0 * type_bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
-        return flops, mm, dtype, float(type_bytes(type_text)[0] + sum(type_bytes(t)[0] for t in operand_types))
+        written = type_bytes(written_type(opcode, type_text, attrs))[0]  # a library call's, not its workspace
+        return flops, mm, dtype, float(written + sum(type_bytes(t)[0] for t in operand_types))
     m = re.search(r"calls=%?([\w.\-]+)", attrs)
     body = comps.get(m.group(1), []) if m else []
     btypes = types.get(m.group(1), {}) if m else {}
@@ -391,8 +462,8 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
             if target is not None and target[2] == "parameter":
                 in_place.add(target[0])
             nbytes += 2.0 * type_bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
-        else:
-            nbytes += type_bytes(by_name[e][1] if e in by_name else "")[0]
+        elif ins is not None:
+            nbytes += type_bytes(written_type(ins[2], by_name[e][1], ins[4]))[0]
 
     read = fusion_reader(comps, types, body_name)
     for index, pname in params.items():
