@@ -201,6 +201,9 @@ def layer_of(op_name: str) -> str:
     return "/".join(names) + (" (backward)" if backward else " (forward)")
 
 
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
 def _phase(op_name: str) -> str:
     if UPDATE_SCOPE in op_name:
         return "update"
@@ -354,6 +357,9 @@ def read_text(
             conv, channels = op_conv_flops(*args)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
             shapes = {"matmuls": op_matmuls(*args), "transcendentals": op_transcendentals(*args)}
+            cycles = _CYCLES.search(attrs)
+            if cycles:
+                shapes["estimated_cycles"] = float(cycles.group(1))
             raw[name] = Draft(
                 dataclasses.replace(op, conv_flops=conv, conv_channels=channels, **shapes),
                 operands,

@@ -57,6 +57,27 @@ def type_bytes(type_text: str) -> tuple[int, str, list[int]]:
     return sum(sizes), first, sizes
 
 
+_TILED = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](?:\{([\d,]*)(?::([^}]*))?\})?")
+
+
+def memory_bytes(type_text: str) -> int:
+    """Bytes an HLO type takes in memory: as :func:`type_bytes`, but an array with a tiled layout
+    (XLA:TPU's ``{3,0,2,1:T(8,128)(2,1)}``: its minor-to-major order, then tiles over its most
+    minor dimensions) is counted with those dimensions rounded up to its first tile, as the chip
+    stores and streams it (a 3-channel image whose channels are the minor dimension takes 128 lanes
+    of 3). Without a tile (XLA:CPU, XLA:GPU) it is :func:`type_bytes`."""
+    total = 0
+    for dtype, dims, order, tiling in _TILED.findall(type_text):
+        shape = [int(d) for d in dims.split(",") if d]
+        tile = re.match(r"T\(([\d,]+)\)", tiling or "")
+        if tile and shape:
+            minor = [int(d) for d in order.split(",") if d] or list(range(len(shape)))[::-1]
+            for size, dim in zip(reversed([int(t) for t in tile.group(1).split(",")]), minor, strict=False):
+                shape[dim] = -(-shape[dim] // size) * size
+        total += int(math.prod(shape) * _DTYPE_BYTES[dtype]) if shape else int(_DTYPE_BYTES[dtype])
+    return total
+
+
 NO_COST = frozenset(
     {
         "parameter",
@@ -163,6 +184,9 @@ class Op:
     transcendentals: float = 0.0
     """Elements computed by transcendental ops and divides (``TRANSCENDENTAL_OPS``), summed over a
     fusion's body (nested fusions too); see :func:`op_transcendentals`."""
+    estimated_cycles: float = 0.0
+    """XLA:TPU's own estimate of one run's cycles (its ``backend_config``'s ``estimated_cycles``);
+    0 where the module gives none (XLA:CPU, XLA:GPU)."""
 
 
 def _elements(type_text: str) -> int:
@@ -402,11 +426,11 @@ def op_cost(comps, types, opcode, type_text, operand_types, attrs) -> tuple[floa
     if opcode != "fusion":
         flops, mm, dtype = _instr_flops(opcode, type_text, operand_types, attrs)
         if opcode in ("slice", "dynamic-slice"):
-            return flops, mm, dtype, 2.0 * type_bytes(type_text)[0]
+            return flops, mm, dtype, 2.0 * memory_bytes(type_text)
         if opcode == "dynamic-update-slice":
-            return flops, mm, dtype, 2.0 * type_bytes(operand_types[1])[0] if len(operand_types) > 1 else 0.0
-        written = type_bytes(written_type(opcode, type_text, attrs))[0]  # a library call's, not its workspace
-        return flops, mm, dtype, float(written + sum(type_bytes(t)[0] for t in operand_types))
+            return flops, mm, dtype, 2.0 * memory_bytes(operand_types[1]) if len(operand_types) > 1 else 0.0
+        written = memory_bytes(written_type(opcode, type_text, attrs))  # a library call's, not its workspace
+        return flops, mm, dtype, float(written + sum(memory_bytes(t) for t in operand_types))
     m = re.search(r"calls=%?([\w.\-]+)", attrs)
     body = comps.get(m.group(1), []) if m else []
     btypes = types.get(m.group(1), {}) if m else {}
@@ -438,7 +462,7 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
     update, read and written)."""
     body = comps.get(body_name, [])
     if not body:
-        return float(type_bytes(type_text)[0] + sum(type_bytes(t)[0] for t in operand_types))
+        return float(memory_bytes(type_text) + sum(memory_bytes(t) for t in operand_types))
     by_name = {ins[0]: ins for ins in body}
     params: dict[int, str] = {}
     for ins in body:
@@ -461,15 +485,15 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
             target = through(ins[3][0])
             if target is not None and target[2] == "parameter":
                 in_place.add(target[0])
-            nbytes += 2.0 * type_bytes(types.get(body_name, {}).get(ins[3][1], ""))[0]  # the update, read and written
+            nbytes += 2.0 * memory_bytes(types.get(body_name, {}).get(ins[3][1], ""))  # the update, read and written
         elif ins is not None:
-            nbytes += type_bytes(written_type(ins[2], by_name[e][1], ins[4]))[0]
+            nbytes += memory_bytes(written_type(ins[2], by_name[e][1], ins[4]))
 
     read = fusion_reader(comps, types, body_name)
     for index, pname in params.items():
         if pname in in_place:
             continue
-        nbytes += read(pname, depth) if pname in by_name else type_bytes(operand_types[index])[0]
+        nbytes += read(pname, depth) if pname in by_name else memory_bytes(operand_types[index])
     return nbytes
 
 
@@ -483,11 +507,11 @@ def fusion_reader(comps, types, body_name: str):
             readers[o].append((ins, pos))
 
     def read(name: str, level: int) -> float:
-        full = float(type_bytes(by_name[name][1])[0])
+        full = float(memory_bytes(by_name[name][1]))
         total = 0.0
         for ins, pos in readers.get(name, []):
             if ins[2] in ("slice", "dynamic-slice") and pos == 0:
-                total += type_bytes(ins[1])[0]
+                total += memory_bytes(ins[1])
             elif ins[2] == "dynamic-update-slice" and pos == 0:
                 continue  # updated in place: its update is counted with the result
             elif ins[2] in _SHAPE:

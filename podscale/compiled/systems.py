@@ -105,6 +105,8 @@ class System:
     of ``b`` bytes streams at ``hbm_efficiency * hbm_bandwidth * b / (b + half_bandwidth_bytes)``."""
     kernel_overhead: float = 0.0
     """Seconds of fixed cost per fused kernel: its launch and pipeline fill (assumed)."""
+    clock: float = 0.0
+    """Hz of the chip's cores (TPU: from the bf16 peak, see [SB-TPU-C]); 0: not used."""
     cited: tuple[tuple[str, str], ...] = ()
     """(field, source) for each figure of the chip: where it comes from."""
     assumed: tuple[tuple[str, float, float], ...] = ()
@@ -216,6 +218,7 @@ def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_sour
     lanes = cores * 8 * 128 * clock
     return dict(
         matmul_tile=(8, side, side),
+        clock=clock,
         vector_rate=lanes * alus,
         transcendental_rate=lanes,
         hbm_efficiency=0.85,

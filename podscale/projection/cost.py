@@ -55,16 +55,18 @@ def _round_up(n: int, tile: int) -> int:
 def padded_matmul_flops(op: hlo_cost.Op, tile: tuple[int, int, int]) -> float:
     """``op.matmul_flops`` with each matrix product's dimensions rounded up to the matrix unit's
     ``tile`` (m, n, k): a product ``[m, k] @ [k, n]`` runs as ``[ceil(m), ceil(k)] @ [ceil(k),
-    ceil(n)]``; a convolution's contraction is its input features per window tap, each tap padded
-    (:attr:`~podscale.compiled.hlo_cost.Op.matmuls`). An op without shapes is charged as it is."""
-    matmuls = getattr(op, "matmuls", ())
-    if not op.matmul_flops or not matmuls or tile == (1, 1, 1):
+    ceil(n)]``. A convolution is the product of its output positions by its output features,
+    contracting its input features times its window taps (:attr:`~podscale.compiled.hlo_cost.Op.matmuls`):
+    XLA:TPU folds a few-feature convolution's taps into the contraction, so its output features
+    are what the tiles pad (a 64-feature convolution is charged as 128 on a 128-wide MXU). An op
+    without shapes is charged as it is."""
+    if not op.matmul_flops or not op.matmuls or tile == (1, 1, 1):
         return op.matmul_flops
     real = padded = 0.0
     tm, tn, tk = tile
-    for batch, m, n, k, taps in (mm if len(mm) == 5 else (*mm, 1) for mm in matmuls):
-        real += batch * m * n * k * taps
-        padded += batch * _round_up(m, tm) * _round_up(n, tn) * _round_up(k, tk) * taps
+    for batch, m, n, k in op.matmuls:
+        real += batch * m * n * k
+        padded += batch * _round_up(m, tm) * _round_up(n, tn) * _round_up(k, tk)
     return op.matmul_flops * padded / real if real else op.matmul_flops
 
 
@@ -93,7 +95,7 @@ def op_terms(system: System, op: hlo_cost.Op) -> dict[str, float]:
             mxu = min(mxu, op.matmul_flops / system.device_rate("vector_rate"))
     vector = 0.0
     if system.vector_rate:
-        transcendental = min(getattr(op, "transcendentals", 0.0), op.flops - op.matmul_flops)
+        transcendental = min(op.transcendentals, op.flops - op.matmul_flops)
         elementwise = max(0.0, op.flops - op.matmul_flops - transcendental)
         rate = system.device_rate("transcendental_rate") or system.device_rate("vector_rate")
         vector = elementwise / system.device_rate("vector_rate") + transcendental / rate
