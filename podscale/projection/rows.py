@@ -281,9 +281,9 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             "halos), and its other collectives' buffers (batch-norm statistics, gathered activations, partial sums)"
         )
     console.print(
-        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
-        "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
-        "backward pass). range = the step with every assumed figure of the system (HBM efficiency, kernel start, "
+        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's and XLA:GPU's "
+        "modules: by their schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the "
+        "last, behind the backward pass). range = the step with every assumed figure of the system (HBM efficiency, kernel start, "
         "transcendental rate, hop latency) at either end of its range; bound by = the terms the step spends most in "
         "(mxu, vector, memory, fixed kernel starts, exposed communication). "
         "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
