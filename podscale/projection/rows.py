@@ -51,7 +51,8 @@ class Row:
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
     with a smaller first axis, scaled as :func:`~podscale.projection.cost.cost` says."""
     compiler: str = ""
-    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for) or ``XLA:CPU``."""
+    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for), ``XLA:GPU h100:2x8``
+    (nodes x GPUs compiled for) or ``XLA:CPU``."""
     compile_s: float | None = None
     """Seconds the compile of :attr:`compiled_mesh` took (``None``: reused from another row)."""
     does_not_fit: str | None = None
