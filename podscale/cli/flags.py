@@ -261,11 +261,12 @@ def project_parser(sub) -> None:
     )
     p.add_argument(
         "--compiler",
-        choices=("auto", "tpu", "cpu"),
+        choices=("auto", "tpu", "gpu", "cpu"),
         default="auto",
         help="whose module is costed: tpu (XLA:TPU for the target slice, compile-only, needs libtpu: "
-        "pip install 'podscale[tpu]'), cpu (XLA:CPU on this machine), auto (tpu for a TPU system where libtpu "
-        "is installed, else cpu)",
+        "pip install 'podscale[tpu]'), gpu (XLA:GPU for the target's GPUs, compile-only, needs JAX's CUDA plugin: "
+        "pip install 'podscale[gpu-compile]'), cpu (XLA:CPU on this machine), auto (tpu or gpu for a TPU or GPU "
+        "system where its compiler is installed, else cpu)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument(

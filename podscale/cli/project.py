@@ -173,9 +173,9 @@ def run_project(args) -> int:
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
 
-    on_tpu = proj.use_tpu_compiler(system, args.compiler, progress)
-    devices = 0 if on_tpu else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
-    if not args.dry_run and not on_tpu:  # a dry run compiles nothing: it leaves the devices as they are
+    chosen = proj.compiler_for(system, args.compiler, progress)  # tpu, gpu or cpu
+    devices = 0 if chosen != "cpu" else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
+    if not args.dry_run and chosen == "cpu":  # a dry run compiles nothing: it leaves the devices as they are
         jax.config.update("jax_num_cpu_devices", devices)
     from podscale import workloads
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
@@ -210,7 +210,9 @@ def run_project(args) -> int:
             for c in chips
             for s in effective
         ]
-        compiler = "XLA:TPU (libtpu, compile-only)" if on_tpu else "XLA:CPU"
+        compiler = {"tpu": "XLA:TPU (libtpu, compile-only)", "gpu": "XLA:GPU (CUDA plugin, compile-only)"}.get(
+            chosen, "XLA:CPU"
+        )
         return dry_run_result(args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows})
     rows = proj.project(
         make_train_step(task, tx),
@@ -223,7 +225,7 @@ def run_project(args) -> int:
         replica_batch=replica_batches,
         multi_axis=args.multi_axis,
         progress=progress,
-        compiler="tpu" if on_tpu else "cpu",
+        compiler=chosen,
     )
     if args.json:
         print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)

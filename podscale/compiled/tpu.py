@@ -36,6 +36,8 @@ NEEDED = (
     "(in a checkout: .venv/bin/pip install -e '.[tpu]')"
 )
 """The refusal where XLA:TPU was asked for by name (``--compiler tpu``) and libtpu is missing."""
+LABEL = "XLA:TPU"
+"""The compiler's name in a row (``XLA:TPU v3:4x4``) and in progress lines."""
 
 # The compile-only topology of each TPU system: libtpu's name and its options. TPU v4 chips join
 # their two TensorCores into one megacore device (as JAX shows a v4 slice); libtpu's compile-only
@@ -64,6 +66,14 @@ def has_tpu() -> bool:
         return True
 
 
+def _has_nvidia_gpu() -> bool:
+    """Whether this host shows an NVIDIA GPU (JAX's check, read as :func:`has_tpu` reads it)."""
+    try:
+        return bool(_hardware_utils().has_visible_nvidia_gpu())
+    except Exception:  # the private module moved: assume a GPU may be there, change nothing
+        return True
+
+
 def _hardware_utils():
     """``jax._src.hardware_utils`` (standard library only), loaded from its file: no ``import jax``
     (tests/test_tpu_project.py checks that the file is where this reads it)."""
@@ -83,17 +93,25 @@ it (a child that imports podscale decides again)."""
 
 
 def quiet_platforms() -> None:
-    """With libtpu installed on a host without a TPU and no platform chosen (``JAX_PLATFORMS``),
-    keeps JAX to the CPU unless another accelerator plugin is installed, so that libtpu's
-    initialisation errors are not printed at every start. Before JAX is imported this sets
-    ``JAX_PLATFORMS=cpu``, which JAX reads when it is (a process that never runs JAX never loads
-    it for this); after, JAX's setting, unless its backends are already up."""
-    if os.environ.get("JAX_PLATFORMS") or not available() or has_tpu():
+    """With libtpu installed on a host without a TPU, or JAX's CUDA plugin on a host without an
+    NVIDIA GPU, and no platform chosen (``JAX_PLATFORMS``), keeps JAX to the CPU unless an
+    accelerator that is present has its plugin, so that libtpu's initialisation errors (or the
+    CUDA plugin's failed check of its libraries, after which it registers nothing, not even its
+    compiler: :mod:`podscale.compiled.gpu`) do not come at every start. Before JAX is imported this
+    sets ``JAX_PLATFORMS=cpu``, which JAX reads when it is (a process that never runs JAX never
+    loads it for this); after, JAX's setting, unless its backends are already up."""
+    if os.environ.get("JAX_PLATFORMS"):
         return
     import importlib.metadata
 
-    if any(e.name != "tpu" for e in importlib.metadata.entry_points(group="jax_plugins")):
-        return  # a GPU plugin: JAX chooses among the platforms itself
+    plugins = {e.name for e in importlib.metadata.entry_points(group="jax_plugins")} - {"tpu"}
+    cuda = {name for name in plugins if name.startswith("xla_cuda")}
+    tpu_here = has_tpu() if available() else None  # None: no libtpu
+    gpu_here = _has_nvidia_gpu() if cuda else None  # None: no CUDA plugin
+    if tpu_here is not False and gpu_here is not False:
+        return  # no plugin without its accelerator
+    if tpu_here or gpu_here or plugins - cuda:
+        return  # an accelerator with its plugin, or another plugin: JAX chooses among the platforms itself
     if "jax" not in sys.modules:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ[ENV_SET_PLATFORMS] = "1"  # launch and the supervisors drop both for their children

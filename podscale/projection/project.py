@@ -6,7 +6,8 @@ sizes and the memory per device are the ones XLA produces for that pod), then co
 (:mod:`podscale.compiled.systems`).
 
 :func:`project` compiles: with XLA:TPU for the slice (libtpu's compile-only devices,
-:mod:`podscale.compiled.tpu`), once per distinct program, or with XLA:CPU, once per row. The strategies
+:mod:`podscale.compiled.tpu`) or XLA:GPU for the GPUs (the CUDA plugin's,
+:mod:`podscale.compiled.gpu`), once per distinct program, or with XLA:CPU, once per row. The strategies
 and the meshes compiled for them are :mod:`podscale.projection.mesh`; the costing of a compiled
 step, :mod:`podscale.projection.cost`; the rows, their table and plot,
 :mod:`podscale.projection.rows`.
@@ -99,9 +100,10 @@ def project(
     (:data:`podscale.compiled.network.MULTI_AXIS`). ``progress`` gets a line as each compile starts
     and ends (with the time taken) and every ``heartbeat_s`` seconds while one runs.
     ``compiler``: ``tpu`` (XLA:TPU for the target slice, with libtpu's compile-only devices: a TPU
-    system only), ``cpu`` (XLA:CPU on this machine's CPU devices, one compile per row), or
-    ``auto``: ``tpu`` for a TPU system where libtpu is installed, else ``cpu`` (``progress`` is told
-    why when a TPU system falls back).
+    system only), ``gpu`` (XLA:GPU for the target's GPUs, with JAX's CUDA plugin's compile-only
+    devices: a GPU system only), ``cpu`` (XLA:CPU on this machine's CPU devices, one compile per
+    row), or ``auto``: ``tpu`` or ``gpu`` for a TPU or GPU system where its compiler is installed,
+    else ``cpu`` (``progress`` is told why when a system falls back).
     """
     from podscale.compiled import systems
     from podscale.parallel.engine import data_parallel
@@ -150,8 +152,12 @@ def project(
     topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    if use_tpu_compiler(system, compiler, say):
-        job = _Job(data_parallel, step, shapes, make_batch, per_chips, system, say, progress, heartbeat_s, started)
+    chosen = compiler_for(system, compiler, say)
+    if chosen != "cpu":
+        target = _target(chosen)
+        job = _Job(
+            data_parallel, step, shapes, make_batch, per_chips, system, say, progress, heartbeat_s, started, target
+        )
         rows = _project_tpu(job, topologies, resolved, reasons)
         return mark_fastest(rows)
     cpus = len(jax.devices("cpu"))
@@ -188,7 +194,7 @@ def project(
     return mark_fastest(rows)
 
 
-COMPILERS = ("auto", "tpu", "cpu")
+COMPILERS = ("auto", "tpu", "gpu", "cpu")
 MAX_PARALLEL_COMPILES = 4
 """XLA:TPU compiles of one projection run side by side on at most this many threads (and no more
 than the machine's cores): each compile is one program on one core."""
@@ -202,36 +208,58 @@ within minutes."""
 def use_tpu_compiler(system: System, compiler: str = "auto", say: Callable[[str], None] | None = None) -> bool:
     """Whether ``system`` is projected from XLA:TPU's module (see :func:`project`'s ``compiler``).
     Raises for ``tpu`` on a system that is not a TPU, or without libtpu."""
-    from podscale.compiled import tpu
+    return compiler_for(system, compiler, say) == "tpu"
 
+
+def compiler_for(system: System, compiler: str = "auto", say: Callable[[str], None] | None = None) -> str:
+    """Whose module ``system`` is projected from: ``tpu``, ``gpu`` or ``cpu`` (see :func:`project`'s
+    ``compiler``). Raises for ``tpu`` or ``gpu`` on a system of the other kind, or where that
+    compiler is not installed."""
     checks.one_of("compiler", compiler, COMPILERS)
     if compiler == "cpu":
-        return False
-    if system.kind != "tpu":
-        if compiler == "tpu":
-            raise ValueError(
-                f"--compiler tpu: {system.name!r} is not a TPU system; its module is XLA:CPU's (--compiler cpu or auto)"
-            )
-        return False
-    if not tpu.available():
-        if compiler == "tpu":
-            raise ValueError(f"--compiler tpu: {tpu.NEEDED}; or --compiler auto to cost XLA:CPU's module")
+        return "cpu"
+    kind = system.kind if system.kind in ("tpu", "gpu") else None
+    if compiler in ("tpu", "gpu") and compiler != kind:
+        other = f"--compiler {kind}, cpu or auto" if kind else "its module is XLA:CPU's: --compiler cpu or auto"
+        raise ValueError(f"--compiler {compiler}: {system.name!r} is not a {compiler.upper()} system ({other})")
+    if kind is None:
+        return "cpu"
+    target = _target(kind)
+    if not target.available():
+        if compiler == kind:
+            raise ValueError(f"--compiler {kind}: {target.NEEDED}; or --compiler auto to cost XLA:CPU's module")
         if say is not None:
-            say(tpu.MISSING)
-        return False
-    return True
+            say(target.MISSING)
+        return "cpu"
+    return kind
+
+
+def _target(kind: str):
+    """The compile-only devices' module of ``kind``: :mod:`podscale.compiled.tpu` or
+    :mod:`podscale.compiled.gpu` (``available``, ``topology_name``, ``devices``, ``LABEL``)."""
+    from podscale.compiled import gpu, tpu
+
+    return {"tpu": tpu, "gpu": gpu}[kind]
 
 
 def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int, strategy, shape, devices=None):
     """The step compiled for ``shape``: on this machine's CPU devices (with the accelerators'
-    lowerings), or on ``devices`` (compile-only TPU devices: XLA:TPU)."""
+    lowerings), or on ``devices`` (compile-only TPU or GPU devices: XLA:TPU, XLA:GPU with
+    :data:`podscale.compiled.gpu.COMPILER_OPTIONS`)."""
     mesh = compile_mesh(shape, devices)
     dp = data_parallel(step, mesh, strategy, donate_state=False)
     batch = make_batch(replica_batch * (mesh.size // k))
     with accelerator_lowerings() if devices is None else _no_persistent_cache():
         dp.prepare(shapes, batch)
-        compiled = dp.lower(dp.placement.stored_shapes(), batch).compile()
+        compiled = dp.lower(dp.placement.stored_shapes(), batch).compile(_options(devices))
     return dp, hlo.read(compiled, mesh)
+
+
+def _options(devices) -> dict | None:
+    """XLA options of a compile on ``devices``: XLA:GPU's for compile-only GPUs, else none."""
+    from podscale.compiled import gpu
+
+    return dict(gpu.COMPILER_OPTIONS) if devices and devices[0].platform == "gpu" else None
 
 
 def _no_persistent_cache():
@@ -345,12 +373,14 @@ class _Job:
     progress: Callable[[str], None] | None
     heartbeat_s: float
     started: float
+    target: Any  # podscale.compiled.tpu or podscale.compiled.gpu: whose compile-only devices
 
 
 def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
-    """The rows on XLA:TPU's modules: one compile per distinct program (see :func:`shrink`), a
-    second for a sharded update whose rows need its ``a + b / n`` scaling."""
-    from podscale.compiled import tpu
+    """The rows on XLA:TPU's (or XLA:GPU's: ``job.target``) modules: one compile per distinct
+    program (see :func:`shrink`), a second for a sharded update whose rows need its ``a + b / n``
+    scaling."""
+    tpu = job.target  # podscale.compiled.tpu, or .gpu: the same interface (the name kept for the lines below)
 
     system, say = job.system, job.say
     cache: dict[tuple, _Compiled] = {}
@@ -362,7 +392,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
         k = strategy.spatial or strategy.model_parallel or 1
         slice_name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip)
         what = f"{system.name} {name}, mesh {'x'.join(map(str, shape.values()))} ({slice_name})"
-        say(f"{what}: compiling with XLA:TPU ({elapsed(job.started)} since the start)")
+        say(f"{what}: compiling with {tpu.LABEL} ({elapsed(job.started)} since the start)")
         one = time.perf_counter()
         try:
             with heartbeat(job.progress, f"{what}: still compiling", job.heartbeat_s):
@@ -415,7 +445,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                         wanted.setdefault(
                             (name, tuple(mesh.items()), replica_batch), (name, strategy, mesh, replica_batch)
                         )
-    for _, _, shape, _ in wanted.values():  # libtpu loads here, in this thread, once
+    for _, _, shape, _ in wanted.values():  # libtpu (or the CUDA plugin) loads here, in this thread, once
         tpu.devices(system.name, tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip))
     workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
     pool = concurrent.futures.ThreadPoolExecutor(workers)
@@ -440,7 +470,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             target = target_shape(topology, strategy)
             shape, reduced, factor = compile_shape_of(topology, name, strategy)
             entry = compiled(name, strategy, shape, replica_batch)
-            common = dict(compiler=f"XLA:TPU {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
+            common = dict(compiler=f"{tpu.LABEL} {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
             entry.used = True
             if entry.error:
                 rows.append(

@@ -51,7 +51,8 @@ class Row:
     """The mesh the step was compiled on: the target's, or (past this machine's CPU devices) one
     with a smaller first axis, scaled as :func:`~podscale.projection.cost.cost` says."""
     compiler: str = ""
-    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for) or ``XLA:CPU``."""
+    """Which compiler made the module costed: ``XLA:TPU v3:4x4`` (the slice compiled for), ``XLA:GPU h100:2x8``
+    (nodes x GPUs compiled for) or ``XLA:CPU``."""
     compile_s: float | None = None
     """Seconds the compile of :attr:`compiled_mesh` took (``None``: reused from another row)."""
     does_not_fit: str | None = None
@@ -281,9 +282,9 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             "halos), and its other collectives' buffers (batch-norm statistics, gathered activations, partial sums)"
         )
     console.print(
-        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's module: by its "
-        "schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the last, behind the "
-        "backward pass). range = the step with every assumed figure of the system (HBM efficiency, kernel start, "
+        "comm = exposed communication; (hidden) = communication overlapped with compute (XLA:TPU's and XLA:GPU's "
+        "modules: by their schedule, between each collective's start and done; XLA:CPU's: the gradient sums but the "
+        "last, behind the backward pass). range = the step with every assumed figure of the system (HBM efficiency, kernel start, "
         "transcendental rate, hop latency) at either end of its range; bound by = the terms the step spends most in "
         "(mxu, vector, memory, fixed kernel starts, exposed communication). "
         "Costs and sources: podscale project --list-systems; formulas: docs/benchmarks.md"
