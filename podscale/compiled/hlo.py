@@ -201,7 +201,65 @@ def layer_of(op_name: str) -> str:
     return "/".join(names) + (" (backward)" if backward else " (forward)")
 
 
+_ALLOCATES = re.compile(r'custom_call_target="AllocateBuffer"')
+"""XLA:TPU's buffer allocation: it moves no data (its result is written by the ops after it)."""
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def unnamed_phases(comps: dict[str, list[tuple]]):
+    """The phase of an instruction without an ``op_name`` (XLA:TPU's relayouts, loops and buffers it
+    adds around a collective or a reshape): its consumers' (through other unnamed instructions),
+    else the phase of the instruction that calls its computation (a loop's body), else its
+    producers'; ``update`` wins where they differ, ``forward`` where none has one. Returns
+    ``phase(computation, name)``."""
+    by = {c: {ins[0]: ins for ins in instrs} for c, instrs in comps.items()}
+    readers: dict[str, dict[str, list[str]]] = {c: defaultdict(list) for c in comps}
+    caller: dict[str, tuple[str, str]] = {}
+    for c, instrs in comps.items():
+        for ins in instrs:
+            for o in ins[3]:
+                readers[c][o].append(ins[0])
+            for _, target in _CALLED.findall(ins[4]):
+                for callee in re.findall(r"%?([\w.\-]+)", target):
+                    caller.setdefault(callee, (c, ins[0]))
+    memo: dict[tuple[str, str], str | None] = {}
+
+    def named(c: str, name: str) -> str | None:
+        m = _OP_NAME.search(by[c][name][5])
+        return _phase(m.group(1)) if m and m.group(1) else None
+
+    def search(c: str, start: str, step) -> list[str]:
+        seen, frontier, found = {start}, [start], []
+        while frontier and not found:
+            following = []
+            for n in frontier:
+                for m in step(c, n):
+                    if m in seen or m not in by[c]:
+                        continue
+                    seen.add(m)
+                    q = named(c, m)
+                    (found.append(q) if q else following.append(m))
+            frontier = following
+        return found
+
+    def phase(c: str, name: str, depth: int = 0) -> str:
+        if (c, name) in memo:
+            return memo[c, name] or "forward"
+        memo[c, name] = None  # a cycle through callers: no answer from there
+        found = search(c, name, lambda c, n: readers[c].get(n, ()))
+        if not found and c in caller and depth < 64:
+            cc, cn = caller[c]
+            found = [named(cc, cn) or phase(cc, cn, depth + 1)]
+        if not found:
+            found = search(c, name, lambda c, n: by[c][n][3])
+        memo[c, name] = "update" if "update" in found else (found[0] if found else "forward")
+        return memo[c, name]
+
+    return phase
+
+
+_UNNAMED = {"update": f"{UPDATE_SCOPE}/(unnamed)", "backward": "transpose((unnamed))", "forward": ""}
+"""The ``op_name`` an unnamed instruction is read with, for the phase :func:`unnamed_phases` gives it."""
 
 
 def _phase(op_name: str) -> str:
@@ -289,6 +347,7 @@ def read_text(
 
     visit(entry, 1)
     types = {c: {ins[0]: ins[1] for ins in instrs} for c, instrs in comps.items()}
+    unnamed = unnamed_phases(comps)
     out, ops = [], []
     schedule: dict[str, list[tuple]] = {}
     for comp, instrs in comps.items():
@@ -308,6 +367,8 @@ def read_text(
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
             op_name = op.group(1) if op else ""
+            if not op_name and opcode not in NO_COST:
+                op_name = _UNNAMED[unnamed(comp, name)]
             if opcode == "async-start":
                 wrapped = _wrapped_collective(comps, attrs)
                 if wrapped is not None:
@@ -348,7 +409,7 @@ def read_text(
                         if callee in comps:
                             events.append(("call", callee, trips if role in ("body", "condition") else 1))
                 continue
-            if opcode in NO_COST or opcode.endswith("-start"):
+            if opcode in NO_COST or opcode.endswith("-start") or _ALLOCATES.search(attrs):
                 continue
             operand_types = [types[comp].get(o, "") for o in operands]
             flops, mm, dtype, nbytes = op_cost(comps, types, opcode, type_text, operand_types, attrs)

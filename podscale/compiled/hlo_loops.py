@@ -32,6 +32,8 @@ def trip_count(comps, comp: str, operands: list[str], attrs: str, rest: str) -> 
     counter, bound = root[3] if direction.group(1) == "LT" else root[3][::-1]
     limit = _constant_of(by_name, bound)
     element = by_name.get(counter)
+    while element is not None and element[2] in ("copy", "bitcast", "convert") and element[3]:
+        element = by_name.get(element[3][0])
     if limit is None or element is None or element[2] != "get-tuple-element":
         return None
     index = re.search(r"index=(\d+)", element[4])
@@ -61,6 +63,8 @@ def _loop_step(comps, attrs: str, index: int) -> int | None:
         return None
     for counter, constant in (add[3], add[3][::-1]):
         element = by_name.get(counter)
+        while element is not None and element[2] in ("copy", "bitcast", "convert") and element[3]:
+            element = by_name.get(element[3][0])  # XLA:TPU may copy the counter before adding to it
         step = _constant_of(by_name, constant)
         if element is not None and element[2] == "get-tuple-element" and step is not None and step > 0:
             if re.search(rf"index={index}\b", element[4]):

@@ -18,7 +18,7 @@ import jax
 from jax import lax
 
 from podscale._jax import all_gather_invariant
-from podscale.compiled.hlo import UPDATE_SCOPE
+from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
 from podscale.parallel.partition.rules import ELEMENTWISE
@@ -35,10 +35,11 @@ def gather(p: Partitioner, x, layout: Chunked):
     if p.one:
         return x
     p.communications += 1
-    if p.leaving:
+    if p.leaving:  # the update's (compiled.hlo's phases), with the relayouts XLA adds around it
         p.record("all-gather", p.axes, x, "updated chunks gathered into the whole weight", update=True)
-    else:
-        p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
+        with jax.named_scope(UPDATE_SCOPE):
+            return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
+    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
     return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
 
 
@@ -49,7 +50,8 @@ def scatter(p: Partitioner, x, dim: int):
         return p.rounded(one_replica_sum(x), x)
     p.communications += 1
     p.record("reduce-scatter", p.axes, x, "a partial sum reduce-scattered into chunks", update=True)
-    return p.rounded(lax.psum_scatter(x, p.axes, scatter_dimension=dim, tiled=True), x)
+    with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):  # a gradient sum (compiled.hlo)
+        return p.rounded(lax.psum_scatter(x, p.axes, scatter_dimension=dim, tiled=True), x)
 
 
 def convert(p: Partitioner, x, src: Layout, dst: Layout):
