@@ -404,3 +404,31 @@ def test_sigterm_after_libtpu_loads_ends_the_process_without_a_stack_trace():
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM and "stack trace" not in err and "FailureSignalHandler" not in err, err
+
+
+@needs_libtpu
+def test_a_64_feature_convolution_is_charged_as_128_on_xla_tpus_module():
+    """Issue 44: a convolution's output features are padded to the MXU's 128 (its taps folded into
+    the contraction), read from XLA:TPU's own module; its bytes as the tiled layouts store them."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = tpu.devices("tpu-v3", "v3:2x2")
+    whole = NamedSharding(Mesh(devices[:1], ("d",)), P())
+
+    def conv(x, w):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y.sum()
+
+    args = [
+        jax.ShapeDtypeStruct((8, 32, 32, 64), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.bfloat16, sharding=whole),
+    ]
+    module = hlo.read_text(jax.jit(conv).lower(*args).compile().as_text(), platform="tpu")
+    (op,) = [o for o in module.ops if o.matmul_flops]
+    assert op.matmuls == ((1, 8 * 32 * 32, 64, 9 * 64),)
+    v3 = systems.get("tpu-v3")
+    assert project_cost.padded_matmul_flops(op, v3.matmul_tile) == pytest.approx(op.matmul_flops * 128 / 64 * 640 / 576)
+    assert op.estimated_cycles > 0  # XLA:TPU's own estimate, read beside
+    # a 3-feature image whose features are a tiled minor dimension takes 128 lanes of 3
+    assert hlo_cost.memory_bytes("bf16[8,32,32,3]{3,2,1,0:T(8,128)(2,1)}") == 8 * 32 * 32 * 128 * 2
