@@ -502,8 +502,7 @@ _STUB = """
 import sys
 from podscale.projection import project, mesh as project_mesh, rows as project_rows
 
-def one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy):
-    mesh = project_mesh.target_shape(topology, strategy)
+def one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy, mesh):
     k = strategy.spatial or strategy.model_parallel or 1
     step_s = 0.01 * (1 + (name == "replicated"))
     return project_rows.Row(
@@ -633,3 +632,22 @@ def test_halo_and_model_axis_bytes_are_the_partition_axis_collectives():
     out = io.StringIO()
     project_rows.render([project_rows.Row(**figures)], systems.get("tpu-v3"), "m", Console(file=out, width=300))
     assert "halo MB" not in out.getvalue()
+
+
+def test_batch_norm_groups_default_to_the_recipes_and_are_checked_before_compiling():
+    """``--bn-group-size``: MLPerf's groups by default (SSD: 4 replicas; ResNet-50: 8 from 2048
+    replicas up, none below), named on stderr; the 2-D sum's rows say why they do not apply; a
+    model without grouped batch norm, or a size the replicas do not divide, is refused."""
+    ssd = _cli("--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4", "--dry-run")
+    assert "1024 chips: 4" in ssd.stderr
+    assert "sharded-2d n/a (the 2-D gradient sum with batch-norm groups of 4" in ssd.stderr + ssd.stdout
+    resnet = _cli("--model", "resnet50", "--config", "full", "--chips", "16,1024", "--dry-run")
+    assert "1024 chips: 8" in resnet.stderr and "16 chips: 8" not in resnet.stderr
+    whole = _cli("--model", "resnet50", "--config", "full", "--chips", "1024", "--bn-group-size", "1", "--dry-run")
+    assert "groups" not in whole.stderr and "sharded-2d would compile" in whole.stderr + whole.stdout
+    bad = _cli("--model", "transformer-big", "--config", "full", "--bn-group-size", "4", "--dry-run", check=False)
+    assert bad.returncode != 0 and "--bn-group-size 4: batch-norm groups are for" in bad.stderr
+    odd = _cli(
+        "--model", "resnet50", "--config", "full", "--chips", "16", "--bn-group-size", "3", "--dry-run", check=False
+    )
+    assert odd.returncode != 0 and "do not divide into batch-norm groups of 3" in odd.stderr

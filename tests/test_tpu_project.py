@@ -432,3 +432,56 @@ def test_a_64_feature_convolution_is_charged_as_128_on_xla_tpus_module():
     assert op.estimated_cycles > 0  # XLA:TPU's own estimate, read beside
     # a 3-feature image whose features are a tiled minor dimension takes 128 lanes of 3
     assert hlo_cost.memory_bytes("bf16[8,32,32,3]{3,2,1,0:T(8,128)(2,1)}") == 8 * 32 * 32 * 128 * 2
+
+
+def _bn_model_step(bn_axis):
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(128)(x)
+            x = nn.BatchNorm(use_running_average=False, axis_name=bn_axis)(x)
+            return nn.Dense(8)(jnp.tanh(x))
+
+    net = Net()
+    variables = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((2, 64))))
+    state = {"params": variables["params"], "stats": variables["batch_stats"]}
+    state["opt"] = jax.eval_shape(TX.init, state["params"])
+
+    def step(state, batch):
+        def loss(params):
+            out, new = net.apply({"params": params, "batch_stats": state["stats"]}, batch["x"], mutable=["batch_stats"])
+            return jnp.mean((out - batch["y"]) ** 2), new["batch_stats"]
+
+        grads, stats = jax.grad(loss, has_aux=True)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "stats": stats, "opt": opt}, {}
+
+    return step, state
+
+
+@needs_libtpu
+def test_batch_norm_groups_are_summed_over_their_replicas_only():
+    """``bn_group_size=4`` (MLPerf's batch-norm groups): the mesh gets an innermost group axis of 4
+    neighbouring replicas, and XLA:TPU's module sums the statistics over groups of 4 devices while
+    the gradients are still summed over all 32; the 2-D sum, which cannot take the groups yet, is
+    refused naming them."""
+    from podscale.parallel.mesh import BN_GROUP
+
+    step, state = _bn_model_step(BN_GROUP)
+    with pytest.raises(ValueError, match="sharded-2d.*batch-norm groups of 4"):
+        project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["sharded-2d"], bn_group_size=4)
+    (grouped,) = project.project(
+        step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"], bn_group_size=4
+    )
+    assert grouped.mesh == {"data": 8, BN_GROUP: 4} and grouped.bn_group_size == 4
+    sizes = {c["group_size"] for c in grouped.collectives if c["kind"] == "all-reduce"}
+    assert sizes == {4, 32}, grouped.collectives
+    # Whole-batch batch norm (the default): every sum over the 32 devices.
+    step, state = _bn_model_step(None)
+    (whole,) = project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"])
+    assert whole.mesh == {"data": 32} and whole.bn_group_size == 1
+    assert {c["group_size"] for c in whole.collectives if c["kind"] == "all-reduce"} == {32}
+    with pytest.raises(ValueError, match="do not divide into batch-norm groups of 3"):
+        project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"], bn_group_size=3)

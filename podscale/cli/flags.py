@@ -268,6 +268,14 @@ def project_parser(sub) -> None:
         "pip install 'podscale[gpu-compile]'), cpu (XLA:CPU on this machine), auto (tpu or gpu for a TPU or GPU "
         "system where its compiler is installed, else cpu)",
     )
+    p.add_argument(
+        "--bn-group-size",
+        type=int,
+        default=None,
+        help="replicas per batch-norm group, neighbours on the mesh (1: the whole global batch, podscale's exact "
+        "default); default: the MLPerf recipe's at each chip count (ssd: 4; resnet50: 8 from 2048 replicas up; "
+        "1 for the others)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--plot", default=None, help="write step time and throughput against chips to this file (.png, .pdf, .svg, ...)"

@@ -91,6 +91,11 @@ def _check_project_flags(args, given: list[str]) -> None:
             raise ValueError(
                 f"{flags[dest]} {getattr(args, dest)}: a batch dimension must be below 2**31 (XLA's 32-bit dimensions)"
             )
+    if "bn_group_size" in given and args.bn_group_size < 1:
+        raise ValueError(
+            f"--bn-group-size {args.bn_group_size}: replicas per batch-norm group, a whole number of at least 1 "
+            "(1: the whole global batch)"
+        )
     if "learning_rate" in given and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise ValueError(f"--learning-rate {args.learning_rate}: a positive number, e.g. 1e-3")
 
@@ -125,6 +130,7 @@ def run_project(args) -> int:
     if args.list_systems:
         return dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
     from podscale.compiled import systems
+    from podscale.compiled.network import Topology
     from podscale.projection import mesh as project_mesh
     from podscale.projection import project as proj
     from podscale.projection import rows as project_rows
@@ -166,10 +172,13 @@ def run_project(args) -> int:
         )
     if args.plot is not None:
         project_rows.check_plot_path(args.plot)
+    k = strategy.spatial or strategy.model_parallel or 1
+    groups = _bn_groups(args, chips, system.devices_per_chip, k, progress)
     # Every mesh, strategy and chip count: refused, or a strategy that does not apply at a chip
     # count noted (a row saying why), before anything is built or compiled.
-    reasons = project_mesh.applicability(system, chips, names, strategy, args.multi_axis, what="--strategies")
-    k = strategy.spatial or strategy.model_parallel or 1
+    reasons = project_mesh.applicability(
+        system, chips, names, strategy, args.multi_axis, what="--strategies", bn_group_size=groups
+    )
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
 
@@ -214,19 +223,40 @@ def run_project(args) -> int:
             chosen, "XLA:CPU"
         )
         return dry_run_result(args, {"system": system.name, "compiler": compiler, "cpu_devices": devices, "rows": rows})
-    rows = proj.project(
-        make_train_step(task, tx),
-        state,
-        task.batch_shapes,
-        system=system,
-        chips=chips,
-        strategies=names,
-        base=strategy,
-        replica_batch=replica_batches,
-        multi_axis=args.multi_axis,
-        progress=progress,
-        compiler=chosen,
-    )
+    from podscale.parallel.mesh import BN_GROUP
+
+    rows = []
+    for group in dict.fromkeys(groups[c] for c in chips):  # one projection per group size (its model differs)
+        these = [c for c in chips if groups[c] == group]
+        applies = [s for s in effective if any(reasons[c, s] is None for c in these)]
+        if applies:
+            grouped = (
+                task if group == 1 else make_task(args.model, config=args.config, with_data=False, bn_axis=BN_GROUP)
+            )
+            rows += proj.project(
+                make_train_step(grouped, tx),
+                state,
+                grouped.batch_shapes,
+                system=system,
+                chips=these,
+                strategies=applies,
+                base=strategy,
+                replica_batch=replica_batches,
+                multi_axis=args.multi_axis,
+                progress=progress,
+                compiler=chosen,
+                bn_group_size=group,
+            )
+        for c in these:
+            for s in effective:
+                if s not in applies:  # applies at none of this group's chip counts: its row says why
+                    topology = Topology(system, c, args.multi_axis)
+                    row = project_rows.not_applicable_row(
+                        topology, s, project_mesh.strategy_for(strategy, s), replica_batches[c], reasons[c, s]
+                    )
+                    rows.append(dataclasses.replace(row, bn_group_size=group))
+    order = {(c, s): i for i, (c, s) in enumerate((c, s) for c in chips for s in effective)}
+    rows = project_rows.mark_fastest(sorted(rows, key=lambda r: order[r.chips, r.strategy]))
     if args.json:
         print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)
     else:
@@ -242,6 +272,48 @@ def run_project(args) -> int:
             )
             return 1
     return 0
+
+
+def _bn_groups(args, chips: list[int], devices_per_chip: int, k: int, say) -> dict[int, int]:
+    """Replicas per batch-norm group at each chip count: ``--bn-group-size`` at every one, or the
+    workload's recipe (:func:`~podscale.workloads.base.recipe_bn_group_size`) where its model
+    averages batch norm over groups (1 for the others)."""
+    from podscale import workloads
+    from podscale.train.tasks import bn_group_workloads
+
+    grouped = args.model in bn_group_workloads()
+    if args.bn_group_size is not None:
+        if args.bn_group_size > 1 and not grouped:
+            raise ValueError(
+                f"--bn-group-size {args.bn_group_size}: batch-norm groups are for the MLPerf workloads whose batch norm "
+                f"takes the group axis ({', '.join(bn_group_workloads())}); model {args.model!r} is not one: drop the "
+                "flag"
+            )
+        return dict.fromkeys(chips, args.bn_group_size)
+    if not grouped or args.config is None:
+        return dict.fromkeys(chips, 1)
+    from podscale.workloads.base import recipe_bn_group_size
+
+    config = workloads.get(args.model).config(args.config)
+    groups = {}
+    for c in chips:
+        replicas = max(1, c * devices_per_chip // k)
+        group = recipe_bn_group_size(config, replicas)
+        if group > 1 and replicas % group:
+            say(
+                f"{c} chips: the recipe's batch-norm groups of {group} replicas do not divide its {replicas} replicas: "
+                "batch norm over the whole batch there (give --bn-group-size to choose)"
+            )
+            group = 1
+        groups[c] = group
+    named = {c: g for c, g in groups.items() if g > 1}
+    if named:
+        say(
+            "batch norm over groups of replicas, as the MLPerf recipe: "
+            + ", ".join(f"{c} chips: {g}" for c, g in named.items())
+            + " (--bn-group-size 1: over the whole batch)"
+        )
+    return groups
 
 
 def _print_systems(as_json: bool) -> int:

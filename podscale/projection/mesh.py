@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 from podscale.compiled.network import Topology
 from podscale.compiled.systems import System
 from podscale.parallel import checks
-from podscale.parallel.mesh import MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
+from podscale.parallel.mesh import BN_GROUP, MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
 
 DEFAULT_STRATEGIES = ("replicated", "sharded", "sharded-2d")
@@ -52,6 +52,7 @@ def applicability(
     base: Strategy | None = None,
     multi_axis: str = "torus",
     what: str = "strategies",
+    bn_group_size: int | Mapping[int, int] = 1,
 ) -> dict[tuple[int, str], str | None]:
     """Checks a projection's request before anything is compiled, and says which strategies apply
     at which chip counts: ``{(chips, name): None, or why the strategy does not apply there}`` (its
@@ -61,7 +62,8 @@ def applicability(
     unknown or repeated strategy, when nothing applies at all, and when a strategy given
     explicitly (``strategies`` not ``None``) applies at none of the chip counts; ``what`` names
     the strategies in the messages (the CLI's ``--strategies``). ``None`` means
-    :data:`DEFAULT_STRATEGIES`, where a strategy that applies nowhere is a row saying why."""
+    :data:`DEFAULT_STRATEGIES`, where a strategy that applies nowhere is a row saying why.
+    ``bn_group_size``: replicas per batch-norm group (:func:`target_shape`), or ``{chips: size}``."""
     from podscale.compiled import systems
 
     system = systems.get(system) if isinstance(system, str) else system
@@ -89,7 +91,8 @@ def applicability(
         topology = Topology(system, n_chips, multi_axis)  # a size the system cannot hold: refused
         for name, strategy in resolved.items():
             try:
-                target = target_shape(topology, strategy)
+                group = bn_group_size.get(n_chips, 1) if isinstance(bn_group_size, Mapping) else bn_group_size
+                target = target_shape(topology, strategy, group)
                 compile_shape(target, MAX_CPU_DEVICES)
                 reasons[n_chips, name] = None
             except ValueError as e:
@@ -113,10 +116,13 @@ def applicability(
     return reasons
 
 
-def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
+def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1) -> dict[str, int]:
     """The mesh (axis -> size) a strategy runs on ``topology``'s devices: the space or model axis
     (``k``) last and innermost (a replica's devices are neighbours); with the 2-D sum, the data
-    axes are the rest of the first torus dimension's devices (GPU: of a node) and the others."""
+    axes are the rest of the first torus dimension's devices (GPU: of a node) and the others.
+    ``bn_group_size`` > 1 splits the last data axis as ``make_mesh(bn_group_size=...)`` does:
+    an innermost data axis ``BN_GROUP`` of that many neighbouring replicas, which a model's batch
+    norm averages its statistics over."""
     s = topology.system
     k = strategy.spatial or strategy.model_parallel or 1
     n = topology.devices
@@ -136,9 +142,23 @@ def target_shape(topology: Topology, strategy: Strategy) -> dict[str, int]:
         shape: tuple[int, ...] = (replicas // (inner // k), inner // k)
     else:
         shape = (replicas,)
+    data = len(shape)
     if k > 1:
         shape = (*shape, k)
     names = {1: ("data",), 2: ("x", "y"), 3: ("x", "y", "z")}[len(shape)]
+    if bn_group_size > 1:
+        if strategy.grad_sum == "2d":
+            raise ValueError(
+                f"the 2-D gradient sum with batch-norm groups of {bn_group_size} replicas: they do not combine yet "
+                "(a group would be a third data axis); project the 2-D strategies with --bn-group-size 1"
+            )
+        last = shape[data - 1]
+        if last % bn_group_size:
+            raise ValueError(
+                f"{topology.describe()}: its {last} replicas do not divide into batch-norm groups of {bn_group_size}"
+            )
+        shape = (*shape[: data - 1], last // bn_group_size, bn_group_size, *shape[data:])
+        names = (*names[:data], BN_GROUP, *names[data:])
     return dict(zip(names, shape, strict=True))
 
 

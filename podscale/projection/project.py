@@ -84,6 +84,7 @@ def project(
     progress: Callable[[str], None] | None = None,
     heartbeat_s: float = 10.0,
     compiler: str = "auto",
+    bn_group_size: int = 1,
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
     to each of ``chips`` chips of ``system``, for each strategy.
@@ -104,6 +105,11 @@ def project(
     devices: a GPU system only), ``cpu`` (XLA:CPU on this machine's CPU devices, one compile per
     row), or ``auto``: ``tpu`` or ``gpu`` for a TPU or GPU system where its compiler is installed,
     else ``cpu`` (``progress`` is told why when a system falls back).
+    ``bn_group_size``: replicas per batch-norm group. Above 1 every mesh gets the innermost data
+    axis :data:`~podscale.parallel.mesh.BN_GROUP` of that many neighbouring replicas (as
+    ``make_mesh(bn_group_size=...)``), and ``step``'s batch norm must average over it (a workload
+    built with ``bn_axis=BN_GROUP``); a strategy whose mesh cannot take the groups is a row saying
+    why.
     """
     from podscale.compiled import systems
     from podscale.parallel.engine import data_parallel
@@ -111,7 +117,9 @@ def project(
     system = systems.get(system) if isinstance(system, str) else system
     base = base or Strategy()
     chips = list(chips)
-    reasons = applicability(system, chips, strategies, base, multi_axis)
+    bn_group_size = checks.whole("bn_group_size", bn_group_size, what=" (replicas per batch-norm group)")
+    target_of = functools.partial(target_shape, bn_group_size=bn_group_size)
+    reasons = applicability(system, chips, strategies, base, multi_axis, bn_group_size=bn_group_size)
     if isinstance(strategies, dict):
         resolved = dict(strategies)
     else:
@@ -156,16 +164,27 @@ def project(
     if chosen != "cpu":
         target = _target(chosen)
         job = _Job(
-            data_parallel, step, shapes, make_batch, per_chips, system, say, progress, heartbeat_s, started, target
+            data_parallel,
+            step,
+            shapes,
+            make_batch,
+            per_chips,
+            system,
+            say,
+            progress,
+            heartbeat_s,
+            started,
+            target,
+            target_of,
         )
         rows = _project_tpu(job, topologies, resolved, reasons)
-        return mark_fastest(rows)
+        return mark_fastest([dataclasses.replace(r, bn_group_size=bn_group_size) for r in rows])
     cpus = len(jax.devices("cpu"))
     for topology in topologies:  # every mesh is checked before anything is compiled
         for name, strategy in resolved.items():
             if reasons[topology.chips, name] is not None:
                 continue
-            need = min(math.prod(target_shape(topology, strategy).values()), MAX_CPU_DEVICES)
+            need = min(math.prod(target_of(topology, strategy).values()), MAX_CPU_DEVICES)
             if cpus < need:
                 raise ValueError(
                     f"projecting to {topology.describe()} compiles for {need} CPU devices, but this process has "
@@ -186,12 +205,21 @@ def project(
             say(f"{what}: compiling for {topology.devices} devices ({elapsed(started)} since the start)")
             with heartbeat(progress, f"{what}: still compiling", heartbeat_s):
                 row = _project_one(
-                    data_parallel, step, shapes, make_batch, per_chips[n_chips], system, topology, name, strategy
+                    data_parallel,
+                    step,
+                    shapes,
+                    make_batch,
+                    per_chips[n_chips],
+                    system,
+                    topology,
+                    name,
+                    strategy,
+                    target_of(topology, strategy),
                 )
             row = dataclasses.replace(row, compile_s=time.perf_counter() - one)
             say(f"{what}: done in {elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({elapsed(started)} since the start)")
             rows.append(row)
-    return mark_fastest(rows)
+    return mark_fastest([dataclasses.replace(r, bn_group_size=bn_group_size) for r in rows])
 
 
 COMPILERS = ("auto", "tpu", "gpu", "cpu")
@@ -270,8 +298,9 @@ def _no_persistent_cache():
     return jax_config.enable_compilation_cache(False)
 
 
-def _project_one(data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy) -> Row:
-    target = target_shape(topology, strategy)
+def _project_one(
+    data_parallel, step, shapes, make_batch, replica_batch, system, topology, name, strategy, target
+) -> Row:
     compiled_shape, reduced, factor = compile_shape(target, min(len(jax.devices("cpu")), MAX_CPU_DEVICES))
     k = strategy.spatial or strategy.model_parallel or 1
     compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
@@ -374,6 +403,7 @@ class _Job:
     heartbeat_s: float
     started: float
     target: Any  # podscale.compiled.tpu or podscale.compiled.gpu: whose compile-only devices
+    target_of: Callable  # (topology, strategy) -> the mesh the row runs on (target_shape with the batch-norm groups)
 
 
 def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
@@ -420,7 +450,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
 
     def compile_shape_of(topology, name, strategy) -> tuple[dict[str, int], str | None, int]:
         # the row's own target alone decides (one figure per row, whatever else is asked for)
-        return shrink(target_shape(topology, strategy), MAX_TPU_COMPILE_DEVICES)
+        return shrink(job.target_of(topology, strategy), MAX_TPU_COMPILE_DEVICES)
 
     def partner_of(shape: dict[str, int], strategy: Strategy, factor: int) -> dict[str, int] | None:
         """The second mesh of a row whose sharded update is scaled (``a + b / n``): its first
@@ -467,7 +497,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 say(f"{system.name} {n_chips} chips, {name}: not applicable: {reason}")
                 rows.append(not_applicable_row(topology, name, strategy, replica_batch, reason))
                 continue
-            target = target_shape(topology, strategy)
+            target = job.target_of(topology, strategy)
             shape, reduced, factor = compile_shape_of(topology, name, strategy)
             entry = compiled(name, strategy, shape, replica_batch)
             common = dict(compiler=f"{tpu.LABEL} {entry.slice_name}", compile_s=None if entry.used else entry.seconds)

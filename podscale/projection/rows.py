@@ -66,6 +66,8 @@ class Row:
     """The step time with every assumed figure of the system at the end of its range that makes
     the step quicker (slower) (:attr:`~podscale.compiled.systems.System.assumed`): the range the
     unsourced constants leave."""
+    bn_group_size: int = 1
+    """Replicas per batch-norm group (1: batch norm over the whole global batch)."""
     fastest: bool = False
     not_applicable: str | None = None
     """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
@@ -266,8 +268,14 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             continue
         seen.add(r.chips)
         batch = next((x for x in rows if x.chips == r.chips and x.global_batch is not None), r)
+        groups = (
+            f"; batch norm over groups of {r.bn_group_size} replicas ({r.bn_group_size * batch.replica_batch} examples)"
+            if r.bn_group_size > 1
+            else ""
+        )
         console.print(
             f"{r.chips} chips: {r.topology}; global batch {batch.global_batch} ({batch.replica_batch} per replica)"
+            + groups
         )
     for r in rows:
         if not r.applicable:

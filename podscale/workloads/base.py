@@ -48,6 +48,14 @@ class Reference:
     source: str
 
 
+def recipe_bn_group_size(config: Any, replicas: int) -> int:
+    """Replicas per batch-norm group in ``config``'s recipe at ``replicas`` replicas (1: batch norm
+    over the whole batch): its ``bn_group_size`` from ``bn_group_min_replicas`` replicas up, for
+    the configs that have one (SSD's, ResNet-50's TPU pod runs)."""
+    size = getattr(config, "bn_group_size", 1)
+    return size if replicas >= getattr(config, "bn_group_min_replicas", 1) else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One MLPerf reference workload. See the module docstring for the config fields."""

@@ -67,7 +67,9 @@ class SSDConfig:
     spatial: int = 1
     """Partitions per image in the recipe (``--spatial``); ``per_core_batch`` is then per device."""
     bn_group_size: int = 1
-    """Replicas per batch-norm group in the recipe (``--bn-group-size``)."""
+    """Replicas per batch-norm group in the recipe (``podscale project``'s default ``--bn-group-size``),
+    from ``bn_group_min_replicas`` replicas up."""
+    bn_group_min_replicas: int = 1
     decay_factor: float = 0.1
     max_objects: int = 100
     """Ground-truth boxes per image in a batch (padded): COCO's images hold at most about 100."""
