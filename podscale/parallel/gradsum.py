@@ -107,21 +107,6 @@ class GradSum:
         ]
         return self._broken(total.reshape(-1)[: math.prod(shape)]).astype(dtype).reshape(shape)
 
-    def all_reduce_each(self, values: list, phases: list[Collective]) -> list:
-        """The 1-D sum of each of ``values`` over every replica, each in its own shape: one
-        ``psum`` of them all, which XLA's all-reduce combiner sends as one collective of several
-        operands. Nothing is copied into a flat buffer and out again (on a TPU each reshape between
-        a tensor's tiled layout and a flat buffer is a copy). Each element is summed as in one
-        buffer."""
-        if self.mode != "1d":
-            raise ValueError("all_reduce_each is the 1-D sum's; the 2-D sum cuts a flat buffer (all_reduce)")
-        if self.n == 1:
-            return list(values)
-        summed = [self._to_sum_dtype(v) for v in values]
-        phases.append(Collective("all-reduce", self.order, sum(_nbytes(v) for v in summed), chunks=1))
-        totals = lax.psum(tuple(summed), self.order)
-        return [self._broken(t).astype(v.dtype) for t, v in zip(totals, values, strict=True)]
-
     def reduce_scatter(self, rows, phases: list[Collective]) -> jax.Array:
         """``rows``: ``[n, m]``; returns this replica's row of the sum, ``[m]``."""
         if self.n == 1:

@@ -99,12 +99,6 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> lis
         return _reduce_scatter_by_partition(layout, values, trace, by, phases)
     if layout.scatter and layout.model_axis is not None:
         return _reduce_scatter_flat(layout, values, trace, phases)
-    if not layout.scatter and layout.grad_sum.mode == "1d":
-        # The replicated update's 1-D sum: each gradient in its own shape (on a TPU, rows of a flat
-        # buffer are a relayout copy of each tensor, in and out); each element sums the same.
-        totals = layout.grad_sum.all_reduce_each(values, phases)
-        _record(trace, phases, len(values), "gradient sum", update=True)
-        return totals
     rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
     buffer = _pack(rows)
@@ -159,8 +153,8 @@ def _reduce_scatter_by_partition(layout: Layout, values: list, trace: Trace, by:
 
 def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, update: bool) -> list:
     phases: list[Collective] = []
-    if layout.grad_sum.mode == "1d":  # each as it is: no flat buffer
-        out = layout.grad_sum.all_reduce_each(values, phases)
+    if len(values) == 1 and layout.grad_sum.mode == "1d":  # as it is: no flattening
+        out = [layout.grad_sum.all_reduce(values[0], phases)]
     else:
         out = _fused_flat(values, lambda buffer: layout.grad_sum.all_reduce(buffer, phases))
     _record(trace, phases, len(values), why, update)
