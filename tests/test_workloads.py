@@ -18,6 +18,22 @@ from podscale.workloads.precision import BF16, FLOAT32, check_state
 HEAVY = ("dot_general", "conv_general_dilated")
 
 
+def _distinct_tiny(names):
+    """The workloads whose tiny step is not an earlier one's (llama3-70b trains llama3-8b's tiny
+    model): the tiny-config checks run once per program."""
+    seen, out = set(), []
+    for name in names:
+        w = workloads.get(name)
+        key = (w.make_model, id(w.config("tiny")))
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
+TINY = _distinct_tiny(workloads.NAMES)
+
+
 def _tiny(name):
     task = make_task(name, config="tiny")
     tx = task.workload.make_optimizer(task.config, 10)
@@ -48,7 +64,7 @@ def test_configs_state_their_recipe_batch_and_source(name):
         assert cfg.global_batch >= 1 and cfg.per_core_batch >= 1 and cfg.train_steps >= 1 and cfg.source
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", TINY)
 def test_heavy_ops_run_in_bf16_and_state_stays_float32(name):
     task, tx, batches = _tiny(name)
     state = task.init_state(jax.random.key(0), tx)
@@ -67,7 +83,7 @@ def test_heavy_ops_run_in_bf16_and_state_stays_float32(name):
     check_state(out_state)
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", TINY)
 def test_tiny_data_fits_the_batch_shapes(name):
     task, _, batches = _tiny(name)
     shapes = task.batch_shapes(16)
@@ -85,7 +101,7 @@ width, the gradient by that box's share). Chained steps amplify it even on one d
 by step; tests/test_ssd.py holds the tiny SSD's spatial steps to 1e-6 where no pick flips."""
 
 
-@pytest.mark.parametrize("name", [n for n in workloads.NAMES if n != "maskrcnn"])
+@pytest.mark.parametrize("name", [n for n in TINY if n != "maskrcnn"])
 def test_tiny_step_on_8_replicas_matches_one_device(name):
     """Mask R-CNN's step is discontinuous at float32's roundoff (a ReLU input within an ulp of 0
     flips with the summation order): tests/test_maskrcnn.py holds it on 8 replicas in float64.
@@ -202,7 +218,7 @@ class _First:
         return self.source.instance_masks(index)
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", TINY)
 def test_distributed_eval_of_the_workload_metric_equals_one_device(name):
     """100 held-out examples in global batches of 32: the last batch is padded and masked."""
     from podscale import distributed_eval
@@ -367,7 +383,7 @@ def _check_update_at_its_limit(replicated, sharded):
     assert sharded.memory["peak"] <= replicated.memory["peak"] + slack
 
 
-@pytest.mark.parametrize("name", workloads.NAMES)
+@pytest.mark.parametrize("name", TINY)
 def test_sharded_update_moves_one_all_reduce_of_gradients_and_the_plan_is_the_compiled_module(name):
     """Both updates at the per-core batch on 8 replicas: every op of the model on its local rows
     (no whole or gathered ops), the model's scans compiled as loops, the gradients summed once."""

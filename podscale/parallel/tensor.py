@@ -257,4 +257,20 @@ RULES = {
         name="bert-large",
     ),
 }
+# Llama 3.1 (podscale.workloads.llama3), as MaxText's logical axis rules split it over ``tensor``:
+# query heads, key/value heads (8: a model axis of up to 8 divides them), the attention output on
+# its heads, the SwiGLU's gate and up on their output and down on its input, the embedding table
+# and the output projection on the vocabulary; RMSNorm scales stay whole.
+RULES["llama3-8b"] = RULES["llama3-70b"] = Rules(
+    (
+        (r"attention/(query|key|value)/kernel$", -2),
+        (r"attention/out/kernel$", -3),
+        (r"mlp/(gate|up)/kernel$", -1),
+        (r"mlp/down/kernel$", -2),
+        (r"(^|/)embedding$", -2),
+        (r"(^|/)output/kernel$", -1),
+        (r"_norm/scale$", _KEEP),
+    ),
+    name="llama3",
+)
 """The built-in rules, by model name (``podscale train --model NAME --model-parallel k``)."""

@@ -19,14 +19,18 @@ _MODULES = {
     "ssd": "podscale.workloads.ssd",
     "maskrcnn": "podscale.workloads.maskrcnn",
     "dlrm": "podscale.workloads.dlrm",
+    "llama3-8b": "podscale.workloads.llama3:LLAMA3_8B",
+    "llama3-70b": "podscale.workloads.llama3:LLAMA3_70B",
 }
+"""``--model`` name -> the module defining it, and the attribute when it is not ``WORKLOAD``."""
 NAMES = tuple(_MODULES)
 
 
 def get(name: str) -> Workload:
     if name not in _MODULES:
         raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(NAMES)}")
-    return importlib.import_module(_MODULES[name]).WORKLOAD
+    module, _, attribute = _MODULES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute or "WORKLOAD")
 
 
 def __getattr__(name: str):

@@ -116,6 +116,9 @@ class Workload:
     then given the step's key, as dropout is (``fold_in(key(seed), step)``)."""
     unigram_baseline: Callable[[Any], float] | None = None
     """For masked-LM workloads: the accuracy of always guessing the most frequent token."""
+    tokens_per_example: Callable[[Any], int] | None = None
+    """``(config) -> tokens`` one training example predicts, for language models: throughput is
+    then also given in tokens per second (``podscale project``'s rows)."""
 
     def __post_init__(self):
         if (self.predict is None) != (self.score is None):

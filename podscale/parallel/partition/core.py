@@ -18,7 +18,7 @@ from jax.extend import core
 from podscale._jax import all_gather_invariant
 from podscale.parallel import interpret
 from podscale.parallel.collectives import Collective
-from podscale.parallel.partition import chunked, partials
+from podscale.parallel.partition import chunked, partials, shape_rules
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import CONTROL
 from podscale.parallel.partition.draws import random_bits_rows
@@ -113,6 +113,9 @@ class Partitioner:
         self._zeros: set = set()
         """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
         self._group_values: set[int] = set()
+        self.broadcasts: dict[int, tuple] = {}
+        """Whole values a ``broadcast_in_dim`` made, by id: (the value, the equation, its operand),
+        so that a block of one is broadcast at the block's size (:func:`shape_rules.broadcast_block`)."""
         """ids of the group values an equation is being computed on (as replicated ones)."""
         self.whole_ops: list[str] = []
         """Equations computed on whole values because no rule ran them on pieces, for the plan."""
@@ -165,6 +168,9 @@ class Partitioner:
         return self.convert(x, REPLICATED, Split(dim))
 
     def _slice_rows(self, x, dim: int):
+        if id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x:
+            _, eqn, operand = self.broadcasts[id(x)]
+            return shape_rules.broadcast_block(self, eqn, operand, dim)
         rows = self.tables.get(tuple(x.shape)) if dim == 0 else None
         if rows:  # a whole value of a table's shape: its rows in the table's padded blocks
             x = jnp.pad(x, [(0, rows * self.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
@@ -435,6 +441,10 @@ class Partitioner:
             out = random_bits_rows(self, eqn, ins[0][0])
             if out is not None:
                 return out
+        if name == "broadcast_in_dim" and layouts == [REPLICATED] and self.n > 1:
+            (out,) = self.bind(eqn, [ins[0][0]])
+            self.broadcasts[id(out)] = (out, eqn, ins[0][0])  # a block of it is made at the block's size
+            return [(out, REPLICATED)]
         if all(lay is REPLICATED for lay in layouts):
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in IDENTITY and len(ins) == 1:
