@@ -246,6 +246,11 @@ def run_project(args) -> int:
                 progress=progress,
                 compiler=chosen,
                 bn_group_size=group,
+                tokens_per_example=(
+                    task.workload.tokens_per_example(task.config)
+                    if task.workload and task.workload.tokens_per_example
+                    else None
+                ),
             )
         for c in these:
             for s in effective:

@@ -85,6 +85,7 @@ def project(
     heartbeat_s: float = 10.0,
     compiler: str = "auto",
     bn_group_size: int = 1,
+    tokens_per_example: int | None = None,
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
     to each of ``chips`` chips of ``system``, for each strategy.
@@ -110,6 +111,8 @@ def project(
     ``make_mesh(bn_group_size=...)``), and ``step``'s batch norm must average over it (a workload
     built with ``bn_axis=BN_GROUP``); a strategy whose mesh cannot take the groups is a row saying
     why.
+    ``tokens_per_example``: for a language model, the tokens one example predicts; rows then give
+    ``tokens_per_s_per_chip``.
     """
     from podscale.compiled import systems
     from podscale.parallel.engine import data_parallel
@@ -118,6 +121,27 @@ def project(
     base = base or Strategy()
     chips = list(chips)
     bn_group_size = checks.whole("bn_group_size", bn_group_size, what=" (replicas per batch-norm group)")
+    if tokens_per_example is not None:
+        tokens_per_example = checks.whole(
+            "tokens_per_example", tokens_per_example, what=" (tokens one example predicts)"
+        )
+
+    def finished(rows: list[Row]) -> list[Row]:
+        return mark_fastest(
+            [
+                dataclasses.replace(
+                    r,
+                    bn_group_size=bn_group_size,
+                    tokens_per_s_per_chip=(
+                        r.examples_per_s * tokens_per_example / r.chips
+                        if tokens_per_example and r.examples_per_s
+                        else None
+                    ),
+                )
+                for r in rows
+            ]
+        )
+
     target_of = functools.partial(target_shape, bn_group_size=bn_group_size)
     reasons = applicability(system, chips, strategies, base, multi_axis, bn_group_size=bn_group_size)
     if isinstance(strategies, dict):
@@ -178,7 +202,7 @@ def project(
             target_of,
         )
         rows = _project_tpu(job, topologies, resolved, reasons)
-        return mark_fastest([dataclasses.replace(r, bn_group_size=bn_group_size) for r in rows])
+        return finished(rows)
     cpus = len(jax.devices("cpu"))
     for topology in topologies:  # every mesh is checked before anything is compiled
         for name, strategy in resolved.items():
@@ -219,7 +243,7 @@ def project(
             row = dataclasses.replace(row, compile_s=time.perf_counter() - one)
             say(f"{what}: done in {elapsed(one)}, step {row.step_s * 1e3:.3f} ms ({elapsed(started)} since the start)")
             rows.append(row)
-    return mark_fastest([dataclasses.replace(r, bn_group_size=bn_group_size) for r in rows])
+    return finished(rows)
 
 
 COMPILERS = ("auto", "tpu", "gpu", "cpu")

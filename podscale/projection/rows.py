@@ -68,6 +68,9 @@ class Row:
     unsourced constants leave."""
     bn_group_size: int = 1
     """Replicas per batch-norm group (1: batch norm over the whole global batch)."""
+    tokens_per_s_per_chip: float | None = None
+    """A language model's throughput: the tokens its examples predict per second, per chip
+    (``project(..., tokens_per_example=...)``; ``None`` for other workloads)."""
     fastest: bool = False
     not_applicable: str | None = None
     """Why this strategy does not apply at this chip count (``None``: it does, the row is projected)."""
@@ -218,6 +221,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
     console = console or Console()
     partitioned = any(r.halo_bytes is not None for r in rows)
     moved = ("halo MB", "model-axis MB") if partitioned else ()
+    tokens = any(r.tokens_per_s_per_chip is not None for r in rows)
     numbers = (
         "compute ms",
         "update ms",
@@ -226,6 +230,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
         "step ms",
         "range ms",
         "examples/s",
+        *(("tokens/s/chip",) if tokens else ()),
         "MFU",
         "GiB/chip",
     )
@@ -255,6 +260,7 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             f"{r.step_s * 1e3:.3f}",
             _range(r),
             f"{r.examples_per_s:,.0f}",
+            *([f"{r.tokens_per_s_per_chip:,.0f}"] if tokens else []),
             f"{r.mfu:.1%}",
             f"{r.memory_per_chip / 2**30:.2f}/{r.hbm_per_chip / 2**30:.0f}",
             "yes" if r.fits else "NO",

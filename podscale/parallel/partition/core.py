@@ -168,13 +168,13 @@ class Partitioner:
         return self.convert(x, REPLICATED, Split(dim))
 
     def _slice_rows(self, x, dim: int):
-        if id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x:
-            _, eqn, operand = self.broadcasts[id(x)]
-            return shape_rules.broadcast_block(self, eqn, operand, dim)
         rows = self.tables.get(tuple(x.shape)) if dim == 0 else None
         if rows:  # a whole value of a table's shape: its rows in the table's padded blocks
             x = jnp.pad(x, [(0, rows * self.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
             return lax.dynamic_slice_in_dim(x, self.index() * rows, rows, 0)
+        if id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x and x.shape[dim] % self.n == 0:
+            _, eqn, operand = self.broadcasts[id(x)]
+            return shape_rules.broadcast_block(self, eqn, operand, dim)
         size = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
 
