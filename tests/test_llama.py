@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import max_abs_diff, run_parallel, run_single
 
@@ -44,6 +45,20 @@ def test_chunked_attention_equals_the_whole_and_is_causal():
     np.testing.assert_allclose(llama3.causal_attention(q, *later, 4)[:, :9], whole[:, :9], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="attention_chunk=5 must divide the sequence length 16"):
         llama3.causal_attention(q, k, v, 5)
+
+
+def test_the_loss_over_blocks_of_positions_equals_the_whole_sequence_s():
+    """Output's blocks (loss_chunk) against the logits of the whole sequence at once."""
+    cfg = llama3.TINY
+    model = llama3.make_model(cfg, FLOAT32)
+    tokens = jnp.asarray(llama3.CopyTokens(4, cfg.span, cfg.vocab_size).get(np.arange(4))["tokens"])
+    variables = model.init(jax.random.key(0), tokens[:, :-1])
+    loss, correct = model.apply(variables, tokens[:, :-1], tokens[:, 1:])
+    logits = model.apply(variables, tokens[:, :-1])
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_array_equal(correct, np.argmax(logits, -1) == tokens[:, 1:])
+    assert cfg.loss_chunk < cfg.length  # the blocks are what ran
 
 
 def test_the_two_sizes_share_the_tiny_model_and_the_rules_split_grouped_heads():

@@ -110,8 +110,10 @@ def place(
     if batch is not None:
         batch_rows = jax.tree.leaves(batch)[0].shape[0]
         gt = traced(abstract, batch)
-        min_rows = batch_rows if strategy.min_table_rows is None else strategy.min_table_rows
-        looked_up = tables.looked_up(gt.closed.jaxpr, gt.n_state)
+        ids = tables.lookups(gt.closed.jaxpr, gt.n_state)
+        looked_up = set(ids)
+        # Default: splitting pays where a table has more rows than a step looks up (tables.py).
+        min_rows = max([batch_rows, *ids.values()]) if strategy.min_table_rows is None else strategy.min_table_rows
         if strategy.min_table_rows is not None and not looked_up:
             checks.warn(
                 f"min_table_rows={strategy.min_table_rows}: the step looks up no weight by rows (it has no "

@@ -137,8 +137,8 @@ class Strategy:
     min_table_rows: int | None = _field(
         None,
         "embedding tables (weights looked up by rows) with at least this many rows are split by rows over the "
-        "data axes (default: the global batch's rows, from where splitting moves fewer bytes than all-reducing "
-        "the table's gradient; see podscale/parallel/tables.py)",
+        "data axes (default: the ids a step looks up from a table, at least the global batch's rows, from where "
+        "splitting moves fewer bytes than all-reducing the table's gradient; see podscale/parallel/tables.py)",
         _count(optional=True, what=" (rows)"),
     )
     bucket_bytes: int = _field(

@@ -9,14 +9,18 @@ and so the optimizer-state leaves of its shape (Adagrad's accumulator, momentum)
 the gradient run where the rows live (:mod:`podscale.parallel.partition.tables`) and the update
 touches only a replica's own rows. The plan lists each table with where it went and why.
 
-**The threshold: the global batch's rows.** A replicated table's gradient is all-reduced
+**The threshold: the ids a step looks up.** A replicated table's gradient is all-reduced
 densely every step: about ``2 R d`` values per device for ``R`` rows of width ``d`` (a ring
-all-reduce). A table split by rows moves the batch's rows instead: its ``B`` ids all-gathered, its
+all-reduce). A table split by rows moves the looked-up rows instead: its ``B`` ids all-gathered, its
 ``B`` looked-up rows reduce-scattered back to their examples, and the ``B`` rows of cotangents
-all-gathered for the gradient, about ``2 B d`` values per device (ids aside). Splitting costs less
-wire once ``R >= B`` (and saves ``(N - 1) / N`` of the table's memory and of its optimizer state at
-any size); below that, the dense all-reduce of a small table is the cheaper, and fused with the
-other gradients. For Google's v0.7 DLRM (batch 55,296) that splits the 8 tables above 400k rows
+all-gathered for the gradient, about ``2 B d`` values per device (ids aside), where ``B`` is the
+ids the step's largest gather on it looks up over the global batch: the global batch's rows for a
+DLRM table (one id per example), every token of every sequence for a language model's embedding
+(Llama 3.1 8B at 256 chips of 4 x 8192 tokens: 8.4M ids against 128,256 rows, so the embedding is
+no table and is stored as the strategy stores any weight). Splitting costs less wire once
+``R >= B`` (and saves ``(N - 1) / N`` of the table's memory and of its optimizer state at any
+size); below that, the dense all-reduce of a small table is the cheaper, and fused with the other
+gradients. The threshold is never below the global batch's rows. For Google's v0.7 DLRM (batch 55,296) that splits the 8 tables above 400k rows
 (99.9% of the parameters) and keeps the 18 others (the largest 39,043 rows) replicated; that
 submission kept its 13 smallest replicated (the largest 7,420 rows) and the 13 others on the TPU's
 embedding engine. ``Strategy(min_table_rows=...)`` sets another threshold.
@@ -37,7 +41,13 @@ def looked_up(jaxpr, n_state: int) -> set[int]:
     that a ``gather`` indexes by their first dimension, in the step or a sub-program it calls,
     and that no matrix product or convolution reads, directly or through other ops than a gather
     (a tied embedding, transposed into the output layer's weights, is no table)."""
-    found: set[int] = set()
+    return set(lookups(jaxpr, n_state))
+
+
+def lookups(jaxpr, n_state: int) -> dict[int, int]:
+    """:func:`looked_up`'s leaves, each with the most ids one of its gathers looks up in a step
+    (a DLRM table: one per example; a language model's token embedding: one per token)."""
+    found: dict[int, int] = {}
     contracted: set[int] = set()
 
     def visit(jaxpr, sources: dict):
@@ -49,7 +59,9 @@ def looked_up(jaxpr, n_state: int) -> set[int]:
             if name == "gather":
                 dn = eqn.params["dimension_numbers"]
                 if tuple(dn.start_index_map) == (0,) and 0 in dn.collapsed_slice_dims:
-                    found.update(read(eqn.invars[0]))
+                    ids = math.prod(eqn.invars[1].aval.shape[:-1])  # the last dimension is each id's vector
+                    for leaf in read(eqn.invars[0]):
+                        found[leaf] = max(found.get(leaf, 0), ids)
                 continue  # the looked-up rows are activations, not the table
             ins = frozenset().union(*(read(v) for v in eqn.invars))
             if name in ("dot_general", "conv_general_dilated"):
@@ -73,7 +85,7 @@ def looked_up(jaxpr, n_state: int) -> set[int]:
                     sources[o] = derived
 
     visit(jaxpr, {v: frozenset([i]) for i, v in enumerate(jaxpr.invars[:n_state])})
-    return found - contracted
+    return {leaf: ids for leaf, ids in found.items() if leaf not in contracted}
 
 
 def _has_product(jaxpr) -> bool:
