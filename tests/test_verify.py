@@ -208,6 +208,7 @@ def test_verify_refuses_bad_arguments_before_any_work(monkeypatch, kwargs, error
         (["--strategies", "replicated,replicated"], "--strategies: replicated given twice"),
         (["--seed", "-1"], "--seed must be 0 or more"),
         (["--mesh", "4x2", "--strategies", "sharded+spatial"], "--strategies: sharded\\+spatial does not apply"),
+        (["--precision", "float32"], "--precision is for the MLPerf and Llama workloads"),
     ],
 )
 def test_the_command_refuses_what_would_check_nothing_or_twice(flags, match, capsys):

@@ -229,6 +229,12 @@ def verify_parser(sub) -> None:
         "(default: every one, those that do not apply named)",
     )
     p.add_argument("--seed", type=int, default=0, help="0 or more: the model's init and the ulps the floor moves")
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=["bf16", "float32"],
+        help="MLPerf workloads: bf16 compute with float32 state (default), or float32 throughout",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
 

@@ -37,7 +37,16 @@ def run_verify(args) -> int:
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.verification import EXIT_CANNOT_JUDGE, check, run, strategies_for
 
-    task = make_task(args.model, args.data, config=args.config)
+    from podscale import workloads
+    from podscale.workloads.precision import BF16, policy_by_name
+
+    if args.precision is not None and args.model not in workloads.NAMES:
+        raise ValueError(
+            f"--precision is for the MLPerf and Llama workloads ({', '.join(workloads.NAMES)}); {args.model!r} computes "
+            "in float32 and takes none: drop --precision"
+        )
+    policy = BF16 if args.precision is None else policy_by_name(args.precision)
+    task = make_task(args.model, args.data, config=args.config, policy=policy)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=max(args.steps, 10))
     mesh = make_mesh(args.mesh)
     batch_size = args.batch_size or (task.config.per_core_batch * mesh.size if task.workload else 64)
