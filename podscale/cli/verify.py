@@ -32,12 +32,11 @@ def run_verify(args) -> int:
 
     import jax
 
+    from podscale import workloads
     from podscale.parallel.mesh import make_mesh
     from podscale.parallel.tensor import RULES
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.verification import EXIT_CANNOT_JUDGE, check, run, strategies_for
-
-    from podscale import workloads
     from podscale.workloads.precision import BF16, policy_by_name
 
     if args.precision is not None and args.model not in workloads.NAMES:
