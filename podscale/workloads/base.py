@@ -132,14 +132,29 @@ class Workload:
         return self.configs[name]
 
     def param_count(self, config_name: str = "full", policy: Policy | None = None) -> int:
-        """Parameters of a config, from shapes only (nothing is allocated)."""
+        """Parameters of a config, from shapes only (nothing is allocated); traced once per config."""
         from podscale.workloads.precision import BF16
 
         config = self.config(config_name)
-        model = self.make_model(config, policy or BF16, None)
-        batch = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in self.batch_shapes(config, 1).items()}
-        variables = jax.eval_shape(lambda b: self.init(model, jax.random.key(0), b), batch)
-        return sum(int(x.size) for x in jax.tree.leaves(variables["params"]))
+        return _param_count(self, config, policy or BF16)
+
+
+_COUNTS: dict[tuple[int, int, Policy], tuple[Workload, Any, int]] = {}
+
+
+def _param_count(workload: Workload, config, policy: Policy) -> int:
+    key = (id(workload), id(config), policy)
+    if key not in _COUNTS:  # the objects are kept with the count, so their ids stay theirs
+        _COUNTS[key] = (workload, config, _count(workload, config, policy))
+    return _COUNTS[key][2]
+
+
+def _count(workload: Workload, config, policy: Policy) -> int:
+    model = workload.make_model(config, policy, None)
+    shapes = workload.batch_shapes(config, 1)
+    batch = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in shapes.items()}
+    variables = jax.eval_shape(lambda b: workload.init(model, jax.random.key(0), b), batch)
+    return sum(int(x.size) for x in jax.tree.leaves(variables["params"]))
 
 
 @functools.cache
