@@ -100,3 +100,31 @@ def test_a_scans_consts_and_carry_are_counted_under_jax_0_10_and_0_11():
     assert _scan_counts({"num_consts": 2, "num_carry": 3, "jaxpr": None}) == (2, 3)
     tree = SimpleNamespace(unpack=lambda: (("w", "b"), ("h",), ("x", "y", "z")))
     assert _scan_counts({"ft_in": tree, "jaxpr": None}) == (2, 1)
+
+
+def test_a_whole_mask_broadcast_against_the_rows_is_made_at_the_rows_size():
+    """A causal mask ``[T, T]`` and a ``-inf`` filler broadcast against attention logits
+    ``[B, T, T]`` (``jnp.where``): each replica broadcasts them to its own rows, never to the whole
+    batch's shape (at pod scale, a mask the size of the global batch's logits on every device)."""
+    logits = RNG.normal(size=(16, 6, 6)).astype(np.float32)
+
+    def f(x):
+        causal = jnp.tril(jnp.ones((6, 6), bool))
+        return jnp.where(causal, x, -jnp.inf)
+
+    layouts, whole_ops, (out,) = _partitioned(f, (logits,), (ROWS,))
+    assert layouts == [ROWS] and whole_ops == []
+    np.testing.assert_array_equal(out, f(logits))
+    closed = jax.make_jaxpr(f)(logits)
+
+    def body(x):
+        p = Partitioner(("data",), N)
+        return p.run(closed.jaxpr, closed.consts, [(x, ROWS)])[0][0]
+
+    text = (
+        jax.jit(jax.shard_map(body, mesh=make_mesh((N,)), in_specs=P("data"), out_specs=P("data")))
+        .lower(logits)
+        .as_text()
+    )
+    assert "16x6x6xi1" not in text and "16x6x6xf32" in text  # the whole-shaped buffers are the argument and result only
+    assert "2x6x6xi1" in text

@@ -353,3 +353,32 @@ def test_a_table_split_by_rows_is_not_reported_left_whole_on_the_model_axis():
     notes = " ".join(str(w.message) for w in seen if issubclass(w.category, RuleWarning))
     assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "['table']"] == [128]
     assert "table" not in notes and "w [8, 64]: a large weight" in notes, notes
+
+
+def test_an_embedding_looked_up_by_more_ids_than_it_has_rows_is_no_table():
+    """A language model's token embedding: each example looks up a sequence of ids, so a step
+    moves more rows than the table has (the threshold is the ids, not the examples): it is
+    stored as any weight, while the same table looked up once per example is split by rows."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from podscale.parallel import tables
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            return nn.Dense(5)(nn.Embed(64, 8)(ids).mean(axis=1))
+
+    for length, table in ((1, True), (16, False)):  # 32 examples: 32 ids, or 512 ids, against 64 rows
+        ids = jnp.zeros((32, length), jnp.int32)
+        params = Model().init(jax.random.key(0), ids)["params"]
+
+        def step(params, batch):
+            grads = jax.grad(lambda p: Model().apply({"params": p}, batch["ids"]).sum())(params)
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), {}
+
+        closed = jax.make_jaxpr(step)(params, {"ids": ids})
+        assert set(tables.lookups(closed.jaxpr, 3).values()) == {32 * length}
+        dp = data_parallel(step, make_mesh(), weight_update="replicated")
+        dp.prepare(params, {"ids": ids})
+        assert any(leaf.table for leaf in dp.layout.leaves) == table, length
