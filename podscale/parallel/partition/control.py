@@ -224,10 +224,6 @@ def _scan(p: Partitioner, eqn, ins):
     # chunk along another dimension (a stacked layer's weight, stored by FSDP) is scanned as
     # chunks: each iteration reads its own layer's chunk, gathered inside the loop where it is used.
     xs = [(p.whole(v, lay), REPLICATED) if _along(lay) == 0 else (v, lay) for v, lay in xs]
-    # A stored chunk that every iteration reads whole (a weight the loop closes over, such as the
-    # output projection of a loss computed over blocks of positions) is gathered once, before the
-    # loop, instead of once per iteration; the stacked layers' chunks are xs, gathered per layer.
-    consts = [(p.whole(v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in consts]
     x_layouts = [_inner(lay, -1) for _, lay in xs]
     ys_layouts: list = []
     ys_casts: list = []
