@@ -10,7 +10,9 @@ own result moves under rounding-level changes of its inputs: :data:`RUNS` more s
 each with every nonzero float element of the batch moved by one unit in the last place, all of a
 leaf the same way (up or down at random per leaf, so equal elements stay equal and the order is
 kept: a tie in a max-pool over equal pixels stays a tie, as under any strategy). A batch without
-floats (token ids) has the state's float leaves moved so instead, once, before the first step. The
+floats (token ids) has the state's float leaves moved so instead, once, before the first step, by
+an ulp of the precision the step's matrix products take (bfloat16 under the workloads' policy: a
+float32 ulp would be lost in the cast, and the floor would miss the roundings a strategy moves). The
 rows stay where they are, so a row's dropout mask, its random draws, its place in a scan and its
 weight by position are the specification's: only the roundings change, and with them the low bits
 of every sum, which is all a strategy changes. (Moving the state for a batch with floats would
@@ -298,7 +300,8 @@ def run(checked: Checked, steps: int = 3, *, seed: int = 0) -> Verification:
     jstep = jax.jit(checked.step)
     spec = _single(jstep, state, batch, steps)
     rng = np.random.default_rng(seed)
-    moved = [_single(jstep, state, batch, steps, rng) for _ in range(RUNS)]
+    narrow = None if _floats(batch) else _compute_dtype(checked.step, state, batch)
+    moved = [_single(jstep, state, batch, steps, rng, narrow) for _ in range(RUNS)]
     spread: dict[str, list[float]] = {}
     ulp: dict[str, float] = {}
     for one in moved:
@@ -458,11 +461,52 @@ def _nudge(tree, rng: np.random.Generator):
     return jax.tree.map(one, tree)
 
 
+def _compute_dtype(step, state, batch):
+    """The narrowest float type the step's matrix products and convolutions take (bfloat16 for
+    the workloads' precision policy), or ``None`` when they compute in the state's float32."""
+    from podscale.parallel.interpret import sub_jaxprs
+
+    widths = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                widths.extend(
+                    [np.dtype(v.aval.dtype) for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+                )
+            for sub in sub_jaxprs(eqn):
+                visit(sub)
+
+    visit(jax.make_jaxpr(step)(state, batch).jaxpr)
+    narrow = [d for d in widths if d.itemsize < 4]
+    return min(narrow, key=lambda d: d.itemsize) if narrow else None
+
+
+def _nudge_at(tree, rng: np.random.Generator, dtype):
+    """:func:`_nudge` for a state the step computes with in ``dtype`` (its float32 leaves cast to
+    bfloat16 at each use): each float32 element moved by one unit in the last place of ``dtype``,
+    so the roundings of the products move (a float32 ulp is lost in the cast)."""
+    bits = np.finfo(dtype).nmant  # explicit significand bits: 7 for bfloat16, 10 for float16
+
+    def one(x):
+        x = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else x
+        if not isinstance(x, np.ndarray | np.generic) or x.dtype != np.float32:
+            return x
+        up = rng.random() < 0.5
+        with np.errstate(divide="ignore"):
+            ulp = np.ldexp(np.float32(1.0), (np.floor(np.log2(np.abs(x))) - bits).astype(np.int32))
+        return np.where(x == 0, x, x + (ulp if up else -ulp)).astype(np.float32)
+
+    return jax.tree.map(one, tree)
+
+
 def _floats(tree) -> bool:
     return any(isinstance(x, np.ndarray | np.generic) and x.dtype in _FLOATS for x in jax.tree.leaves(tree))
 
 
-def _single(jstep, state, batch, steps: int, rng: np.random.Generator | None = None) -> list[tuple[Any, Any]]:
+def _single(
+    jstep, state, batch, steps: int, rng: np.random.Generator | None = None, narrow=None
+) -> list[tuple[Any, Any]]:
     """The plain step, jitted on one device: the (state, metrics) after each step, on the host.
     With ``rng``, the batch's floats are moved by an ulp (:func:`_nudge`), or where the batch has
     none (token ids), the state's floats before the first step."""
@@ -470,6 +514,8 @@ def _single(jstep, state, batch, steps: int, rng: np.random.Generator | None = N
     if rng is not None:
         if _floats(batch):
             batch = _nudge(batch, rng)
+        elif narrow is not None:
+            state = _nudge_at(state, rng, narrow)
         else:
             state = _nudge(state, rng)
     placed = jax.device_put(batch, device)

@@ -214,3 +214,29 @@ def test_verify_refuses_bad_arguments_before_any_work(monkeypatch, kwargs, error
 def test_the_command_refuses_what_would_check_nothing_or_twice(flags, match, capsys):
     assert podscale_main(["verify", "--model", "mlp", "--steps", "1", *flags]) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_a_token_batch_s_floor_moves_the_state_by_an_ulp_of_the_precision_its_products_take():
+    """A batch of token ids has no floats to move, so the floor moves the state; where the step's
+    products take bfloat16 (the workloads' policy), a float32 ulp would vanish in the cast, so each
+    element moves by a bfloat16 ulp: every product's roundings move, as a strategy's do."""
+    from podscale import verification as V
+
+    x = np.asarray([0.3, -1.7, 0.0, 2.5e-3, 65.0], np.float32)
+    moved = V._nudge_at({"w": x}, np.random.default_rng(0), np.dtype(jnp.bfloat16))["w"]
+    cast = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
+    changed = cast(moved) != cast(x)
+    assert changed[x != 0].all() and moved[2] == 0.0
+    assert (V._nudge({"w": x}, np.random.default_rng(0))["w"].astype(np.float32) != x)[x != 0].all()
+    ids = jnp.zeros((4, 3), jnp.int32)
+    table = jnp.ones((8, 4), jnp.float32)
+
+    def step(dtype):
+        def f(state, batch):
+            h = jnp.take(state, batch, axis=0).astype(dtype)
+            return state, {"loss": jnp.sum(h @ jnp.ones((4, 2), dtype))}
+
+        return f
+
+    assert V._compute_dtype(step(jnp.bfloat16), table, ids) == np.dtype(jnp.bfloat16)
+    assert V._compute_dtype(step(jnp.float32), table, ids) is None
