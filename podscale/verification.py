@@ -466,19 +466,14 @@ def _compute_dtype(step, state, batch):
     the workloads' precision policy), or ``None`` when they compute in the state's float32."""
     from podscale.parallel.interpret import sub_jaxprs
 
-    widths = []
-
-    def visit(jaxpr):
+    def widths(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-                widths.extend(
-                    [np.dtype(v.aval.dtype) for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
-                )
+                yield from (np.dtype(v.aval.dtype) for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating))
             for sub in sub_jaxprs(eqn):
-                visit(sub)
+                yield from widths(sub)
 
-    visit(jax.make_jaxpr(step)(state, batch).jaxpr)
-    narrow = [d for d in widths if d.itemsize < 4]
+    narrow = [d for d in widths(jax.make_jaxpr(step)(state, batch).jaxpr) if d.itemsize < 4]
     return min(narrow, key=lambda d: d.itemsize) if narrow else None
 
 
@@ -504,12 +499,11 @@ def _floats(tree) -> bool:
     return any(isinstance(x, np.ndarray | np.generic) and x.dtype in _FLOATS for x in jax.tree.leaves(tree))
 
 
-def _single(
-    jstep, state, batch, steps: int, rng: np.random.Generator | None = None, narrow=None
-) -> list[tuple[Any, Any]]:
+def _single(jstep, state, batch, steps: int, rng=None, narrow=None) -> list[tuple[Any, Any]]:
     """The plain step, jitted on one device: the (state, metrics) after each step, on the host.
     With ``rng``, the batch's floats are moved by an ulp (:func:`_nudge`), or where the batch has
-    none (token ids), the state's floats before the first step."""
+    none (token ids), the state's floats before the first step (by an ulp of ``narrow``, the
+    precision the products take, where given: :func:`_nudge_at`)."""
     device = jax.devices()[0]
     if rng is not None:
         if _floats(batch):
