@@ -240,3 +240,11 @@ def test_a_token_batch_s_floor_moves_the_state_by_an_ulp_of_the_precision_its_pr
 
     assert V._compute_dtype(step(jnp.bfloat16), table, ids) == np.dtype(jnp.bfloat16)
     assert V._compute_dtype(step(jnp.float32), table, ids) is None
+
+
+def test_strategies_can_be_chosen_for_a_workload_with_built_in_rules(capsys):
+    """--strategies with a model whose built-in rules make the model axis: the chosen strategies
+    carry the rules (they were refused for giving rules twice)."""
+    flags = ["--model", "llama3-8b", "--config", "tiny", "--mesh", "4x2", "--strategies", "fsdp,fsdp+model"]
+    assert podscale_main(["verify", *flags, "--dry-run"]) == 0
+    assert "fsdp+model: would run" in capsys.readouterr().out

@@ -61,7 +61,7 @@ def run_verify(args) -> int:
     key = jax.random.key(args.seed)
     if args.dry_run:  # every check on the state's shapes: nothing initialised or compiled
         state = jax.eval_shape(lambda b: task.init_state(key, tx, b), batch)
-        checked = check(step, state, batch, mesh, chosen, rules=rules, what="--strategies")
+        checked = check(step, state, batch, mesh, chosen, rules=None if chosen else rules, what="--strategies")
         names = [
             f"{n}: " + (f"does not apply ({p})" if isinstance(p, str) else "would run")
             for n, (_, p) in checked.prepared.items()
@@ -69,7 +69,7 @@ def run_verify(args) -> int:
         what = {"mesh": dict(mesh.shape), "batch_size": batch_size, "steps": args.steps}
         return dry_run_result(args, {**what, "strategies": names})
     state = task.init_state(key, tx, batch)
-    checked = check(step, state, batch, mesh, chosen, rules=rules, what="--strategies")
+    checked = check(step, state, batch, mesh, chosen, rules=None if chosen else rules, what="--strategies")
     result = run(checked, steps=args.steps, seed=args.seed)
     if args.json:
         print(json.dumps({"model": args.model, "mesh": dict(mesh.shape), "batch_size": batch_size, **result.to_dict()}))
