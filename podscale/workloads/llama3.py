@@ -227,6 +227,28 @@ class RMSNorm(nn.Module):
 _KERNEL_INIT = nn.initializers.normal(stddev=0.02)
 
 
+def over_blocks(fn, arrays, chunk: int, field: str):
+    """``fn(*blocks, start)`` over consecutive blocks of ``chunk`` positions (dimension 1 of each
+    of ``arrays``) in a ``lax.map`` whose body is checkpointed, so one block's intermediates are
+    live at a time, forward and backward; its outputs (a tuple, or one array) joined back along
+    dimension 1. ``chunk`` 0 (or the whole length): ``fn`` once on the whole arrays. ``field``
+    names the config field a ``chunk`` that does not divide the length came from."""
+    length = arrays[0].shape[1]
+    if not chunk or chunk >= length:
+        return fn(*arrays, 0)
+    if length % chunk:
+        raise ValueError(f"LlamaConfig.{field}={chunk} must divide the sequence length {length}")
+
+    def split(a):
+        return a.reshape(a.shape[0], length // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    def join(a):
+        return a.swapaxes(0, 1).reshape(a.shape[1], length, *a.shape[3:])
+
+    out = jax.lax.map(jax.checkpoint(lambda args: fn(*args)), (*map(split, arrays), jnp.arange(0, length, chunk)))
+    return jax.tree.map(join, out)
+
+
 def causal_attention(q, k, v, chunk: int):
     """Causal grouped-query attention, a plain JAX function: ``q`` [B, T, kv, group, D] (scaled),
     ``k`` and ``v`` [B, T, kv, D]; softmax in float32. With ``chunk`` (a divisor of T), the queries
@@ -235,21 +257,14 @@ def causal_attention(q, k, v, chunk: int):
     whole ``[.., T, T]`` (37 GB per layer for 8B at 4 x 8192 tokens)."""
     length = q.shape[1]
 
-    def block(args):
-        qb, start = args
+    def block(qb, start):
         logits = jnp.einsum("btkgd,bskd->bkgts", qb, k).astype(jnp.float32)
         rows = start + jnp.arange(qb.shape[1])
         logits = jnp.where(rows[:, None] >= jnp.arange(length)[None, :], logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
-    if not chunk or chunk >= length:
-        return block((q, 0))
-    if length % chunk:
-        raise ValueError(f"LlamaConfig.attention_chunk={chunk} must divide the sequence length {length}")
-    blocks = q.reshape(q.shape[0], length // chunk, chunk, *q.shape[2:]).swapaxes(0, 1)
-    out = jax.lax.map(jax.checkpoint(block), (blocks, jnp.arange(0, length, chunk)))
-    return out.swapaxes(0, 1).reshape(q.shape)
+    return over_blocks(block, (q,), chunk, "attention_chunk")
 
 
 class Attention(nn.Module):
@@ -361,22 +376,13 @@ class Output(nn.Module):
         if targets is None:
             return logits_of(x)
 
-        def block(args):
-            xb, tb = args
+        def block(xb, tb, start):
+            del start
             logits = logits_of(xb)
             loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tb)
             return loss, (jnp.argmax(logits, -1) == tb).astype(jnp.float32)
 
-        length, chunk = x.shape[1], cfg.loss_chunk
-        if not chunk or chunk >= length:
-            return block((x, targets))
-        if length % chunk:
-            raise ValueError(f"LlamaConfig.loss_chunk={chunk} must divide the sequence length {length}")
-        xs = x.reshape(x.shape[0], length // chunk, chunk, x.shape[2]).swapaxes(0, 1)
-        ts = targets.reshape(targets.shape[0], length // chunk, chunk).swapaxes(0, 1)
-        loss, correct = jax.lax.map(jax.checkpoint(block), (xs, ts))
-        unblock = lambda a: a.swapaxes(0, 1).reshape(targets.shape)  # noqa: E731
-        return unblock(loss), unblock(correct)
+        return over_blocks(block, (x, targets), cfg.loss_chunk, "loss_chunk")
 
 
 def make_model(cfg: LlamaConfig, policy: Policy, bn_axis: str | None = None) -> Llama:
