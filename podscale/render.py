@@ -169,7 +169,8 @@ def plan(plan: Plan, console: Console | None = None) -> None:
 def _tables(tables: dict[str, Any], console: Console) -> None:
     """Where each embedding table went, then its lookups' and gradients' collectives by kind."""
     table = Table(
-        title=f"embedding tables (split by rows from {tables['min_table_rows']:,} rows)", title_justify="left"
+        title=f"embedding tables (split by rows from {tables['min_table_rows']:,} rows or more; each from the ids a step looks up in it)",
+        title_justify="left",
     )
     table.add_column("table", overflow="fold", ratio=2)
     table.add_column("shape", no_wrap=True)

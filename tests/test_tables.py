@@ -356,29 +356,29 @@ def test_a_table_split_by_rows_is_not_reported_left_whole_on_the_model_axis():
 
 
 def test_an_embedding_looked_up_by_more_ids_than_it_has_rows_is_no_table():
-    """A language model's token embedding: each example looks up a sequence of ids, so a step
-    moves more rows than the table has (the threshold is the ids, not the examples): it is
-    stored as any weight, while the same table looked up once per example is split by rows."""
+    """Each table's threshold is the ids a step looks up in it (at least the global batch's
+    rows): in one step, a table of 64 rows looked up once per example (32 ids) is split by rows,
+    and one of 64 rows looked up at every position of a sequence (512 ids: a language model's
+    token embedding) is stored as any weight; the plan says each one's threshold."""
     import flax.linen as nn
     import jax.numpy as jnp
 
-    from podscale.parallel import tables
-
     class Model(nn.Module):
         @nn.compact
-        def __call__(self, ids):
-            return nn.Dense(5)(nn.Embed(64, 8)(ids).mean(axis=1))
+        def __call__(self, ids, tokens):
+            h = nn.Embed(64, 8, name="per_example")(ids)[:, 0] + nn.Embed(64, 8, name="per_token")(tokens).mean(1)
+            return nn.Dense(5)(h)
 
-    for length, table in ((1, True), (16, False)):  # 32 examples: 32 ids, or 512 ids, against 64 rows
-        ids = jnp.zeros((32, length), jnp.int32)
-        params = Model().init(jax.random.key(0), ids)["params"]
+    batch = {"ids": jnp.zeros((32, 1), jnp.int32), "tokens": jnp.zeros((32, 16), jnp.int32)}
+    params = Model().init(jax.random.key(0), batch["ids"], batch["tokens"])["params"]
 
-        def step(params, batch):
-            grads = jax.grad(lambda p: Model().apply({"params": p}, batch["ids"]).sum())(params)
-            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), {}
+    def step(params, batch):
+        grads = jax.grad(lambda p: Model().apply({"params": p}, batch["ids"], batch["tokens"]).sum())(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), {}
 
-        closed = jax.make_jaxpr(step)(params, {"ids": ids})
-        assert set(tables.lookups(closed.jaxpr, 3).values()) == {32 * length}
-        dp = data_parallel(step, make_mesh(), weight_update="replicated")
-        dp.prepare(params, {"ids": ids})
-        assert any(leaf.table for leaf in dp.layout.leaves) == table, length
+    dp = data_parallel(step, make_mesh(), weight_update="replicated")
+    dp.prepare(params, batch)
+    split = {leaf.path for leaf in dp.layout.leaves if leaf.table}
+    assert split == {"['per_example']['embedding']"}, split
+    rows = {t["path"]: t["min_rows"] for t in dp.plan(params, batch).tables["tables"]}
+    assert rows == {"['per_example']['embedding']": 32, "['per_token']['embedding']": 512}, rows

@@ -106,14 +106,13 @@ def place(
             "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
         )
     replicas = roles.replicas(mesh)
-    found, looked_up, min_rows = {}, set(), 0
+    found, looked_up, min_rows = {}, set(), {}
     if batch is not None:
         batch_rows = jax.tree.leaves(batch)[0].shape[0]
         gt = traced(abstract, batch)
         ids = tables.lookups(gt.closed.jaxpr, gt.n_state)
         looked_up = set(ids)
-        # Default: splitting pays where a table has more rows than a step looks up (tables.py).
-        min_rows = max([batch_rows, *ids.values()]) if strategy.min_table_rows is None else strategy.min_table_rows
+        min_rows = tables.thresholds(ids, batch_rows, strategy.min_table_rows)
         if strategy.min_table_rows is not None and not looked_up:
             checks.warn(
                 f"min_table_rows={strategy.min_table_rows}: the step looks up no weight by rows (it has no "
@@ -153,7 +152,8 @@ def place(
         dims=grad_sum.mode == "1d",
     )
     example = batch_placement(mesh, roles, strategy, traced, abstract, batch) if batch is not None else BatchPlacement()
-    return Placement(mesh, roles, layout, example, model_dims, notes, tuple(sorted(looked_up)), min_rows)
+    looked = tuple(sorted(looked_up))
+    return Placement(mesh, roles, layout, example, model_dims, notes, looked, tuple(min_rows[i] for i in looked))
 
 
 def batch_placement(mesh: Mesh, roles: Roles, strategy: Strategy, traced: GlobalTraces, abstract, batch):

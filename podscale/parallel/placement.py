@@ -105,8 +105,9 @@ class Placement:
     looked_up: tuple[int, ...] = ()
     """The state leaves the step looks up by rows (embedding tables), split by rows over the data
     axes or not (``state.leaves[i].table``; :mod:`podscale.parallel.tables`)."""
-    min_table_rows: int = 0
-    """The rows from which a looked-up table is split by rows (the strategy's, or the batch's)."""
+    min_table_rows: tuple[int, ...] = ()
+    """Per leaf of ``looked_up``: the rows from which it is split by rows (the strategy's, or the
+    ids a step looks up from it, at least the global batch's rows: ``tables.thresholds``)."""
 
     @property
     def replicas(self) -> int:

@@ -67,8 +67,8 @@ class Plan:
     another layer's counts whole)."""
 
     tables: dict[str, Any] | None = None
-    """With embedding tables (weights the step looks up by rows): ``min_table_rows`` and, per
-    table, where it went (``rows over data axes`` or ``replicated``, and why) with its bytes per
+    """With embedding tables (weights the step looks up by rows): ``min_table_rows`` (the least of
+    the tables' thresholds) and, per table, its ``min_rows``, where it went (``rows over data axes`` or ``replicated``, and why) with its bytes per
     device, then the lookups' and gradients' collectives over the data axes with their bytes per
     device per step (:mod:`podscale.parallel.tables`)."""
 
@@ -209,17 +209,18 @@ def _tables(placement, trace) -> dict[str, Any] | None:
         return None
     layout = placement.state
     rows = []
-    for i in placement.looked_up:
+    for i, least in zip(placement.looked_up, placement.min_table_rows, strict=True):
         leaf = layout.leaves[i]
         if leaf.table:
-            where, why = "rows over data axes", f"{leaf.shape[0]:,} rows >= {placement.min_table_rows:,}"
+            where, why = "rows over data axes", f"{leaf.shape[0]:,} rows >= {least:,}"
         else:
             where, why = (
                 "replicated",
                 leaf.reason
                 if leaf.model_dim is not None
                 else (
-                    f"{leaf.shape[0]:,} rows < {placement.min_table_rows:,}: its gradient is all-reduced with the others"
+                    f"{leaf.shape[0]:,} rows < {least:,} (the ids a step looks up from it): its gradient is "
+                    "all-reduced with the others"
                 ),
             )
         state = [o for o in layout.leaves if o.table and not o.weight and o.shape == leaf.shape]
@@ -229,6 +230,7 @@ def _tables(placement, trace) -> dict[str, Any] | None:
                 "shape": list(leaf.shape),
                 "placement": where,
                 "why": why,
+                "min_rows": least,
                 "bytes": leaf.bytes,
                 "bytes_per_device": leaf.bytes_per_device(),
                 "optimizer_state_bytes_per_device": sum(o.bytes_per_device() for o in state),
@@ -236,7 +238,7 @@ def _tables(placement, trace) -> dict[str, Any] | None:
         )
     table_ops = [c for c in trace.collectives if "table" in c.why or "looked-up rows" in c.why]
     return {
-        "min_table_rows": placement.min_table_rows,
+        "min_table_rows": min(placement.min_table_rows),
         "tables": rows,
         "collectives": [dataclasses.asdict(c) for c in table_ops],
     }

@@ -29,6 +29,7 @@ embedding engine. ``Strategy(min_table_rows=...)`` sets another threshold.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 from jax.extend import core
@@ -88,6 +89,13 @@ def lookups(jaxpr, n_state: int) -> dict[int, int]:
     return {leaf: ids for leaf, ids in found.items() if leaf not in contracted}
 
 
+def thresholds(ids: Mapping[int, int], batch_rows: int, given: int | None) -> dict[int, int]:
+    """Per looked-up leaf (``ids``: :func:`lookups`), the rows from which it is split by rows:
+    ``given`` (``Strategy.min_table_rows``) for all, or each table's own ids per step, at least the
+    global batch's rows."""
+    return {i: given if given is not None else max(batch_rows, n) for i, n in ids.items()}
+
+
 def _has_product(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
@@ -97,23 +105,29 @@ def _has_product(jaxpr) -> bool:
     return False
 
 
-def choose(state_leaves, candidates: set[int], forward: set[int] | None, n: int, min_rows: int) -> dict[int, int]:
+def choose(
+    state_leaves, candidates: set[int], forward: set[int] | None, n: int, min_rows: Mapping[int, int]
+) -> dict[int, int]:
     """``{leaf index: rows per replica}`` of the tables split by rows over ``n`` replicas: the
-    float weights of rank 2 or more looked up by rows with at least ``min_rows`` rows, and every
-    other float leaf of one of their shapes (their optimizer state)."""
+    float weights of rank 2 or more looked up by rows with at least ``min_rows[i]`` rows (each
+    table its own threshold: :func:`thresholds`), and every other float leaf of one of their shapes
+    (their optimizer state)."""
     if n < 2:
         return {}
-    shapes = []
-    for i in sorted(candidates):
+    tables = set()
+    for i in candidates:
         x = state_leaves[i]
         shape = tuple(np.shape(x))
-        if len(shape) >= 2 and shape[0] >= min_rows and _float(x) and (forward is None or i in forward):
-            shapes.append(shape)
+        if len(shape) >= 2 and shape[0] >= min_rows[i] and _float(x) and (forward is None or i in forward):
+            tables.add(i)
+    shapes = {tuple(np.shape(state_leaves[i])) for i in tables}
     out = {}
     for i, x in enumerate(state_leaves):
         shape = tuple(np.shape(x))
         weight = forward is not None and i in forward
-        if shape in shapes and _float(x) and (i in candidates or not weight):  # not a dense weight of that shape
+        # A table, or a float leaf of a table's shape that is no weight (its optimizer state); a
+        # looked-up weight under its own threshold is no table, whatever its shape.
+        if i in tables or (shape in shapes and _float(x) and not weight and i not in candidates):
             out[i] = math.ceil(shape[0] / n)
     return out
 
