@@ -361,7 +361,7 @@ def test_a_damaged_checkpoint_on_the_command_line_is_exit_2_and_one_json_error(t
     assert "Traceback" not in proc.stderr and "podscale: error: checkpoint step 3" in proc.stderr
 
 
-def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog):
+def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog, monkeypatch):
     """Reads still running when a restore fails finish later, in orbax's threads, and each would
     print a traceback (the rare one under load): a failed read's task is logged by asyncio when
     collected, its coroutine is unraisable at exit, and a read that succeeds hands its result to
@@ -401,6 +401,18 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
         capsys_hook(seen, error)
         return seen
 
+    def leave_a_failed_future(message):
+        """tensorstore's read sets its error on the future: no orbax frame, the step's folder named."""
+
+        async def main():
+            asyncio.get_running_loop().create_future().set_exception(ValueError(message))
+
+        asyncio.run(main())
+        gc.collect()
+
+    gc.collect()  # what earlier tests left is collected before this one listens
+    failed = f"{os.sep}run{os.sep}checkpoints{os.sep}6{os.sep}"
+    monkeypatch.setattr(checkpoint, "_failed_steps", {failed})
     orbax_file = f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}serialization.py"
     late_loop = raising_in(f"{os.sep}asyncio{os.sep}base_events.py", "call_soon_threadsafe")
     user_error = raising_in(f"{os.sep}elsewhere{os.sep}user_code.py")
@@ -412,6 +424,7 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
         checkpoint._quiet_late_reads(True)  # what a restore does; kept after it fails
         with caplog.at_level(logging.ERROR):
             leave_a_failed_task(orbax_file)
+            leave_a_failed_future(f'Error reading "w" in OCDBT database at local file "{failed}default/"')
             sys.excepthook(RuntimeError, late_loop, late_loop.__traceback__)
             orbax_error = raising_in(orbax_file)
             unraisable = types.SimpleNamespace(
@@ -422,8 +435,9 @@ def test_orbax_reads_that_fail_after_the_damage_is_reported_print_nothing(caplog
             sys.excepthook(RuntimeError, orbax_error, orbax_error.__traceback__)  # uncaught in the main thread
             sys.excepthook(RuntimeError, user_error, user_error.__traceback__)
             leave_a_failed_task(f"{os.sep}elsewhere{os.sep}user_code.py")
+            leave_a_failed_future(f'Error reading "w" at local file "{os.sep}run{os.sep}checkpoints{os.sep}60{os.sep}"')
             assert shown == [("except", orbax_error), ("except", user_error)]
-            assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
+            assert len([r for r in caplog.records if "never retrieved" in r.getMessage()]) == 2
         checkpoint._quiet_late_reads(False)  # after a restore that succeeded: the hooks are put back
         assert (sys.excepthook, sys.unraisablehook) != original and sys.excepthook is not checkpoint._excepthook
     finally:

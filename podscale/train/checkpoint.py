@@ -282,6 +282,8 @@ def _is_late_read(kind, value, tb, through_orbax: bool = True) -> bool:
         tb = tb.tb_next
     if through_orbax and any(f"{os.sep}orbax{os.sep}" in f for f in files):
         return True
+    if through_orbax and any(where in str(value) for where in _failed_steps):
+        return True  # a read's error set on its future by tensorstore, no orbax frame: it names the step
     return kind is RuntimeError and str(value) == "Event loop is closed" and "call_soon_threadsafe" in names
 
 
@@ -296,6 +298,8 @@ class _LateReads(logging.Filter):
 _LATE_READS = _LateReads()
 _late_reads_pending = False
 """A restore failed in this process: its step's late reads may still come."""
+_failed_steps: set[str] = set()
+"""The folders of the steps whose restore failed in this process (their reads' errors name them)."""
 
 
 def _excepthook(kind, value, tb):
@@ -536,6 +540,7 @@ class Checkpointer:
                 reason = f"corrupt or not of this model/optimizer ({detail})"
             unreadable = _Damaged(reason, f"{where} is {reason}. {todo}.")
             _late_reads_pending = True
+            _failed_steps.add(self.step_dir(step) + os.sep)
             del chain, e
         if unreadable:  # raised outside the except clause, which no longer holds orbax's failed reads
             gc.collect()  # what the failed restore left, quietly (_quiet_late_reads)
