@@ -142,12 +142,13 @@ def plan(plan: Plan, console: Console | None = None) -> None:
     if "temporaries" in m:
         lines += [
             f"temporaries (activations, gradients, workspace) {size(m['temporaries'])}",
-            f"peak {size(m['peak'])}",
+            f"peak {size(m.get('allocated', m['peak']))}"
+            + (f" live at once (all buffers together {size(m['peak'])})" if "allocated" in m else ""),
         ]
     console.print("memory per device: " + "; ".join(lines))
     e = plan.eval
     if e:
-        train = f" (the train step's peak {size(m['peak'])})" if "peak" in m else ""
+        train = f" (the train step's peak {size(m.get('allocated', m['peak']))})" if "peak" in m else ""
         console.print(
             f"evaluation memory per device: arguments {size(e['arguments'])}; temporaries {size(e['temporaries'])}; "
             f"peak {size(e['peak'])}{train}"

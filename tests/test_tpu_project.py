@@ -74,11 +74,23 @@ def test_the_tpu_compiler_costs_its_own_module(system, chips, slice_name, update
         theirs = [c for c in module.collectives if c.kind == kind]
         assert sum(c["runs"] for c in mine) == sum(c.count for c in theirs)
         assert sum(c["buffer_bytes"] for c in mine) == sum(c.buffer_bytes * c.count for c in theirs)
-    # The memory is the TPU compiler's allocation, per device times the chip's devices.
-    m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    assert row.memory_per_chip == peak * s.devices_per_chip
+    # The memory is the TPU compiler's allocation (the peak of its buffer assignment), per device
+    # times the chip's devices.
+    assert row.memory_per_chip == compiled.memory_analysis().peak_memory_in_bytes * s.devices_per_chip > 0
     assert row.fits
+
+
+@needs_libtpu
+def test_a_program_xla_tpu_compiled_fits_whatever_the_datasheet_says(monkeypatch):
+    """XLA:TPU checks a program against the chip's memory as it compiles (its own limit, not the
+    datasheet's round figure): a row it compiled fits, one it refused does not (below)."""
+    import dataclasses
+
+    s = systems.get("tpu-v3")
+    monkeypatch.setitem(systems.SYSTEMS, "tpu-v3", dataclasses.replace(s, hbm_bytes=1024.0))
+    (row,) = project.project(_step, _state(), _batch(2), system="tpu-v3", chips=[4], strategies=["replicated"])
+    assert row.memory_per_chip > row.hbm_per_chip == 1024.0
+    assert row.fits and row.costed
 
 
 @needs_libtpu

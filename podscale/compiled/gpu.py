@@ -51,6 +51,8 @@ NEEDED = (
 """The refusal where XLA:GPU was asked for by name (``--compiler gpu``) and the plugin is missing."""
 LABEL = "XLA:GPU"
 """The compiler's name in a row (``XLA:GPU h100:2x8``) and in progress lines."""
+CHECKS_MEMORY = False
+"""XLA:GPU compiles for a GPU without checking its memory: the row compares its peak with the datasheet's."""
 
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 """XLA options of each compile for a compile-only GPU (passed to ``Lowered.compile``, so that they

@@ -545,6 +545,11 @@ def memory_of(compiled) -> dict[str, int]:
         "temporaries": m.temp_size_in_bytes,
     }
     fields["peak"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
+    # The compiler's own peak of its buffer assignment (what is live at once; XLA:TPU checks this
+    # against the chip's memory); the sum above counts every temporary as live at once.
+    allocated = getattr(m, "peak_memory_in_bytes", 0)
+    if allocated:
+        fields["allocated"] = allocated
     return {k: int(v) for k, v in fields.items()}
 
 

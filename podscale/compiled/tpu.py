@@ -38,6 +38,9 @@ NEEDED = (
 """The refusal where XLA:TPU was asked for by name (``--compiler tpu``) and libtpu is missing."""
 LABEL = "XLA:TPU"
 """The compiler's name in a row (``XLA:TPU v3:4x4``) and in progress lines."""
+CHECKS_MEMORY = True
+"""XLA:TPU refuses a program whose buffers do not fit the chip's memory (its own limit, 31.25 GiB of
+v6e's 32 GB): a program it compiled fits, whatever the datasheet's figure says."""
 
 # The compile-only topology of each TPU system: libtpu's name and its options. TPU v4 chips join
 # their two TensorCores into one megacore device (as JAX shows a v4 slice); libtpu's compile-only

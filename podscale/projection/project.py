@@ -525,6 +525,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             shape, reduced, factor = compile_shape_of(topology, name, strategy)
             entry = compiled(name, strategy, shape, replica_batch)
             common = dict(compiler=f"{tpu.LABEL} {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
+            checked = tpu.CHECKS_MEMORY  # a program XLA:TPU compiled fits the chip by its own count
             entry.used = True
             if entry.error:
                 rows.append(
@@ -549,7 +550,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             draft = draft_row(
                 system, topology, name, strategy, replica_batch, target, shape, factor, entry.dp, entry.module
             )
-            row = draft._replace(**priced, **common).build()
+            row = draft._replace(**priced, **common, memory_checked=checked).build()
             say(f"{system.name} {n_chips} chips, {name}: step {row.step_s * 1e3:.3f} ms")
             rows.append(row)
     return rows

@@ -37,6 +37,8 @@ class Row:
     memory_per_chip: float | None = None
     hbm_per_chip: float | None = None
     fits: bool | None = None
+    """Whether the program fits the chip: XLA:TPU's verdict where it compiled the row (it refuses a
+    program over its memory limit), else :attr:`memory_per_chip` against the datasheet's HBM."""
     collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Per (kind, axes, update or model): runs, buffer bytes, seconds per step, the path."""
     flops_per_device: float | None = None
@@ -121,7 +123,8 @@ class _Draft(dict):
         compute = phases["forward"] + phases["backward"]
         step_s = compute + phases["update"] + self["exposed"]
         model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
-        per_device = module.memory.get("peak", 0)
+        # the compiler's peak of its buffer assignment where it gives one (what is live at once)
+        per_device = module.memory.get("allocated") or module.memory.get("peak", 0)
         if factor > 1 and self["strategy"].state_scales:
             # the sharded (or FSDP-chunked) state's shards are ``factor`` times smaller at the target
             shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded or leaf.chunked)
@@ -147,7 +150,8 @@ class _Draft(dict):
             mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
             memory_per_chip=float(memory),
             hbm_per_chip=float(system.hbm_bytes),
-            fits=memory <= system.hbm_bytes,
+            # the compiler's verdict where it checks the chip's memory (XLA:TPU), else the datasheet's
+            fits=True if self.get("memory_checked") else memory <= system.hbm_bytes,
             collectives=self["collectives"],
             flops_per_device=module.flops(),
             **dict(zip(("halo_bytes", "model_axis_bytes"), partition_bytes(self["collectives"], self["target"], k))),
