@@ -125,3 +125,18 @@ def test_full_configs_are_the_published_shapes():
             lambda: llama3.make_model(cfg, llama3.Policy(), None).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
         )
         assert sum(x.size for x in jax.tree.leaves(shapes)) == params
+
+
+def test_project_compares_the_recipe_s_strategies_unless_told_otherwise(capsys):
+    """Llama's recipe is FSDP: ``podscale project`` without ``--strategies`` compares it with the
+    sharded update (which never fits at 8B), not the MLPerf models' replicated/sharded/2-D set."""
+    import json
+
+    from podscale.cli import main
+
+    argv = ["project", "--model", "llama3-8b", "--config", "tiny", "--system", "tpu-v6e", "--chips", "16"]
+    argv += ["--compiler", "cpu", "--dry-run", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == ["16 chips: sharded would compile", "16 chips: fsdp would compile"]
+    assert main([*argv, "--strategies", "replicated"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == ["16 chips: replicated would compile"]

@@ -255,8 +255,9 @@ def project_parser(sub) -> None:
     p.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d (weight update and gradient sum; "
-        f"default {','.join(project_strategies())}, where one that does not apply at a chip count is a row saying why)",
+        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d, fsdp, fsdp-2d (weight update and "
+        f"gradient sum; default {','.join(project_strategies())}, or a workload's recipe's (llama3-*: sharded,fsdp), "
+        "where one that does not apply at a chip count is a row saying why)",
     )
     p.add_argument(
         "--multi-axis",

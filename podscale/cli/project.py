@@ -144,6 +144,10 @@ def run_project(args) -> int:
         )
     chips = _parse_chips(args.chips)
     names = None if args.strategies is None else _parse_list("--strategies", args.strategies, "replicated,sharded")
+    from podscale import workloads
+
+    if names is None and args.model in workloads.NAMES:
+        names = workloads.get(args.model).project_strategies and list(workloads.get(args.model).project_strategies)
     effective = names or list(project_mesh.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
 

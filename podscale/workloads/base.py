@@ -119,6 +119,10 @@ class Workload:
     tokens_per_example: Callable[[Any], int] | None = None
     """``(config) -> tokens`` one training example predicts, for language models: throughput is
     then also given in tokens per second (``podscale project``'s rows)."""
+    project_strategies: tuple[str, ...] | None = None
+    """The strategies ``podscale project`` compares for it when ``--strategies`` is not given (its
+    recipe's, e.g. FSDP for an LLM whose state fits a chip only sharded between uses); ``None``:
+    the projection's defaults (replicated, sharded, sharded-2d)."""
 
     def __post_init__(self):
         if (self.predict is None) != (self.score is None):

@@ -514,6 +514,9 @@ def _workload(name: str, full: LlamaConfig, params: int, size: str) -> Workload:
         eval_metric="accuracy",
         hparams=hparams,
         tokens_per_example=tokens_per_example,
+        # MaxText's recipe is FSDP over the slice; sharded (weights whole on every chip) beside it
+        # shows why: its float32 weights alone are 32 GB at 8B
+        project_strategies=("sharded", "fsdp"),
     )
 
 
