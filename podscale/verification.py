@@ -488,7 +488,7 @@ def _nudge_at(tree, rng: np.random.Generator, dtype):
         if not isinstance(x, np.ndarray | np.generic) or x.dtype != np.float32:
             return x
         up = rng.random() < 0.5
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # a zero's ulp is unused (kept zero below)
             ulp = np.ldexp(np.float32(1.0), (np.floor(np.log2(np.abs(x))) - bits).astype(np.int32))
         return np.where(x == 0, x, x + (ulp if up else -ulp)).astype(np.float32)
 

@@ -137,6 +137,9 @@ def test_project_compares_the_recipe_s_strategies_unless_told_otherwise(capsys):
     argv = ["project", "--model", "llama3-8b", "--config", "tiny", "--system", "tpu-v6e", "--chips", "16"]
     argv += ["--compiler", "cpu", "--dry-run", "--json"]
     assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == ["16 chips: sharded would compile", "16 chips: fsdp would compile"]
+    assert json.loads(capsys.readouterr().out)["rows"] == [
+        "16 chips: sharded would compile",
+        "16 chips: fsdp would compile",
+    ]
     assert main([*argv, "--strategies", "replicated"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == ["16 chips: replicated would compile"]

@@ -247,4 +247,9 @@ def test_strategies_can_be_chosen_for_a_workload_with_built_in_rules(capsys):
     carry the rules (they were refused for giving rules twice)."""
     flags = ["--model", "llama3-8b", "--config", "tiny", "--mesh", "4x2", "--strategies", "fsdp,fsdp+model"]
     assert podscale_main(["verify", *flags, "--dry-run"]) == 0
-    assert "fsdp+model: would run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fsdp+model: would run" in out
+    # a workload is verified in float32 unless told: bf16's own floor is beyond judging under Adam
+    assert "precision float32" in out or "'precision': 'float32'" in out, out
+    assert podscale_main(["verify", *flags, "--precision", "bf16", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "bf16"

@@ -37,14 +37,18 @@ def run_verify(args) -> int:
     from podscale.parallel.tensor import RULES
     from podscale.train.tasks import make_task, make_task_optimizer, make_train_step
     from podscale.verification import EXIT_CANNOT_JUDGE, check, run, strategies_for
-    from podscale.workloads.precision import BF16, policy_by_name
+    from podscale.workloads.precision import FLOAT32, policy_by_name
 
     if args.precision is not None and args.model not in workloads.NAMES:
         raise ValueError(
             f"--precision is for the MLPerf and Llama workloads ({', '.join(workloads.NAMES)}); {args.model!r} computes "
             "in float32 and takes none: drop --precision"
         )
-    policy = BF16 if args.precision is None else policy_by_name(args.precision)
+    # float32 by default: the strategies' arithmetic is checked to float32's floor. The workloads
+    # train in bf16, whose products move one device's own Adam step by 1-9% when its inputs move
+    # by an ulp (beyond MAX_FLOOR: nothing could be judged); --precision bf16 checks that program.
+    precision = args.precision or "float32"
+    policy = FLOAT32 if precision == "float32" else policy_by_name(precision)
     task = make_task(args.model, args.data, config=args.config, policy=policy)
     tx = make_task_optimizer(task, args.optimizer, args.learning_rate, steps=max(args.steps, 10))
     mesh = make_mesh(args.mesh)
@@ -67,13 +71,29 @@ def run_verify(args) -> int:
             for n, (_, p) in checked.prepared.items()
         ]
         what = {"mesh": dict(mesh.shape), "batch_size": batch_size, "steps": args.steps}
+        if task.workload:
+            what["precision"] = precision
         return dry_run_result(args, {**what, "strategies": names})
     state = task.init_state(key, tx, batch)
     checked = check(step, state, batch, mesh, chosen, rules=None if chosen else rules, what="--strategies")
     result = run(checked, steps=args.steps, seed=args.seed)
     if args.json:
-        print(json.dumps({"model": args.model, "mesh": dict(mesh.shape), "batch_size": batch_size, **result.to_dict()}))
+        precision_field = {"precision": precision} if task.workload else {}
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "mesh": dict(mesh.shape),
+                    "batch_size": batch_size,
+                    **precision_field,
+                    **result.to_dict(),
+                }
+            )
+        )
     else:
-        print(f"model {args.model}, mesh {dict(mesh.shape)}, global batch {batch_size}, {args.steps} steps")
+        print(
+            f"model {args.model}, mesh {dict(mesh.shape)}, global batch {batch_size}, {args.steps} steps"
+            + (f", precision {precision}" if task.workload else "")
+        )
         print("\n".join(result.lines()))
     return {"passed": 0, "failed": 1}.get(result.outcome, EXIT_CANNOT_JUDGE)
