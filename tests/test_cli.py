@@ -1,5 +1,6 @@
 """End-to-end runs of the ``podscale`` command in subprocesses (marked slow; they run in CI)."""
 
+import contextlib
 import json
 import os
 import random
@@ -183,7 +184,12 @@ def _wait_for_steps(procs, metrics, steps: int, timeout: float = 240) -> None:
         if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= steps:
             return
         time.sleep(0.02)
-    raise AssertionError(f"the run did not start: {[p.poll() for p in procs]}")
+    said = ""
+    for i, p in enumerate(procs):
+        if p.poll() is not None:  # what a process that ended said
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                said += f"\nprocess {i} (exit {p.returncode}):\n{p.communicate(timeout=10)[1][-3000:]}"
+    raise AssertionError(f"the run did not start: {[p.poll() for p in procs]}{said}")
 
 
 HEARTBEAT_S = 10

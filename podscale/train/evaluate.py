@@ -50,6 +50,7 @@ from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import Split
 from podscale.parallel.placement import Placement
 from podscale.parallel.program import shape_structs, signature
+from podscale.parallel.together import compiled_together
 
 
 class DistributedEval:
@@ -76,6 +77,7 @@ class DistributedEval:
             self.mesh = placement.mesh
             self.axes = placement.roles.data
         self._jitted: dict[tuple, Any] = {}
+        self._launched: set[tuple] = set()
 
     @property
     def replicas(self) -> int:
@@ -189,6 +191,16 @@ class DistributedEval:
             self._jitted[key] = self._build(batch, rows)
         return self._jitted[key]
 
+    def _launch(self, state, batch, rows: bool = False):
+        """The program for ``batch``; the first time, once every process has compiled it
+        (:func:`~podscale.parallel.together.compiled_together`)."""
+        key = (rows, signature(batch))
+        jitted = self._compiled(batch, rows)
+        if key not in self._launched:
+            compiled_together(jitted, (state, batch), "the predictions" if rows else "the evaluation")
+            self._launched.add(key)
+        return jitted
+
     def lower(self, state, batch, *, rows: bool = False):
         """Lowers the evaluation of one global ``batch`` (with its ``mask``) for the stored ``state``:
         its metrics' sums, or with ``rows=True`` :meth:`predict`'s program."""
@@ -200,7 +212,7 @@ class DistributedEval:
         totals, count = None, None
         one_at_a_time = _one_program_at_a_time(self.mesh)
         for batch in batches:
-            sums, n = self._compiled(batch)(state, batch)
+            sums, n = self._launch(state, batch)(state, batch)
             if one_at_a_time:
                 jax.block_until_ready((sums, n))
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -223,7 +235,7 @@ class DistributedEval:
         parts, masks = [], []
         for batch in batches:
             masks.append(_host(batch["mask"]))
-            out = jax.block_until_ready(self._compiled(batch, rows=True)(state, batch))
+            out = jax.block_until_ready(self._launch(state, batch, rows=True)(state, batch))
             parts.append(jax.tree.map(_host, out))
         if not parts:
             raise ValueError("evaluation got no batches: the held-out data set is empty")
