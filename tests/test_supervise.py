@@ -49,3 +49,22 @@ def test_the_relay_passes_the_run_through_and_keeps_the_fatal_message_and_stack_
     out = capsysbinary.readouterr().err
     assert fatal and out == b"step 1\rstep 2\n[Gloo] Rank 0\n"
     assert b"stopped sending heartbeats" in tail and b"Check failure" in tail
+
+
+def test_a_failed_collective_with_no_process_named_ends_with_one_line_saying_why(monkeypatch, capsys):
+    """gloo's set-up of a device group that timed out (processes 30 s apart at its first
+    collective, seen in CI) is told apart from any other failed collective."""
+    monkeypatch.setattr(supervise.time, "sleep", lambda s: None)
+    exits = []
+    monkeypatch.setattr(supervise.os, "_exit", exits.append)
+    setup = RuntimeError(
+        "UNKNOWN: Gloo context initialization failed: DEADLINE_EXCEEDED: GetKeyValue() timed out with key: "
+        "cpu:gloo/0,1,2,3,2048,2049,2050,2051/4 and duration: 29.99s"
+    )
+    supervise.wait_for_verdict(setup, 10)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exits == [supervise.EXIT_PEER_LOST]
+    assert last.startswith("podscale: error: a collective failed and no process was reported lost: UNKNOWN: Gloo")
+    assert "gloo waits 30 s for every process at the first collective" in last and last.endswith("--resume")
+    other = supervise.verdict_missing("Gloo all-reduce failed: Connection closed by peer")
+    assert "30 s" not in other and other.endswith("restart every process with --resume")

@@ -210,8 +210,22 @@ def wait_for_verdict(error: BaseException, heartbeat_s: int, json_out=None) -> N
         flush=True,
     )
     time.sleep(heartbeat_s + 10)
-    message = f"a collective failed and no process was reported lost: {first}; restart every process with --resume"
+    message = verdict_missing(first)
     print(f"podscale: error: {message}", file=sys.stderr, flush=True)
     if json_out is not None:
         print(json.dumps({"error": message, "exit_code": EXIT_PEER_LOST}), file=json_out, flush=True)
     os._exit(EXIT_PEER_LOST)
+
+
+def verdict_missing(first: str) -> str:
+    """The last line when a collective failed (its error's first line ``first``) and the distributed
+    service named no lost process."""
+    why = ""
+    if "Gloo context initialization failed" in first:
+        # XLA sets up gloo for a device group at the first program that uses it and waits 30 s
+        # there; podscale.parallel.together starts podscale's own programs together.
+        why = (
+            " (gloo waits 30 s for every process at the first collective of a group of devices: one "
+            "process reached it that much before another, still compiling or reading its data)"
+        )
+    return f"a collective failed and no process was reported lost: {first}{why}; restart every process with --resume"
