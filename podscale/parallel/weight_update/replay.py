@@ -64,9 +64,10 @@ class Rewriter:
     def evaluate(self, jaxpr, consts, args) -> list:
         env, read = interpret.environment(jaxpr, consts, args)
         # Equations run in order, except that one waiting on a deferred collective (and all that
-        # depend on it) waits until nothing else can run; then every deferred collective is sent,
-        # fused. The jaxpr is a dataflow graph, so this order computes the same values; effectful
-        # equations keep their relative order.
+        # depend on it) waits until nothing else can run; then the collectives it waits on are
+        # sent, fused (:meth:`_unblocking`: a batch statistic the backward pass reads goes alone,
+        # the gradient sums keep filling their buckets). The jaxpr is a dataflow graph, so this
+        # order computes the same values; effectful equations keep their relative order.
         todo = list(jaxpr.eqns)
         while todo:
             blocked, blocked_vars = [], set()
@@ -91,9 +92,25 @@ class Rewriter:
                 for var, val in zip(eqn.outvars, outs, strict=True):
                     env[var] = val
             if blocked:
-                self.fuser.flush()
+                self.fuser.flush(self._unblocking(blocked, env))
             todo = blocked
         return [read(v) for v in jaxpr.outvars]
+
+    def _unblocking(self, blocked, env) -> list[Pending] | None:
+        """The deferred collectives to send so that ``blocked`` can go on: the sums that a blocked
+        equation reads and that are not gradient sums for the update (a batch statistic the
+        backward pass reads, a norm's partials), with every other pending one of their kinds,
+        fused. Gradient sums stay deferred, to fill their buckets, until nothing else blocks;
+        then (``None``) everything pending is sent."""
+        read = [env.get(x) for e in blocked for x in e.invars if not isinstance(x, core.Literal)]
+        urgent = [
+            v for v in read if isinstance(v, Pending) and v.result is None and (v.kind != "grad" or not v.scatter)
+        ]
+        if not urgent:
+            return None
+        kinds = {_group(v) for v in urgent}
+        send = [q for q in self.fuser.pending if _group(q) in kinds]
+        return send + [v for v in dict.fromkeys(urgent) if v not in send]  # one superseded yet read: too
 
     def _in_update(self, invals) -> bool:
         """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
@@ -278,3 +295,8 @@ def forward_used(jaxpr, seeds=None) -> set:
 def _varying(aval, axis=None) -> bool:
     names = interpret.varying_axes(aval)
     return bool(names) if axis is None else axis in names
+
+
+def _group(p: Pending) -> tuple:
+    """The deferred collectives that go out fused together when one of them must."""
+    return p.kind, p.scatter
