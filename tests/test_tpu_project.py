@@ -497,3 +497,49 @@ def test_batch_norm_groups_are_summed_over_their_replicas_only():
     assert {c["group_size"] for c in whole.collectives if c["kind"] == "all-reduce"} == {32}
     with pytest.raises(ValueError, match="do not divide into batch-norm groups of 3"):
         project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"], bn_group_size=3)
+
+
+def _lars_step(layers: int):
+    """``layers`` dense layers of 128x128 (each stored in chunks by the sharded update) under LARS."""
+    lars = optax.lars(0.1)
+
+    def init():
+        params = {f"w{i}": jnp.zeros((128, 128)) for i in range(layers)}
+        return {"params": params, "opt": lars.init(params)}
+
+    def step(state, batch):
+        def loss(params):
+            h = batch["x"]
+            for i in range(layers):
+                h = jnp.tanh(h @ params[f"w{i}"])
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        grads = jax.grad(loss)(state["params"])
+        updates, opt = lars.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    return step, jax.eval_shape(init)
+
+
+@needs_libtpu
+def test_lars_norms_are_fused_whatever_the_layer_count_in_xla_tpus_module():
+    """LARS's trust ratios read a norm of each weight and of its update: on chunks, partial sums
+    summed over the replicas. They go out fused, not one all-reduce per layer (issue 45: ResNet-50's
+    module had 52): podscale's program sums every layer's in one all-reduce, and XLA:TPU's module
+    has as many all-reduces for 3 layers as for 6. Two, because optax's ``safe_norm`` takes a
+    second norm that reads the first."""
+    counts = {}
+    for layers in (3, 6):
+        step, state = _lars_step(layers)
+        devices = tpu.devices("tpu-v3", tpu.topology_name(systems.get("tpu-v3"), 4))
+        mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
+        dp = data_parallel(step, mesh, Strategy(weight_update="sharded"), donate_state=False)
+        batch = {k: jax.ShapeDtypeStruct((16, 128), jnp.float32) for k in ("x", "y")}
+        dp.prepare(state, batch)
+        module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+        counts[layers] = sum(c.count for c in module.collectives if c.kind == "all-reduce")
+        norms = [c for c in dp.trace.collectives if "norms" in c.why]  # podscale's own program
+        assert [c.tensors for c in norms] == [layers, layers], dp.trace.collectives
+        gathers = sum(c.count for c in module.collectives if c.kind == "all-gather")
+        assert gathers == layers  # each weight is updated in chunks (and gathered after)
+    assert counts[3] == counts[6] <= 3, counts

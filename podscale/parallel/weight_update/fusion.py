@@ -306,8 +306,10 @@ class Fuser:
             elif kind == "grad" and scatter:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
                     results = _fuse_all_reduce(self.layout, values, self.trace, "gradient sum (small tensors)", True)
-            elif kind == "grad":  # the forward pass reads it: the model's own collective, not the update's
-                why = "a sum the forward pass reads (batch statistics)"
+            elif kind == "grad":  # read whole where it is computed: the model's own collective, not the gradients'
+                # A value differing per replica is computed from it: a batch statistic of the forward
+                # pass, or (a chunk's update reads it) a per-layer norm's partials.
+                why = "a sum read whole (batch statistics, per-layer norms of chunks)"
                 results = _fuse_all_reduce(self.layout, values, self.trace, why, update=False)
             else:
                 with jax.named_scope(UPDATE_SCOPE):
