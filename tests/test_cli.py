@@ -169,6 +169,7 @@ def test_kill_sigterm_or_ctrl_c_then_resume_is_bit_identical(tmp_path):
 def _two_processes(*args, **env_extra):
     """Processes 0 and 1 of one run, started by hand as on two hosts (each under its supervisor)."""
     env = dict(os.environ, PODSCALE_COORDINATOR=f"127.0.0.1:{_free_port()}", PODSCALE_NUM_PROCESSES="2", **env_extra)
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a run that does not start shows where it waits
     return env["PODSCALE_COORDINATOR"], [
         subprocess.Popen(
             [*PODSCALE, *args], env=dict(env, PODSCALE_PROCESS_ID=str(i)), stderr=subprocess.PIPE, text=True
@@ -186,9 +187,12 @@ def _wait_for_steps(procs, metrics, steps: int, timeout: float = 240) -> None:
         time.sleep(0.02)
     said = ""
     for i, p in enumerate(procs):
-        if p.poll() is not None:  # what a process that ended said
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                said += f"\nprocess {i} (exit {p.returncode}):\n{p.communicate(timeout=10)[1][-3000:]}"
+        if p.poll() is None:  # still running: its Python stacks (PYTHONFAULTHANDLER), then it ends
+            for child in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(child), signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            said += f"\nprocess {i} (exit {p.poll()}):\n{p.communicate(timeout=20)[1][-12000:]}"
     raise AssertionError(f"the run did not start: {[p.poll() for p in procs]}{said}")
 
 

@@ -37,6 +37,9 @@ def compiled_together(jitted, args: tuple, what: str) -> None:
     if jax.process_count() == 1:
         return
     jitted.lower(*args).compile()
+    # This process's programs still in flight (the state's placement, the batch's) end first: no
+    # two programs' collectives are in flight at once when the new one sets up its device groups.
+    jax.block_until_ready(args)
     wait_for_every_process(f"compiled {what}")
 
 
