@@ -185,14 +185,19 @@ def _wait_for_steps(procs, metrics, steps: int, timeout: float = 240) -> None:
         if metrics.exists() and sum(1 for line in open(metrics) if '"loss"' in line) >= steps:
             return
         time.sleep(0.02)
-    said = ""
-    for i, p in enumerate(procs):
-        if p.poll() is None:  # still running: its Python stacks (PYTHONFAULTHANDLER), then it ends
+    said = {}
+    # Still running: its Python stacks (PYTHONFAULTHANDLER), then it ends; process 0 last, since
+    # the others end at once when the coordinator goes (and their supervisors then hide the rest).
+    for i, p in reversed(list(enumerate(procs))):
+        alive = p.poll() is None
+        if alive:
             for child in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(child), signal.SIGABRT)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            said += f"\nprocess {i} (exit {p.poll()}):\n{p.communicate(timeout=20)[1][-12000:]}"
+            said[i] = f"\nprocess {i} ({'stalled' if alive else f'exit {p.returncode}'}):\n"
+            said[i] += p.communicate(timeout=20)[1][-12000:]
+    said = "".join(said[i] for i in sorted(said))
     raise AssertionError(f"the run did not start: {[p.poll() for p in procs]}{said}")
 
 
