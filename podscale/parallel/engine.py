@@ -52,7 +52,7 @@ from podscale.parallel.program import (
     signature,
 )
 from podscale.parallel.strategy import Strategy
-from podscale.parallel.together import compiled_together
+from podscale.parallel.together import launch_together
 from podscale.parallel.weight_update import Trace
 
 __all__ = ["DataParallelStep", "data_parallel", "partitioner"]
@@ -94,7 +94,7 @@ class DataParallelStep:
         """One jitted program (and its trace) per batch signature, as ``jax.jit`` retraces."""
         self._last: tuple | None = None
         self._launched: set[tuple] = set()
-        """The signatures called once: launched together (:func:`~podscale.parallel.together.compiled_together`)."""
+        """The signatures called once: launched together (:func:`~podscale.parallel.together.launch_together`)."""
 
     @property
     def replicas(self) -> int:
@@ -207,11 +207,8 @@ class DataParallelStep:
             raise ValueError("place the state with dp.place_state(state, batch) before calling the step")
         check_not_donated(state, "state")
         self.layout.check_stored(state)  # shapes and dtypes only: no device sync
-        jitted = self._compiled(state, batch)
-        if self._last not in self._launched:  # several processes: every one has compiled it first
-            compiled_together(jitted, (state, batch), "the train step")
-            self._launched.add(self._last)
-        return jitted(state, batch)
+        jitted = self._compiled(state, batch)  # sets self._last, the batch's signature
+        return launch_together(self._launched, self._last, jitted, (state, batch), "the train step")(state, batch)
 
     def lower(self, state, batch):
         """Lowers the step for a stored ``state`` and ``batch`` (arrays or ``ShapeDtypeStruct``;

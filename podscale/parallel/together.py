@@ -30,6 +30,15 @@ _barriers = itertools.count()
 barrier's number names the same one on every process."""
 
 
+def launch_together(launched: set, key, jitted, args: tuple, what: str):
+    """``jitted``, after :func:`compiled_together` the first time ``key`` (a program's batch
+    signature) is launched; ``launched`` is the caller's record of the keys launched so far."""
+    if key not in launched:
+        compiled_together(jitted, args, what)
+        launched.add(key)
+    return jitted
+
+
 def compiled_together(jitted, args: tuple, what: str) -> None:
     """Compiles ``jitted`` for ``args`` (``jax.jit`` reuses it at the call) and, with several
     processes, returns once every process has compiled its own: its first launch then starts

@@ -50,7 +50,7 @@ from podscale.parallel.mesh import auto_axes
 from podscale.parallel.partition import Split
 from podscale.parallel.placement import Placement
 from podscale.parallel.program import shape_structs, signature
-from podscale.parallel.together import compiled_together
+from podscale.parallel.together import launch_together
 
 
 class DistributedEval:
@@ -193,13 +193,11 @@ class DistributedEval:
 
     def _launch(self, state, batch, rows: bool = False):
         """The program for ``batch``; the first time, once every process has compiled it
-        (:func:`~podscale.parallel.together.compiled_together`)."""
-        key = (rows, signature(batch))
-        jitted = self._compiled(batch, rows)
-        if key not in self._launched:
-            compiled_together(jitted, (state, batch), "the predictions" if rows else "the evaluation")
-            self._launched.add(key)
-        return jitted
+        (:func:`~podscale.parallel.together.launch_together`)."""
+        what = "the predictions" if rows else "the evaluation"
+        return launch_together(
+            self._launched, (rows, signature(batch)), self._compiled(batch, rows), (state, batch), what
+        )
 
     def lower(self, state, batch, *, rows: bool = False):
         """Lowers the evaluation of one global ``batch`` (with its ``mask``) for the stored ``state``:
