@@ -106,7 +106,7 @@ def place(
             "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
         )
     replicas = roles.replicas(mesh)
-    found, looked_up, min_rows = {}, set(), {}
+    found, looked_up, min_rows, gt = {}, set(), {}, None
     if batch is not None:
         batch_rows = jax.tree.leaves(batch)[0].shape[0]
         gt = traced(abstract, batch)
@@ -150,6 +150,9 @@ def place(
         tables=found,
         fsdp=strategy.fsdp,
         dims=grad_sum.mode == "1d",
+        partition_dims=state_layout.partition_dims(gt.closed.jaxpr, model_dims)
+        if model_dims and gt is not None
+        else None,
     )
     example = batch_placement(mesh, roles, strategy, traced, abstract, batch) if batch is not None else BatchPlacement()
     looked = tuple(sorted(looked_up))
@@ -286,19 +289,17 @@ def build(
     program = Program()
     layout = placement.state
     axes, model, replicas = roles.data, roles.model, roles.replicas(mesh)
-    split = frozenset(leaf.shape for leaf in layout.leaves if leaf.model_dim is not None and leaf.weight)
     chunks = Layout(
         grad_sum,
         strategy.min_shard_size,
         scatter=strategy.sharded,
         bucket_bytes=strategy.bucket_bytes,
-        split_shapes=split,
         split=roles.split(mesh),  # as layout.leaves' chunks
-        by_partition=dict(layout.chunk_dims),  # a split weight's shape: chunked per model partition
         model_split=mesh.shape[model] if model else 1,
         model_axis=model if roles.partitions == (model,) else None,
     )
     abstract_state = layout_shapes(layout)
+    model_dims = placement.model_dims or (None,) * len(layout.leaves)  # a rule's, sharded leaves' too
     gt = traced(abstract_state, batch)
 
     def body(stored, batch):
@@ -308,7 +309,7 @@ def build(
             for x, shape, leaf in zip(jax.tree.leaves(stored), jax.tree.leaves(abstract_state), layout.leaves)
         ]
         closed, part = local_program(mesh, roles, strategy, gt, state_in, jax.tree.leaves(batch), layout.leaves)
-        rewriter = Rewriter(chunks, trace)
+        rewriter = Rewriter(chunks, trace, list(zip(model_dims, (leaf.weight for leaf in layout.leaves), strict=True)))
         args = [
             Sharded(x, leaf.shape, leaf.by) if leaf.sharded else x
             for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)

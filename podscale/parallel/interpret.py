@@ -1,4 +1,5 @@
-"""Small helpers for walking jaxprs: sub-jaxprs, containment, the per-replica axes of a value.
+"""Small helpers for walking jaxprs: sub-jaxprs, containment, the per-replica axes of a value, the
+one set of elementwise ops, and :func:`kin` (which variables are computed elementwise together).
 
 The per-replica program that :mod:`podscale.parallel.partition` traces is replayed by
 :mod:`podscale.parallel.weight_update.replay`, which uses these; an equation holding a form neither
@@ -7,7 +8,7 @@ knows is an error there, never a silent skip.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from jax.extend import core
@@ -15,6 +16,27 @@ from jax.extend import core
 from podscale._jax import source_info_util
 
 Rule = Callable[[Any, list[Any]], Sequence[Any]]
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count
+    pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
+    sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
+    random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
+    stop_gradient bitcast_convert_type""".split()
+)
+"""Ops whose outputs are computed position by position from their operands' positions (with the
+operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
+
+KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
+
+SHAPE_KEEPING = ELEMENTWISE - KEY_OPS - {"bitcast_convert_type"}
+"""The elementwise ops whose output has their operands' shape (a chunk of each operand gives the
+output's chunk at the same positions)."""
+
+CALLS = frozenset("jit pjit custom_jvp_call custom_vjp_call closed_call".split())
+"""Equations that call a sub-jaxpr once on their operands (its last inputs)."""
 
 GRAD_SUM = "psum_invariant"
 """The primitive that sums a replicated value's gradient over the mesh axes under ``check_vma``
@@ -77,3 +99,69 @@ def source(eqn):
     the layer they come from (``metadata={op_name=...}`` in the HLO)."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def call_jaxpr(eqn) -> tuple[Any, Sequence[Any]]:
+    """A call's (:data:`CALLS`) jaxpr and its constants."""
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    return (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
+
+
+def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
+    """Which ``seeds`` (``{input variable: label}``) each variable of ``jaxpr`` is kin to: the
+    labels of the seeds joined to it by chains of shape-keeping elementwise equations
+    (:data:`SHAPE_KEEPING`) between same-shaped non-scalar variables, into and out of calls
+    (:data:`CALLS`). Adam's ``mu * b1 + g * (1 - b1)`` makes the gradient sum ``g`` kin to the
+    moment ``mu`` it is added to, and ``w - lr * u`` the update kin to its weight: a value is known
+    by the state leaves it is computed with, not by its shape. A variable is named with the path of
+    call equations it sits under (``ctx``, a tuple of their ids): one traced sub-jaxpr called for
+    two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``."""
+    parent: dict = {}
+
+    def find(k):
+        root = k
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while k != root:
+            parent[k], k = root, parent.get(k, k)
+        return root
+
+    def join(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+
+    def joinable(v) -> bool:
+        return isinstance(v, core.Var) and len(getattr(v.aval, "shape", ())) > 0
+
+    def walk(jaxpr, ctx: tuple) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in SHAPE_KEEPING:
+                out = eqn.outvars[0]
+                if not joinable(out):
+                    continue
+                for v in [*eqn.invars, *eqn.outvars[1:]]:
+                    if joinable(v) and v.aval.shape == out.aval.shape:
+                        join((ctx, out), (ctx, v))
+            elif name in CALLS:
+                inner, _ = call_jaxpr(eqn)
+                inside = (*ctx, id(eqn))
+                extra = len(eqn.invars) - len(inner.invars)
+                for a, b in [*zip(eqn.invars[extra:], inner.invars), *zip(eqn.outvars, inner.outvars)]:
+                    if joinable(a) and joinable(b):
+                        join((ctx, a), (inside, b))
+                walk(inner, inside)
+
+    walk(jaxpr, ())
+    labels: dict = {}
+    for var, label in seeds.items():
+        labels.setdefault(find(((), var)), set()).add(label)
+    frozen = {root: frozenset(found) for root, found in labels.items()}
+
+    def kin_of(var, ctx: tuple = ()) -> frozenset:
+        if not isinstance(var, core.Var):
+            return frozenset()
+        return frozen.get(find((ctx, var)), frozenset())
+
+    return kin_of

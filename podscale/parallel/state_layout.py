@@ -7,8 +7,8 @@ end) split over every mesh axis, so each replica holds one chunk. ``store``/``un
 between the two; checkpoints hold the stored layout, and a restore converts it into another
 placement's (``train.saving.CheckpointForm``).
 
-A sharded leaf of a shape that a sharding rule splits over the model axis (``chunk_dim``) is
-chunked per model partition, then over the replicas (``weight_update.ByPartition``): its flat
+A sharded leaf that a sharding rule splits over the model axis (``chunk_dim``, where the leaves it
+is updated with are split alike: :func:`partition_dims`) is chunked per model partition, then over the replicas (``weight_update.ByPartition``): its flat
 vector is ``[N, k, c]``, device ``(replica r, partition m)`` holding a 1/N piece of partition m's
 slice of the leaf, the slice it holds of the split weight itself.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from podscale.parallel import interpret
 from podscale.parallel.partition.layouts import REPLICATED, Chunked, Split, chunk_dim
 from podscale.parallel.weight_update import ByPartition, chunk_layout
 from podscale.parallel.weight_update.chunks import by_partition_layout, from_rows, to_rows
@@ -125,10 +127,6 @@ class StateLayout:
     model: str | None = None
     """Tensor partitioning's model axis: a leaf with a ``model_dim`` is split over it along that
     dimension."""
-    chunk_dims: tuple[tuple[tuple[int, ...], int], ...] = ()
-    """``(shape, dimension)``: a sharded tensor of that shape (a split weight's gradient, its
-    optimizer state) is chunked per model partition along that dimension (:class:`ByPartition`);
-    the weight update's ``Layout`` chunks the gradients alike."""
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -441,6 +439,7 @@ def decide(
     tables: dict[int, int] | None = None,
     fsdp: bool = False,
     dims: bool = False,
+    partition_dims: Sequence[int | None] | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -448,6 +447,9 @@ def decide(
     ``shard=False`` (the replicated update) keeps every leaf replicated over the data axes.
     ``parts``: the axes XLA partitions (space, model), over which every chunk is split too.
     ``model_dims``: per leaf, the dimension its sharding rule splits over the axis ``model``.
+    ``partition_dims``: per leaf, the dimension a sharded leaf's chunks are laid out per model
+    partition along (:func:`partition_dims`; ``None``: flat chunks), with the sharded update and
+    the model axis the one left to XLA.
     ``tables``: ``{leaf index: rows per replica}`` of the tables split by rows over the data axes
     (:func:`podscale.parallel.tables.choose`), whatever the weight update.
     ``fsdp=True``: every float leaf of at least ``min_shard_size`` elements (weights and optimizer
@@ -458,7 +460,7 @@ def decide(
     others keep flat chunks.
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
-    by_shape = chunk_dims(state, model_dims) if shard and model and tuple(parts) == (model,) else {}
+    per_partition = shard and model and tuple(parts) == (model,)
     leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
         shape, dtype = tuple(np.shape(x)), x.dtype
@@ -520,7 +522,7 @@ def decide(
                 reason += f" (flat: no dimension of {list(shape)} that the {n} replicas divide)"
             elif dims:
                 reason += " (flat: a space or model axis splits the chunks too)"
-            dim = by_shape.get(shape)
+            dim = partition_dims[i] if per_partition and partition_dims else None
             if dim is not None:  # per model partition, then over the replicas
                 length, padding = by_partition_layout(ByPartition(shape, dim, k), n)
                 reason += f", per model partition of dimension {dim}"
@@ -538,9 +540,7 @@ def decide(
                     model_split=k if dim is not None else 1,
                 )
             )
-    return StateLayout(
-        jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model, tuple(sorted(by_shape.items()))
-    )
+    return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)
 
 
 def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: int) -> LeafLayout:
@@ -560,14 +560,16 @@ def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: 
     return LeafLayout(**kw, sharded=False, reason=reason, fsdp_dim=dim, fsdp_n=n, **model)
 
 
-def chunk_dims(state, model_dims) -> dict[tuple[int, ...], int]:
-    """Shape -> the dimension the sharding rules split every leaf of that shape along (leaves of
-    one shape split along different dimensions, or none: left out, their chunks stay flat). A
-    sharded tensor of such a shape is chunked per model partition (:class:`ByPartition`): a
-    gradient is known by its shape alone in the weight update's replay."""
-    if not model_dims:
-        return {}
-    dims: dict[tuple[int, ...], set] = {}
-    for x, dim in zip(jax.tree.leaves(state), model_dims, strict=True):
-        dims.setdefault(tuple(np.shape(x)), set()).add(dim)
-    return {shape: next(iter(d)) for shape, d in dims.items() if len(d) == 1 and None not in d}
+def partition_dims(jaxpr, model_dims: Sequence[int | None]) -> tuple[int | None, ...]:
+    """Per state leaf (``jaxpr``'s first inputs, ``model_dims`` theirs): the dimension its chunks
+    are laid out per model partition along (:class:`ByPartition`), where every leaf it is kin to
+    (:func:`~podscale.parallel.interpret.kin`: computed elementwise with it, as a weight with its
+    gradient and optimizer state) is split along that one dimension; else ``None`` (flat chunks).
+    The weight update's replay chunks a gradient by the same rule (``Rewriter.chunking``), so two
+    leaves of one shape split along different dimensions each keep their own."""
+    kin = interpret.kin(jaxpr, {var: (i, dim) for i, (var, dim) in enumerate(zip(jaxpr.invars, model_dims))})
+    out = []
+    for var, dim in zip(jaxpr.invars, model_dims):
+        dims = {d for _, d in kin(var)}
+        out.append(dim if dim is not None and dims == {dim} else None)
+    return tuple(out)

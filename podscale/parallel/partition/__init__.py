@@ -29,9 +29,9 @@ result is its rounding up to summation order: a float16 gradient overflows (and 
 step is skipped) exactly where one device's does, not where one replica's share happens to.
 """
 
+from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition.core import Partitioner
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Layout, Split, join
-from podscale.parallel.partition.rules import ELEMENTWISE
 from podscale.parallel.partition.sums import WIDE, one_replica_sum
 
 __all__ = [

@@ -19,9 +19,9 @@ from jax import lax
 
 from podscale._jax import all_gather_invariant
 from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
+from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
-from podscale.parallel.partition.rules import ELEMENTWISE
 from podscale.parallel.partition.sums import IDENTITY, narrow_float, one_replica_sum, widen
 
 if TYPE_CHECKING:

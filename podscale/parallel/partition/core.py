@@ -18,13 +18,14 @@ from jax.extend import core
 from podscale._jax import all_gather_invariant
 from podscale.parallel import interpret
 from podscale.parallel.collectives import Collective
+from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition import chunked, partials, shape_rules
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import CONTROL
 from podscale.parallel.partition.draws import random_bits_rows
 from podscale.parallel.partition.jaxprs import global_shape, is_zero, source_at, var_dtype, vma
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, Split
-from podscale.parallel.partition.rules import ELEMENTWISE, RULES, elementwise
+from podscale.parallel.partition.rules import RULES, elementwise
 from podscale.parallel.partition.sums import (
     IDENTITY,
     WIDE,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 from jax import lax
 
+from podscale.parallel.interpret import KEY_OPS
 from podscale.parallel.partition.contract_rules import conv, dot_general, gather, scatter
 from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Split
@@ -34,20 +35,6 @@ from podscale.parallel.partition.sums import narrow_float, widen
 if TYPE_CHECKING:
     from podscale.parallel.partition.core import Partitioner
 
-ELEMENTWISE = frozenset(
-    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
-    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count
-    pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
-    sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
-    random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
-    stop_gradient bitcast_convert_type erf_inv""".split()
-)
-"""Ops whose outputs are computed position by position from their operands' positions (with the
-operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
-
-_KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
-
 
 def elementwise(p: Partitioner, eqn, ins):
     name = eqn.primitive.name
@@ -56,7 +43,7 @@ def elementwise(p: Partitioner, eqn, ins):
     if len(dims) != 1:
         return None
     (dim,) = dims
-    if name in _KEY_OPS and name != "random_fold_in" and dim >= len(eqn.invars[0].aval.shape):
+    if name in KEY_OPS and name != "random_fold_in" and dim >= len(eqn.invars[0].aval.shape):
         return None  # random-key ops extend their key's shape; only the key's dimensions split
     # (fold_in broadcasts a key against its data, position by position: it extends nothing.)
     if name == "bitcast_convert_type" and dim >= min(len(shape), len(eqn.invars[0].aval.shape)) - (

@@ -54,10 +54,6 @@ def chunk_layout(size: int, chunks: int, split: int = 1) -> tuple[int, int]:
     return length, length * chunks - size
 
 
-_OWN = object()
-"""``Layout.slice``'s default: chunked as a sharded tensor of the value's shape is."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ByPartition:
     """Chunks laid out per model partition, then over the replicas: a tensor of ``shape`` whose
@@ -124,6 +120,22 @@ def local_unrows(rows, by: ByPartition) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunking:
+    """How a gradient sum is chunked, from the state leaves it is kin to (``Rewriter.chunking``)."""
+
+    by: ByPartition | None = None
+    """Per model partition, or ``None``: flat."""
+    split: bool = False
+    """Kin to a weight split over a model axis: summed alone and unflattened when all-reduced, so
+    that XLA keeps its split (flattened into a fused buffer, it would first be gathered over the
+    model axis)."""
+
+
+FLAT = Chunking()
+"""Flat chunks, kin to no split weight."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Sharded:
     """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements;
     chunked per model partition when ``by`` says so (:class:`ByPartition`), else row-major."""
@@ -157,9 +169,7 @@ class Layout:
         min_shard_size: int,
         scatter: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        split_shapes: frozenset = frozenset(),
         split: int = 1,
-        by_partition: dict | None = None,
         model_split: int = 1,
         model_axis: str | None = None,
     ):
@@ -168,17 +178,16 @@ class Layout:
         self.split = split
         """Devices each replica's chunk is split over (the space or model axis): chunk lengths are
         multiples of it, as the stored state's are (:func:`chunk_layout`)."""
-        self.split_shapes = split_shapes
-        """Shapes of the weights split over a model axis (tensor partitioning): an all-reduced
-        gradient of such a shape is summed alone and unflattened, so that XLA keeps its split
-        (flattened into a fused buffer, it would first be gathered over the model axis)."""
-        self.by_partition = dict(by_partition or {}) if scatter else {}
-        """Shape -> the dimension a model axis of ``model_split`` devices splits: a sharded tensor
-        of that shape is chunked per model partition (:class:`ByPartition`), as the stored state
-        of that shape is (``StateLayout.chunk_dims``)."""
         self.model_split, self.model_axis = model_split, model_axis
         """The model axis (of ``model_split`` devices) when it is the one axis a chunk is split over
         besides the data axes: chunks are then made and summed manual over it (:meth:`per_partition`)."""
+
+    @property
+    def chunks_per_partition(self) -> bool:
+        """Whether a sharded tensor that a model axis splits is chunked per model partition
+        (:class:`ByPartition`), as the stored state is (``state_layout.decide``): the sharded
+        update with the model axis the one axis besides the data axes."""
+        return self.scatter and self.model_axis is not None
 
     def per_partition(
         self, f, args: list, in_dims: list[int | None], out_dims: list[int], out_ndims: list[int]
@@ -205,11 +214,6 @@ class Layout:
                 check_vma=self.n > 1,
             )(*args)
         )
-
-    def by(self, shape) -> ByPartition | None:
-        """How a sharded tensor of ``shape`` is chunked: per model partition, or ``None`` (flat)."""
-        dim = self.by_partition.get(tuple(shape))
-        return None if dim is None else ByPartition(tuple(shape), dim, self.model_split)
 
     def alone(self, nbytes: int) -> bool:
         """Whether a tensor is large enough to get a collective of its own (a quarter bucket)."""
@@ -238,11 +242,10 @@ class Layout:
         pad = self.padding(flat.size)
         return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(self.n, -1)
 
-    def slice(self, x, by: Any = _OWN) -> Sharded:
-        """A full value's chunk on this replica (no communication), chunked as ``by`` says (by
-        default as a sharded tensor of its shape is: :meth:`by`)."""
+    def slice(self, x, by: ByPartition | None = None) -> Sharded:
+        """A full value's chunk on this replica (no communication), chunked as ``by`` says (per
+        model partition, or ``None``: flat)."""
         shape = tuple(np.shape(x))
-        by = self.by(shape) if by is _OWN else by
         if by is not None:  # each model partition's piece of this replica's chunk, from its own slice
             (piece,) = self.per_partition(
                 lambda xl: (lax.dynamic_index_in_dim(local_rows(xl, self.n, by), self.index(), 0, keepdims=False),),

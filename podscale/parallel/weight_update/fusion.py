@@ -22,7 +22,7 @@ from jax import lax
 from podscale._jax import all_gather_invariant
 from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 from podscale.parallel.collectives import Collective
-from podscale.parallel.weight_update.chunks import Layout, Sharded, local_rows, local_unrows, unpadded
+from podscale.parallel.weight_update.chunks import FLAT, Chunking, Layout, Sharded, local_rows, local_unrows, unpadded
 
 
 @dataclasses.dataclass
@@ -243,10 +243,11 @@ class Pending:
     ``shard``, else all-reduced) or ``"sum"``/``"max"``/``"min"`` (the partials of a reduction
     over a whole sharded tensor, such as a per-layer norm)."""
 
-    def __init__(self, fuser: Fuser, value, shard: bool, kind: str = "grad"):
+    def __init__(self, fuser: Fuser, value, shard: bool, kind: str = "grad", chunking: Chunking = FLAT):
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
-        self.by = None  # a sharded gradient's chunking (per model partition, or flat)
+        self.chunking = chunking
+        self.by = chunking.by if shard else None  # a sharded gradient's chunking (per model partition, or flat)
 
     def get(self):
         if self.result is None:
@@ -260,15 +261,15 @@ class Fuser:
     def __init__(self, layout: Layout, trace: Trace):
         self.layout, self.trace, self.pending = layout, trace, []
 
-    def add(self, value, kind: str = "grad", scatter: bool = True) -> Pending:
+    def add(self, value, kind: str = "grad", scatter: bool = True, chunking: Chunking = FLAT) -> Pending:
         """``scatter=False``: the sum is read by per-replica computation (a batch-norm statistic
-        over the whole batch), so it is all-reduced whatever its size."""
+        over the whole batch), so it is all-reduced whatever its size. ``chunking``: how the state
+        leaves it is computed with are chunked (``Rewriter.chunking``)."""
         shard = scatter and kind == "grad" and self.layout.shards(value.shape, value.dtype)
-        if shard and not self.layout.scatter and tuple(value.shape) in self.layout.split_shapes:
-            shard = False  # the replicated update sums a split weight's gradient as it is (see split_shapes)
-        p = Pending(self, value, shard, kind)
+        if shard and not self.layout.scatter and chunking.split:
+            shard = False  # the replicated update sums a split weight's gradient as it is (Chunking.split)
+        p = Pending(self, value, shard, kind, chunking)
         p.scatter = scatter
-        p.by = self.layout.by(value.shape) if shard else None
         if kind == "grad":
             # A bucket that was already full goes now, while the backward pass continues. It waits
             # until the next gradient sum arrives, so that the shape-only ops following the last
@@ -280,12 +281,13 @@ class Fuser:
         self.pending.append(p)
         return p
 
-    def move(self, old: Pending, value) -> Pending:
+    def move(self, old: Pending, value, chunking: Chunking) -> Pending:
         """``old``'s sum is deferred past a shape-only op: sum ``value`` (the op applied to the
-        local gradient) instead. Exact, since the op moves no value across elements."""
+        local gradient, chunked as ``chunking`` says) instead. Exact, since the op moves no value
+        across elements."""
         if old in self.pending:
             self.pending.remove(old)
-        return self.add(value, old.kind, scatter=old.scatter)
+        return self.add(value, old.kind, scatter=old.scatter, chunking=chunking)
 
     def flush(self, only: list[Pending] | None = None) -> None:
         if only is None:
@@ -295,7 +297,7 @@ class Fuser:
             self.pending = [q for q in self.pending if q not in only]
         groups: dict[tuple, list[Pending]] = {}
         for p in pending:
-            alone = p.kind == "grad" and not p.shard and tuple(p.value.shape) in self.layout.split_shapes
+            alone = p.kind == "grad" and not p.shard and p.chunking.split
             key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None)
             groups.setdefault(key, []).append(p)
         for (kind, shard, _, scatter, _, _), members in groups.items():

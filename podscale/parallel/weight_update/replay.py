@@ -13,6 +13,7 @@ scattered, and no work it needs is cut into chunks.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,32 +24,46 @@ from jax.extend import core
 
 from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel import interpret
-from podscale.parallel.interpret import GRAD_SUM, is_grad_sum
-from podscale.parallel.weight_update.chunks import Layout, Sharded
+from podscale.parallel.interpret import CALLS, GRAD_SUM, SHAPE_KEEPING, is_grad_sum
+from podscale.parallel.weight_update.chunks import ByPartition, Chunking, Layout, Sharded
 from podscale.parallel.weight_update.fusion import Collective, Fuser, Pending, Trace, gather
 
-ELEMENTWISE = frozenset(
-    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag
-    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
-    reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor""".split()
-)
 REDUCTIONS = {"reduce_sum": ("sum", 0), "reduce_max": ("max", -np.inf), "reduce_min": ("min", np.inf)}
 
 
 class Rewriter:
     """Replays a traced step with sharded layouts; see :mod:`podscale.parallel.weight_update`."""
 
-    def __init__(self, layout: Layout, trace: Trace):
+    def __init__(self, layout: Layout, trace: Trace, leaves: Sequence[tuple[int | None, bool]] = ()):
         self.layout, self.trace = layout, trace
+        self.leaves = tuple(leaves)
+        """Per state leaf (the step's first inputs): the dimension a model axis splits it along
+        (``None``: none) and whether it is a weight. A gradient is chunked as the leaves it is
+        computed with are split (:meth:`chunking`)."""
         self.fuser = Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
         self._update: dict[int, Any] = {}  # values downstream of a gradient sum (id -> value, kept alive)
+        self._kin = lambda var, ctx=(): frozenset()  # until :meth:`run` reads the step
 
     def run(self, closed, args) -> list:
         """Evaluates a traced step (the top-level jaxpr)."""
         self.forward = forward_used(closed.jaxpr)
+        self._kin = interpret.kin(closed.jaxpr, dict(zip(closed.jaxpr.invars, self.leaves)))
         return self.evaluate(closed.jaxpr, closed.consts, args)
+
+    def chunking(self, var, ctx: tuple, shape) -> Chunking:
+        """How a value of ``shape`` computed as ``var`` (under the calls ``ctx``) is chunked: per
+        model partition along the dimension that every state leaf it is kin to
+        (:func:`~podscale.parallel.interpret.kin`: the weight and optimizer state it is updated with)
+        is split along, where they all agree and the update chunks per partition; else flat.
+        ``split``: kin to a weight split over the model axis."""
+        found = self._kin(var, ctx)
+        dims = {dim for dim, _ in found}
+        split = any(dim is not None and weight for dim, weight in found)
+        by = None
+        if self.layout.chunks_per_partition and len(dims) == 1 and None not in dims:
+            by = ByPartition(tuple(shape), next(iter(dims)), self.layout.model_split)
+        return Chunking(by, split)
 
     # -- reading values -------------------------------------------------------------------
     def resolve(self, v):
@@ -61,7 +76,8 @@ class Rewriter:
         return v
 
     # -- the interpreter ------------------------------------------------------------------
-    def evaluate(self, jaxpr, consts, args) -> list:
+    def evaluate(self, jaxpr, consts, args, ctx: tuple = ()) -> list:
+        """``ctx``: the ids of the call equations ``jaxpr`` is under (see :meth:`chunking`)."""
         env, read = interpret.environment(jaxpr, consts, args)
         # Equations run in order, except that one waiting on a deferred collective (and all that
         # depend on it) waits until nothing else can run; then the collectives it waits on are
@@ -84,11 +100,11 @@ class Rewriter:
                     continue
                 if self._in_update(invals):
                     with jax.named_scope(UPDATE_SCOPE), interpret.source(eqn):
-                        outs = self.equation(eqn, invals)
+                        outs = self.equation(eqn, invals, ctx)
                     self._update.update((id(o), o) for o in outs)
                 else:
                     with interpret.source(eqn):
-                        outs = self.equation(eqn, invals)
+                        outs = self.equation(eqn, invals, ctx)
                 for var, val in zip(eqn.outvars, outs, strict=True):
                     env[var] = val
             if blocked:
@@ -127,31 +143,31 @@ class Rewriter:
         unresolved = any(isinstance(v, Pending) and v.result is None for v in invals)
         return unresolved and not self._movable(eqn, invals) and not is_grad_sum(eqn, self.layout.axes)
 
-    def equation(self, eqn, invals) -> list:
+    def equation(self, eqn, invals, ctx: tuple = ()) -> list:
         name = eqn.primitive.name
         if is_grad_sum(eqn, self.layout.axes):
             # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
             scatter = not any(v in self.forward for v in eqn.outvars)
-            return [self.fuser.add(v, scatter=scatter) for v in invals]
+            return [
+                self.fuser.add(v, scatter=scatter, chunking=self.chunking(out, ctx, np.shape(v)))
+                for v, out in zip(invals, eqn.outvars, strict=True)
+            ]
         if self._movable(eqn, invals):
             moved = self.bind(eqn, [invals[0].value, *[self.varying(a) for a in invals[1:]]])
-            return [self.fuser.move(invals[0], moved[0])]
+            return [self.fuser.move(invals[0], moved[0], self.chunking(eqn.outvars[0], ctx, np.shape(moved[0])))]
         vals = [self.resolve(v) for v in invals]
         has_shard = any(isinstance(v, Sharded) for v in vals)
-        if name in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call") and (
-            has_shard or interpret.contains_any(eqn, {GRAD_SUM})
-        ):
-            inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            inner_jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
+        if name in CALLS and (has_shard or interpret.contains_any(eqn, {GRAD_SUM})):
+            inner_jaxpr, consts = interpret.call_jaxpr(eqn)
             extra = len(vals) - len(inner_jaxpr.invars)
-            return self.evaluate(inner_jaxpr, consts, vals[extra:])
+            return self.evaluate(inner_jaxpr, consts, vals[extra:], (*ctx, id(eqn)))
         if not has_shard and self._redundant(eqn, vals):
             # Replicated work of the update on a large whole tensor (LAMB's weight norm, a weight
             # decay term): every replica would repeat it, so each does its chunk instead.
             big = [i for i, v in enumerate(vals) if self._sliceable(v)]
             sliced = list(vals)
             for i in big:
-                sliced[i] = self.layout.slice(vals[i])
+                sliced[i] = self.layout.slice(vals[i], self.chunking(eqn.invars[i], ctx, np.shape(vals[i])).by)
             result = self.on_shards(eqn, sliced)
             if result is not None:
                 return result
@@ -181,7 +197,7 @@ class Rewriter:
         if any(_varying(v.aval) for v in eqn.outvars) or not any(self._sliceable(v) for v in vals):
             return False
         name = eqn.primitive.name
-        if name in ELEMENTWISE:
+        if name in SHAPE_KEEPING:
             shapes = {tuple(np.shape(v)) for v in vals if np.shape(v) != ()}
             return len(shapes) == 1
         return name in REDUCTIONS and len(vals) == 1 and len(eqn.params["axes"]) == np.ndim(vals[0])
@@ -227,7 +243,7 @@ class Rewriter:
         shards = [v for v in vals if isinstance(v, Sharded)]
         shape = shards[0].shape
         by = shards[0].by  # how the chunks are laid out (per model partition, or flat)
-        if name in ELEMENTWISE:
+        if name in SHAPE_KEEPING:
             if any(s.shape != shape or s.by != by for s in shards):
                 return None
             args = []
