@@ -39,7 +39,7 @@ def gather(p: Partitioner, x, layout: Chunked):
         p.record("all-gather", p.axes, x, "updated chunks gathered into the whole weight", update=True)
         with jax.named_scope(UPDATE_SCOPE):
             return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
-    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use (fsdp)")
+    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use")
     return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
 
 
@@ -160,6 +160,6 @@ def _reduce(p: Partitioner, eqn, arg):
     local = p.bind(eqn, [v], **changes)[0]
     if p.one:
         return [(local, REPLICATED)]
-    p.record("all-reduce", p.axes, local, f"{name} over chunks (fsdp)")
+    p.record("all-reduce", p.axes, local, f"{name} over chunks")
     p.communications += 1
     return [(_REDUCTIONS[name](local, p.axes), REPLICATED)]
