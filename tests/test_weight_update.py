@@ -383,3 +383,22 @@ def test_batch_statistics_read_in_the_backward_pass_do_not_split_the_gradient_bu
     whys = [c.why for c in small]  # small tensors all-reduced, large ones reduce-scattered or all-reduced
     assert "gradient sum (small tensors)" in whys and len(whys) == len(set(whys)), whys
     assert max_abs_diff(ref.params, out.params) <= 1e-6 and max_abs_diff(ref.batch_stats, out.batch_stats) <= 1e-6
+
+
+def test_batch_statistics_are_summed_whole_not_scattered_into_chunks_and_gathered_again():
+    """The sharded update keeps optimizer state chunked along a dimension of its own (the 1-D
+    sum), and sums into such chunks the partial sums that only the update reads. A batch norm's
+    statistics are read over the rows by the forward and backward passes: summed into chunks,
+    each was all-gathered again at its use (the tiny ResNet-50 on 4 replicas: 40 reduce-scatters
+    and 50 all-gathers of them). They are all-reduced once; the gradients still go into chunks;
+    one device's result, within the norm-based optimizers' 1e-6."""
+    task = make_task("resnet", "synthetic", seed=0)
+    tx = optax.lars(0.1)
+    out, dp, (step, state, batches) = _run(task, tx, "sharded", steps=2, min_shard_size=16)
+    gathered = [c for c in dp.trace.collectives if "gathered for its use" in c.why]
+    assert not gathered, [(c.kind, c.bytes_per_device) for c in gathered]
+    chunked = [leaf for leaf in dp.layout.leaves if leaf.chunked and len(leaf.shape) == 4]
+    scattered = [c for c in dp.trace.collectives if c.kind == "reduce-scatter"]
+    assert chunked and len(scattered) >= len(chunked)  # each kernel's gradient, and its momentum's
+    ref, _ = run_single(step, state, batches)
+    assert max_abs_diff(ref.params, out.params) <= 1e-6 and max_abs_diff(ref.batch_stats, out.batch_stats) <= 1e-6

@@ -165,3 +165,67 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
         return frozen.get(find((ctx, var)), frozenset())
 
     return kin_of
+
+
+_WHOLE_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+
+
+def update_only(jaxpr) -> frozenset:
+    """The variables computed in ``jaxpr`` whose whole elementwise family (the variables joined
+    to them by shape-keeping elementwise equations, as in :func:`kin`, within ``jaxpr`` and the
+    calls it makes) is read by nothing but shape-keeping elementwise ops, reductions and
+    ``jaxpr``'s outputs: an optimizer's update of a gradient (``g * g``, ``mu * b1 + g * (1 - b1)``,
+    ``w - lr * u``), which can run on chunks from end to end. A batch statistic's family is not:
+    the forward or backward pass broadcasts it over the rows, so it is needed whole. The reads of
+    ``jaxpr``'s inputs (a weight's use in the forward pass) do not count: only computed variables'."""
+    find, opened = _families(jaxpr, inputs=False)
+    computed = {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
+    return frozenset(v for v in computed if find(v) not in opened)
+
+
+def _families(jaxpr, inputs: bool) -> tuple[Callable, set]:
+    """:func:`update_only`'s families of ``jaxpr`` (``find``: a variable's root) and the roots of
+    those read otherwise. ``inputs``: ``jaxpr``'s inputs join families too (a called jaxpr's,
+    whose inputs are its caller's variables)."""
+    parent: dict = {}
+
+    def find(v):
+        while parent.get(v, v) is not v:
+            v = parent[v]
+        return v
+
+    def join(a, b):
+        ra, rb = find(a), find(b)
+        if ra is not rb:
+            parent[ra] = rb
+
+    member = {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
+    if inputs:
+        member |= set(jaxpr.invars)
+    opened: set = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [v for v in eqn.invars if isinstance(v, core.Var) and v in member]
+        out = eqn.outvars[0] if eqn.outvars else None
+        shape = getattr(getattr(out, "aval", None), "shape", None)
+        if name in SHAPE_KEEPING and shape:
+            for v in [*ins, *eqn.outvars[1:]]:
+                if v.aval.shape == shape:
+                    join(v, out)
+            opened.update(v for v in ins if v.aval.shape != shape)  # read otherwise
+        elif name in CALLS:
+            inner, _ = call_jaxpr(eqn)
+            ifind, iopen = _families(inner, inputs=True)
+            extra = len(eqn.invars) - len(inner.invars)
+            callers: dict = {}
+            for a, b in zip(eqn.invars[extra:], inner.invars):
+                if isinstance(a, core.Var) and a in member:
+                    if ifind(b) in iopen:
+                        opened.add(a)
+                    callers.setdefault(ifind(b), []).append(a)
+            for b, o in zip(eqn.outvars, inner.outvars):
+                for a in callers.get(ifind(o), []) if isinstance(o, core.Var) else ():
+                    join(a, b)
+        elif name not in _WHOLE_REDUCTIONS:
+            opened.update(ins)
+    return find, {find(v) for v in opened}

@@ -74,6 +74,12 @@ class Partitioner:
         """A partial sum of at least ``min_chunk`` elements that the update reads elementwise is
         reduce-scattered into chunks (:func:`.chunked.settle`): FSDP, and the sharded update's
         chunks along a dimension (``state_layout.decide``)."""
+        self.update_only: set = set()
+        """Variables of the jaxprs run so far that only an update reads
+        (:func:`~podscale.parallel.interpret.update_only`): the sharded update sums a partial sum
+        into chunks for such a family only (a batch statistic is read whole by the forward pass:
+        summed into chunks, it would be gathered again)."""
+        self._read: set[int] = set()
         self.leaving = False
         """Set while the step's outputs are converted to their stored layouts: a chunk gathered
         then is an updated weight's (the update's traffic, for the plan), not a use's."""
@@ -368,6 +374,9 @@ class Partitioner:
             self._memo = saved
 
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
+        if id(jaxpr) not in self._read and self.chunk_partials and not self.fsdp:
+            self._read.add(id(jaxpr))
+            self.update_only |= interpret.update_only(jaxpr)
         env: dict[Any, tuple[Any, Layout]] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)
