@@ -107,6 +107,26 @@ def call_jaxpr(eqn) -> tuple[Any, Sequence[Any]]:
     return (inner.jaxpr, inner.consts) if isinstance(inner, core.ClosedJaxpr) else (inner, ())
 
 
+class _Families:
+    """Disjoint sets of hashable keys (union-find, with path compression)."""
+
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, key):
+        root = key
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while key != root:
+            self.parent[key], key = root, self.parent.get(key, key)
+        return root
+
+    def join(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
 def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
     """Which ``seeds`` (``{input variable: label}``) each variable of ``jaxpr`` is kin to: the
     labels of the seeds joined to it by chains of shape-keeping elementwise equations
@@ -116,20 +136,8 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
     by the state leaves it is computed with, not by its shape. A variable is named with the path of
     call equations it sits under (``ctx``, a tuple of their ids): one traced sub-jaxpr called for
     two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``."""
-    parent: dict = {}
-
-    def find(k):
-        root = k
-        while parent.get(root, root) != root:
-            root = parent[root]
-        while k != root:
-            parent[k], k = root, parent.get(k, k)
-        return root
-
-    def join(a, b):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[ra] = rb
+    families = _Families()
+    find, join = families.find, families.join
 
     def joinable(v) -> bool:
         return isinstance(v, core.Var) and len(getattr(v.aval, "shape", ())) > 0
@@ -187,17 +195,8 @@ def _families(jaxpr, inputs: bool) -> tuple[Callable, set]:
     """:func:`update_only`'s families of ``jaxpr`` (``find``: a variable's root) and the roots of
     those read otherwise. ``inputs``: ``jaxpr``'s inputs join families too (a called jaxpr's,
     whose inputs are its caller's variables)."""
-    parent: dict = {}
-
-    def find(v):
-        while parent.get(v, v) is not v:
-            v = parent[v]
-        return v
-
-    def join(a, b):
-        ra, rb = find(a), find(b)
-        if ra is not rb:
-            parent[ra] = rb
+    families = _Families()
+    find, join = families.find, families.join
 
     member = {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
     if inputs:
