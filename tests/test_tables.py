@@ -382,3 +382,43 @@ def test_an_embedding_looked_up_by_more_ids_than_it_has_rows_is_no_table():
     assert split == {"['per_example']['embedding']"}, split
     rows = {t["path"]: t["min_rows"] for t in dp.plan(params, batch).tables["tables"]}
     assert rows == {"['per_example']['embedding']": 32, "['per_token']['embedding']": 512}, rows
+
+
+def test_a_weight_of_a_tables_shape_that_is_no_table_keeps_its_own_gradient():
+    """Two embeddings of one shape, [256, 8]: the rules split ``split`` over the model axis, so
+    only ``table`` is split by rows over the data axes. A table's gradient is known by its kin
+    (the table and optimizer state it is updated with), not its shape: only ``table``'s lookup
+    gradient goes to the replicas holding the rows (keyed by shape, ``split``'s went that way too,
+    to be gathered whole again); 2 steps equal one device's."""
+    import jax.numpy as jnp
+
+    from podscale.parallel.tensor import Rules
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"table": jax.random.normal(k1, (256, 8)), "split": jax.random.normal(k2, (256, 8))}
+
+    def step(p, batch):
+        def loss_fn(p):
+            a = jnp.take(p["table"], batch["ids"], axis=0)
+            b = jnp.take(p["split"], batch["other"], axis=0)
+            return jnp.mean((a * b).sum(-1) - batch["y"]) ** 2
+
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, g), {"loss": loss}
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "ids": rng.integers(0, 256, 16),
+            "other": rng.integers(0, 256, 16),
+            "y": rng.normal(size=16).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    dp = data_parallel(step, make_mesh((4, 2)), model_parallel=2, rules=Rules(((r"split$", 1),)))
+    got, _ = run_parallel(dp, params, batches)
+    assert [leaf.path for leaf in dp.layout.leaves if leaf.table] == ["['table']"]
+    to_rows = [c for c in dp.trace.collectives if c.why.startswith("cotangents of looked-up rows")]
+    assert len(to_rows) == 1, [c.why for c in dp.trace.collectives]
+    want, _ = run_single(step, params, batches)
+    assert relative_error(got, want, floor=1e-12) <= 1e-6

@@ -205,6 +205,7 @@ def partitioner(
     batch_rows: int | None,
     tables: dict,
     *,
+    table_leaves: dict[int, int] | None = None,
     independent_rng: bool = False,
     fsdp: bool = False,
     min_chunk: int = 1,
@@ -229,6 +230,7 @@ def partitioner(
             role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
         },
         tables=tables,
+        table_leaves=table_leaves,
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,
@@ -250,6 +252,7 @@ def local_program(
         roles,
         rows,
         {leaf.shape: leaf.table_rows for leaf in leaves or () if leaf.table},
+        table_leaves={i: leaf.table_rows for i, leaf in enumerate(leaves or ()) if leaf.table},
         independent_rng=strategy.rng == "independent",
         fsdp=strategy.fsdp and leaves is not None,  # the forward pass's probe: the plain program
         min_chunk=strategy.min_shard_size,

@@ -168,8 +168,9 @@ def scatter(p: Partitioner, eqn, ins):
             return [(o, Split(d)) for o in p.bind(eqn, vals)]
     if eqn.primitive.name not in ("scatter-add", "scatter_add"):
         return None
-    if oshape in p.tables:  # the gradient of a table split by rows: it stays split by rows
-        out = tables.gradient(p, eqn, ins, p.tables[oshape])
+    rows = p.table_rows_of(eqn.outvars[0])
+    if rows:  # the gradient of a table split by rows: it stays split by rows
+        out = tables.gradient(p, eqn, ins, rows)
         if out is not None:
             return out
     # Rows of updates scattered into a whole operand (an embedding's gradient): each replica adds

@@ -38,7 +38,11 @@ def _inline(param: str):
         extra = len(ins) - len(jaxpr.invars)
         # Inlined even when every input is whole: the replay then sees one flat program and can
         # run a nested helper's update work (optax's jitted norms) on shards too.
-        return p.run(jaxpr, consts, ins[extra:])
+        outer, p.ctx = p.ctx, (*p.ctx, id(eqn))
+        try:
+            return p.run(jaxpr, consts, ins[extra:])
+        finally:
+            p.ctx = outer
 
     return rule
 

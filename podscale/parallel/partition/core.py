@@ -61,6 +61,7 @@ class Partitioner:
         region_axes: dict[str, tuple[str, int]] | None = None,
         conv_size: int = 1,
         tables: dict[tuple[int, ...], int] | None = None,
+        table_leaves: dict[int, int] | None = None,
         fsdp: bool = False,
         min_chunk: int = 1,
         chunk_partials: bool | None = None,
@@ -88,8 +89,16 @@ class Partitioner:
         (a collective recorded there runs that many times)."""
         self.tables = dict(tables or {})
         """The global shapes of the tables the placement splits by rows over the data axes, each
-        with its rows per replica (:mod:`~podscale.parallel.partition.tables`): a gradient
-        scattered into a zero table of such a shape stays split by rows."""
+        with its rows per replica (:mod:`~podscale.parallel.partition.tables`): the geometry in
+        which a whole value of such a shape is cut into padded blocks of rows to meet one."""
+        self.table_leaves = dict(table_leaves or {})
+        """``{input index: rows per replica}``: the step's inputs that are tables split by rows
+        (and their optimizer state). A gradient scattered into a zero table stays split by rows
+        where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
+        self.ctx: tuple = ()
+        """The ids of the call equations whose jaxpr is running (``control._inline``): how
+        :func:`~podscale.parallel.interpret.kin` names a variable inside a call."""
+        self._table_kin = None
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
@@ -373,7 +382,16 @@ class Partitioner:
         finally:
             self._memo = saved
 
+    def table_rows_of(self, var) -> int | None:
+        """The rows per replica of the table split by rows that ``var`` (in the running jaxpr) is
+        computed elementwise with (its gradient, updated with it and its optimizer state), or
+        ``None``."""
+        found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
+        return next(iter(found)) if len(found) == 1 else None
+
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
+        if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
+            self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
         if id(jaxpr) not in self._read and self.chunk_partials and not self.fsdp:
             self._read.add(id(jaxpr))
             self.update_only |= interpret.update_only(jaxpr)
