@@ -422,3 +422,31 @@ def test_a_weight_of_a_tables_shape_that_is_no_table_keeps_its_own_gradient():
     assert len(to_rows) == 1, [c.why for c in dp.trace.collectives]
     want, _ = run_single(step, params, batches)
     assert relative_error(got, want, floor=1e-12) <= 1e-6
+
+
+def test_a_tables_gradient_under_jax_checkpoint_stays_split_by_rows():
+    """The lookup inside ``jax.checkpoint``: its gradient's ``scatter-add`` sits in the remat's
+    body, which the kin's walk does not enter; there the table is still known by its shape, so
+    the gradient stays split by rows (no all-reduce of the table's size) and equals one device's."""
+    import jax.numpy as jnp
+
+    table = jax.random.normal(jax.random.key(0), (256, 8))
+
+    def step(p, batch):
+        @jax.checkpoint
+        def loss_fn(p):
+            return jnp.mean((jnp.take(p["table"], batch["ids"], axis=0).sum(-1) - batch["y"]) ** 2)
+
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, g), {"loss": loss}
+
+    rng = np.random.default_rng(1)
+    batches = [{"ids": rng.integers(0, 256, 16), "y": rng.normal(size=16).astype(np.float32)} for _ in range(2)]
+    dp = data_parallel(step, make_mesh(), weight_update="replicated")
+    got, _ = run_parallel(dp, {"table": table}, batches)
+    assert [leaf.table_rows for leaf in dp.layout.leaves] == [32]
+    whys = [c.why for c in dp.trace.collectives]
+    assert any(w.startswith("cotangents of looked-up rows") for w in whys), whys
+    assert not [c for c in dp.trace.collectives if c.bytes_per_device >= 256 * 8 * 4], whys
+    want, _ = run_single(step, {"table": table}, batches)
+    assert relative_error(got, want, floor=1e-12) <= 1e-6

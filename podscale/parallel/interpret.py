@@ -8,6 +8,7 @@ knows is an error there, never a silent skip.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -127,7 +128,7 @@ class _Families:
             self.parent[ra] = rb
 
 
-def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
+def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset | None]:
     """Which ``seeds`` (``{input variable: label}``) each variable of ``jaxpr`` is kin to: the
     labels of the seeds joined to it by chains of shape-keeping elementwise equations
     (:data:`SHAPE_KEEPING`) between same-shaped non-scalar variables, into and out of calls
@@ -135,14 +136,19 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
     moment ``mu`` it is added to, and ``w - lr * u`` the update kin to its weight: a value is known
     by the state leaves it is computed with, not by its shape. A variable is named with the path of
     call equations it sits under (``ctx``, a tuple of their ids): one traced sub-jaxpr called for
-    two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``."""
+    two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``: ``None`` for a variable the
+    walk did not reach (inside a loop's, a branch's or a remat's body)."""
     families = _Families()
     find, join = families.find, families.join
+
+    walked: set = set()
 
     def joinable(v) -> bool:
         return isinstance(v, core.Var) and len(getattr(v.aval, "shape", ())) > 0
 
     def walk(jaxpr, ctx: tuple) -> None:
+        walked.update((ctx, v) for v in jaxpr.invars)
+        walked.update((ctx, v) for eqn in jaxpr.eqns for v in eqn.outvars)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name in SHAPE_KEEPING:
@@ -153,11 +159,9 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
                     if joinable(v) and v.aval.shape == out.aval.shape:
                         join((ctx, out), (ctx, v))
             elif name in CALLS:
-                inner, _ = call_jaxpr(eqn)
-                inside = (*ctx, id(eqn))
-                extra = len(eqn.invars) - len(inner.invars)
-                for a, b in [*zip(eqn.invars[extra:], inner.invars), *zip(eqn.outvars, inner.outvars)]:
-                    if joinable(a) and joinable(b):
+                inner, inside = call_jaxpr(eqn)[0], (*ctx, id(eqn))
+                for a, b in _call_pairs(eqn, inner):
+                    if joinable(a) and joinable(b) and a.aval.shape == b.aval.shape:
                         join((ctx, a), (inside, b))
                 walk(inner, inside)
 
@@ -167,64 +171,90 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset]:
         labels.setdefault(find(((), var)), set()).add(label)
     frozen = {root: frozenset(found) for root, found in labels.items()}
 
-    def kin_of(var, ctx: tuple = ()) -> frozenset:
+    def kin_of(var, ctx: tuple = ()) -> frozenset | None:
         if not isinstance(var, core.Var):
             return frozenset()
+        if (ctx, var) not in walked:  # in a loop's or a remat's body, which the walk does not enter
+            return None
         return frozen.get(find((ctx, var)), frozenset())
 
     return kin_of
 
 
+def _call_pairs(eqn, inner) -> list[tuple[Any, Any]]:
+    """A call's (:data:`CALLS`) operands with its jaxpr's inputs, and its results with its
+    jaxpr's outputs; none where they do not line up (a form not known here: nothing is joined
+    across it, which costs only chunking, never a value)."""
+    extra = len(eqn.invars) - len(inner.invars)
+    if extra < 0 or len(eqn.outvars) != len(inner.outvars):
+        return []
+    return [*zip(eqn.invars[extra:], inner.invars), *zip(eqn.outvars, inner.outvars)]
+
+
 _WHOLE_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
+_MOVES = frozenset("reshape squeeze expand_dims broadcast_in_dim transpose reduce_sum reduce_max reduce_min".split())
+"""Shape ops that, where their result has their operand's element count, move no element:
+:func:`update_only` keeps the two in one family."""
 
 
-def update_only(jaxpr) -> frozenset:
-    """The variables computed in ``jaxpr`` whose whole elementwise family (the variables joined
-    to them by shape-keeping elementwise equations, as in :func:`kin`, within ``jaxpr`` and the
-    calls it makes) is read by nothing but shape-keeping elementwise ops, reductions and
-    ``jaxpr``'s outputs: an optimizer's update of a gradient (``g * g``, ``mu * b1 + g * (1 - b1)``,
-    ``w - lr * u``), which can run on chunks from end to end. A batch statistic's family is not:
-    the forward or backward pass broadcasts it over the rows, so it is needed whole. The reads of
-    ``jaxpr``'s inputs (a weight's use in the forward pass) do not count: only computed variables'."""
-    find, opened = _families(jaxpr, inputs=False)
-    computed = {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
-    return frozenset(v for v in computed if find(v) not in opened)
+def _size(var) -> int:
+    return math.prod(getattr(var.aval, "shape", ()))
 
 
-def _families(jaxpr, inputs: bool) -> tuple[Callable, set]:
-    """:func:`update_only`'s families of ``jaxpr`` (``find``: a variable's root) and the roots of
-    those read otherwise. ``inputs``: ``jaxpr``'s inputs join families too (a called jaxpr's,
-    whose inputs are its caller's variables)."""
+def update_only(jaxpr) -> Callable[[Any, tuple], bool]:
+    """Whether a variable of ``jaxpr`` (under the calls ``ctx``, as in :func:`kin`) belongs to an
+    elementwise family (variables joined by shape-keeping elementwise equations, into and out of
+    calls, and through shape ops that move no element) read by nothing but shape-keeping
+    elementwise ops, reductions and the outputs: an
+    optimizer's update of a gradient (``g * g``, ``mu * b1 + g * (1 - b1)``, ``w - lr * u``), which
+    can run on chunks from end to end. A batch statistic's family is not: the forward or backward
+    pass broadcasts it over the rows, so it is needed whole. Only computed variables count: the
+    reads of ``jaxpr``'s inputs (a weight's use in the forward pass) do not, and the inputs join no
+    family. A loop's, a branch's or a remat's body is read on its own (its inputs are not computed
+    there). Returns ``is_update_only(var, ctx=())``."""
     families = _Families()
     find, join = families.find, families.join
+    opened: list = []
+    computed: set = set()
 
-    member = {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
-    if inputs:
-        member |= set(jaxpr.invars)
-    opened: set = set()
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        ins = [v for v in eqn.invars if isinstance(v, core.Var) and v in member]
-        out = eqn.outvars[0] if eqn.outvars else None
-        shape = getattr(getattr(out, "aval", None), "shape", None)
-        if name in SHAPE_KEEPING and shape:
-            for v in [*ins, *eqn.outvars[1:]]:
-                if v.aval.shape == shape:
-                    join(v, out)
-            opened.update(v for v in ins if v.aval.shape != shape)  # read otherwise
-        elif name in CALLS:
-            inner, _ = call_jaxpr(eqn)
-            ifind, iopen = _families(inner, inputs=True)
-            extra = len(eqn.invars) - len(inner.invars)
-            callers: dict = {}
-            for a, b in zip(eqn.invars[extra:], inner.invars):
-                if isinstance(a, core.Var) and a in member:
-                    if ifind(b) in iopen:
-                        opened.add(a)
-                    callers.setdefault(ifind(b), []).append(a)
-            for b, o in zip(eqn.outvars, inner.outvars):
-                for a in callers.get(ifind(o), []) if isinstance(o, core.Var) else ():
-                    join(a, b)
-        elif name not in _WHOLE_REDUCTIONS:
-            opened.update(ins)
-    return find, {find(v) for v in opened}
+    def walk(jaxpr, ctx: tuple, members: set) -> None:
+        member = members | {v for eqn in jaxpr.eqns for v in eqn.outvars if isinstance(v, core.Var)}
+        computed.update((ctx, v) for v in member)
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = [v for v in eqn.invars if isinstance(v, core.Var) and v in member]
+            out = eqn.outvars[0] if eqn.outvars else None
+            shape = getattr(getattr(out, "aval", None), "shape", None)
+            if name in SHAPE_KEEPING and shape:
+                for v in [*ins, *(o for o in eqn.outvars[1:] if isinstance(o, core.Var))]:
+                    if v.aval.shape == shape:
+                        join((ctx, v), (ctx, out))
+                    else:
+                        opened.append((ctx, v))  # a scalar or broadcast operand: read otherwise
+            elif name in CALLS:
+                inner, inside = call_jaxpr(eqn)[0], (*ctx, id(eqn))
+                pairs = _call_pairs(eqn, inner)
+                entering = set()
+                for a, b in pairs[: len(inner.invars) if pairs else 0]:
+                    if isinstance(a, core.Var) and a in member:
+                        entering.add(b)
+                        join((ctx, a), (inside, b))
+                for a, b in pairs[len(inner.invars) if pairs else 0 :]:
+                    if isinstance(a, core.Var) and isinstance(b, core.Var):
+                        join((ctx, a), (inside, b))
+                walk(inner, inside, entering)
+            elif name in _MOVES and len(ins) == 1 and len(eqn.outvars) == 1 and _size(ins[0]) == _size(out):
+                join((ctx, ins[0]), (ctx, out))  # moves no element (a unit axis, a transpose): one family
+            else:
+                if name not in _WHOLE_REDUCTIONS:
+                    opened.extend((ctx, v) for v in ins)
+                for sub in sub_jaxprs(eqn):  # a body of its own, read as the partitioner runs it
+                    walk(sub, ctx, set())
+
+    walk(jaxpr, (), set())
+    roots = {find(k) for k in opened}
+
+    def is_update_only(var, ctx: tuple = ()) -> bool:
+        return (ctx, var) in computed and find((ctx, var)) not in roots
+
+    return is_update_only

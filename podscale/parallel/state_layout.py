@@ -570,6 +570,6 @@ def partition_dims(jaxpr, model_dims: Sequence[int | None]) -> tuple[int | None,
     kin = interpret.kin(jaxpr, {var: (i, dim) for i, (var, dim) in enumerate(zip(jaxpr.invars, model_dims))})
     out = []
     for var, dim in zip(jaxpr.invars, model_dims):
-        dims = {d for _, d in kin(var)}
+        dims = {d for _, d in kin(var) or ()}
         out.append(dim if dim is not None and dims == {dim} else None)
     return tuple(out)

@@ -89,7 +89,7 @@ def settle(p: Partitioner, eqn, ins, i: int):
         others = [lay for _, lay in ins if lay not in (REPLICATED, PARTIAL) and not isinstance(lay, Chunked)]
         if len(dims) == 1 and not others:
             target = Chunked(dims.pop())
-        elif not dims and not others and (p.fsdp or eqn.outvars[0] in p.update_only):
+        elif not dims and not others and (p.fsdp or p.only_updated(eqn.outvars[0])):
             target = chunk_of(p, shape) or REPLICATED
     return p.convert(value, layout, target), target
 

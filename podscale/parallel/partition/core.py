@@ -75,12 +75,10 @@ class Partitioner:
         """A partial sum of at least ``min_chunk`` elements that the update reads elementwise is
         reduce-scattered into chunks (:func:`.chunked.settle`): FSDP, and the sharded update's
         chunks along a dimension (``state_layout.decide``)."""
-        self.update_only: set = set()
-        """Variables of the jaxprs run so far that only an update reads
-        (:func:`~podscale.parallel.interpret.update_only`): the sharded update sums a partial sum
-        into chunks for such a family only (a batch statistic is read whole by the forward pass:
-        summed into chunks, it would be gathered again)."""
-        self._read: set[int] = set()
+        self._update_only = None
+        """:func:`~podscale.parallel.interpret.update_only` of the step's jaxpr: the sharded update
+        sums a partial sum into chunks for such a family only (a batch statistic is read whole by
+        the forward pass: summed into chunks, it would be gathered again)."""
         self.leaving = False
         """Set while the step's outputs are converted to their stored layouts: a chunk gathered
         then is an updated weight's (the update's traffic, for the plan), not a use's."""
@@ -385,16 +383,21 @@ class Partitioner:
     def table_rows_of(self, var) -> int | None:
         """The rows per replica of the table split by rows that ``var`` (in the running jaxpr) is
         computed elementwise with (its gradient, updated with it and its optimizer state), or
-        ``None``."""
+        ``None``. In a body the kin's walk does not enter (a loop's, a remat's), by its shape."""
         found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
+        if found is None:
+            return self.tables.get(global_shape(var))
         return next(iter(found)) if len(found) == 1 else None
+
+    def only_updated(self, var) -> bool:
+        """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
+        return self._update_only is not None and self._update_only(var, self.ctx)
 
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
             self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
-        if id(jaxpr) not in self._read and self.chunk_partials and not self.fsdp:
-            self._read.add(id(jaxpr))
-            self.update_only |= interpret.update_only(jaxpr)
+        if self._update_only is None and self.chunk_partials and not self.fsdp and not self.ctx:
+            self._update_only = interpret.update_only(jaxpr)  # the step's own jaxpr, run first
         env: dict[Any, tuple[Any, Layout]] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)

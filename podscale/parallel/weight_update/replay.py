@@ -57,7 +57,7 @@ class Rewriter:
         (:func:`~podscale.parallel.interpret.kin`: the weight and optimizer state it is updated with)
         is split along, where they all agree and the update chunks per partition; else flat.
         ``split``: kin to a weight split over the model axis."""
-        found = self._kin(var, ctx)
+        found = self._kin(var, ctx) or frozenset()
         dims = {dim for dim, _ in found}
         split = any(dim is not None and weight for dim, weight in found)
         by = None
