@@ -118,3 +118,29 @@ def podscale_main(argv: list[str]) -> int:
         return cli.main(argv)
     except SystemExit as exit_:
         return exit_.code
+
+
+def two_layer(width: int, hidden, tx, seed: int = 0, scale: float = 0.3):
+    """A regression step over two ``[width, width]`` weights ``w1``, ``w2`` (optax ``tx``; loss
+    ``mean((hidden(x @ w1) @ w2 - y) ** 2)``) and its initial ``(params, opt_state)``."""
+    import optax
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w1": jax.random.normal(k1, (width, width)) * scale, "w2": jax.random.normal(k2, (width, width)) * scale}
+
+    def step(state, batch):
+        p, opt = state
+        loss, g = jax.value_and_grad(lambda p: ((hidden(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2).mean())(p)
+        updates, opt = tx.update(g, opt, p)
+        return (optax.apply_updates(p, updates), opt), {"loss": loss}
+
+    return step, (params, tx.init(params))
+
+
+def regression_batches(rows: int, width: int, count: int, seed: int = 0) -> list[dict]:
+    """``count`` batches of ``rows`` normal float32 inputs ``x`` and targets ``y``, ``width`` wide."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
+        for _ in range(count)
+    ]

@@ -90,28 +90,12 @@ def test_two_weights_of_one_shape_split_along_different_dimensions_each_keep_the
     step's data flow), not as every leaf of its shape: each weight's Adam moments are chunked per
     model partition along that weight's own dimension (keyed by shape, both fell back to flat
     chunks), no update op runs on gathered values, and 3 steps equal one device's."""
-    from helpers import relative_error, run_parallel, run_single
+    from helpers import regression_batches, relative_error, run_parallel, run_single, two_layer
 
     from podscale.parallel.tensor import Rules
 
-    k1, k2 = jax.random.split(jax.random.key(1))
-    params = {"w1": jax.random.normal(k1, (16, 16)) * 0.3, "w2": jax.random.normal(k2, (16, 16)) * 0.3}
-    tx = optax.adam(1e-2)
-    state = (params, tx.init(params))
-
-    def step(state, batch):
-        p, opt = state
-        loss, g = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2))(
-            p
-        )
-        updates, opt = tx.update(g, opt, p)
-        return (optax.apply_updates(p, updates), opt), {"loss": loss}
-
-    rng = np.random.default_rng(0)
-    batches = [
-        {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16, 16)).astype(np.float32)}
-        for _ in range(3)
-    ]
+    step, state = two_layer(16, jnp.tanh, optax.adam(1e-2), seed=1)
+    batches = regression_batches(16, 16, 3)
     rules = Rules(((r"w1$", 1), (r"w2$", 0)), name="column then row")
     dp = data_parallel(
         step, make_mesh((4, 2)), model_parallel=2, rules=rules, weight_update="sharded", min_shard_size=64

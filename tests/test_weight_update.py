@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EXACT, FMA_OFF, max_abs_diff, run_parallel, run_single
+from helpers import EXACT, FMA_OFF, max_abs_diff, regression_batches, run_parallel, run_single, two_layer
 
 from podscale import data_parallel, make_mesh
 from podscale.train.tasks import make_task, make_train_step
@@ -409,28 +409,12 @@ def test_statistics_computed_in_a_jitted_helper_are_summed_whole_too():
     sum through a unit-axis reduction before broadcasting it over the rows: followed into the call
     and through the shape ops that move no element, it is all-reduced, not scattered into chunks
     and gathered again; the gradients still go into chunks; one device's result."""
-    k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.random.normal(k1, (64, 64)) * 0.2, "w2": jax.random.normal(k2, (64, 64)) * 0.2}
-    tx = optax.adam(1e-2)
-    state = (params, tx.init(params))
 
-    def step(state, batch):
-        p, opt = state
+    def normalized(h):  # a batch norm without parameters, its variance by jnp.var
+        return jnp.tanh((h - jnp.mean(h, 0)) / jnp.sqrt(jnp.var(h, 0) + 1e-5))
 
-        def loss_fn(p):
-            h = batch["x"] @ p["w1"]
-            h = (h - jnp.mean(h, 0)) / jnp.sqrt(jnp.var(h, 0) + 1e-5)
-            return jnp.mean((jnp.tanh(h) @ p["w2"] - batch["y"]) ** 2)
-
-        loss, g = jax.value_and_grad(loss_fn)(p)
-        u, opt = tx.update(g, opt, p)
-        return (optax.apply_updates(p, u), opt), {"loss": loss}
-
-    rng = np.random.default_rng(0)
-    batches = [
-        {"x": rng.normal(size=(32, 64)).astype(np.float32), "y": rng.normal(size=(32, 64)).astype(np.float32)}
-        for _ in range(2)
-    ]
+    step, state = two_layer(64, normalized, optax.adam(1e-2), scale=0.2)
+    batches = regression_batches(32, 64, 2)
     dp = data_parallel(step, make_mesh(), weight_update="sharded", min_shard_size=16)
     got, _ = run_parallel(dp, state, batches)
     assert not [c for c in dp.trace.collectives if "gathered for its use" in c.why]

@@ -7,9 +7,9 @@ end) split over every mesh axis, so each replica holds one chunk. ``store``/``un
 between the two; checkpoints hold the stored layout, and a restore converts it into another
 placement's (``train.saving.CheckpointForm``).
 
-A sharded leaf that a sharding rule splits over the model axis (``chunk_dim``, where the leaves it
-is updated with are split alike: :func:`partition_dims`) is chunked per model partition, then over the replicas (``weight_update.ByPartition``): its flat
-vector is ``[N, k, c]``, device ``(replica r, partition m)`` holding a 1/N piece of partition m's
+A sharded leaf that a sharding rule splits over the model axis (``chunk_dim``, where the leaves
+it is updated with are split alike: :func:`partition_dims`) is chunked per model partition, then
+over the replicas (``weight_update.ByPartition``): its flat vector is ``[N, k, c]``, device ``(replica r, partition m)`` holding a 1/N piece of partition m's
 slice of the leaf, the slice it holds of the split weight itself.
 """
 
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from podscale.parallel import interpret
 from podscale.parallel.partition.layouts import REPLICATED, Chunked, Split, chunk_dim
 from podscale.parallel.weight_update import ByPartition, chunk_layout
-from podscale.parallel.weight_update.chunks import by_partition_layout, from_rows, to_rows
+from podscale.parallel.weight_update.chunks import agreed_dim, by_partition_layout, from_rows, to_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,8 +568,4 @@ def partition_dims(jaxpr, model_dims: Sequence[int | None]) -> tuple[int | None,
     The weight update's replay chunks a gradient by the same rule (``Rewriter.chunking``), so two
     leaves of one shape split along different dimensions each keep their own."""
     kin = interpret.kin(jaxpr, {var: (i, dim) for i, (var, dim) in enumerate(zip(jaxpr.invars, model_dims))})
-    out = []
-    for var, dim in zip(jaxpr.invars, model_dims):
-        dims = {d for _, d in kin(var) or ()}
-        out.append(dim if dim is not None and dims == {dim} else None)
-    return tuple(out)
+    return tuple(agreed_dim(d for _, d in kin(var) or ()) for var in jaxpr.invars[: len(model_dims)])

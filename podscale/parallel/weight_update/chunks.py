@@ -135,6 +135,15 @@ FLAT = Chunking()
 """Flat chunks, kin to no split weight."""
 
 
+def agreed_dim(dims) -> int | None:
+    """The dimension to chunk per model partition along, from the dimensions a model axis splits
+    the state leaves a value is kin to (``None`` for a leaf it does not split): the one they all
+    agree on, else ``None`` (flat chunks). The stored state (``state_layout.partition_dims``) and
+    the replay's gradients (``Rewriter.chunking``) are chunked by this one rule."""
+    dims = set(dims)
+    return next(iter(dims)) if len(dims) == 1 and None not in dims else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharded:
     """This replica's chunk of a tensor of shape ``shape``: flat, padded, 1/N of the elements;

@@ -247,7 +247,11 @@ class Pending:
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
         self.chunking = chunking
-        self.by = chunking.by if shard else None  # a sharded gradient's chunking (per model partition, or flat)
+
+    @property
+    def by(self):
+        """A sharded gradient's chunking: per model partition, or ``None`` (flat)."""
+        return self.chunking.by if self.shard else None
 
     def get(self):
         if self.result is None:

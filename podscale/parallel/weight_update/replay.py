@@ -25,7 +25,7 @@ from jax.extend import core
 from podscale.compiled.hlo import UPDATE_SCOPE
 from podscale.parallel import interpret
 from podscale.parallel.interpret import CALLS, GRAD_SUM, SHAPE_KEEPING, is_grad_sum
-from podscale.parallel.weight_update.chunks import ByPartition, Chunking, Layout, Sharded
+from podscale.parallel.weight_update.chunks import ByPartition, Chunking, Layout, Sharded, agreed_dim
 from podscale.parallel.weight_update.fusion import Collective, Fuser, Pending, Trace, gather
 
 REDUCTIONS = {"reduce_sum": ("sum", 0), "reduce_max": ("max", -np.inf), "reduce_min": ("min", np.inf)}
@@ -58,11 +58,11 @@ class Rewriter:
         is split along, where they all agree and the update chunks per partition; else flat.
         ``split``: kin to a weight split over the model axis."""
         found = self._kin(var, ctx) or frozenset()
-        dims = {dim for dim, _ in found}
+        agreed = agreed_dim(dim for dim, _ in found)
         split = any(dim is not None and weight for dim, weight in found)
         by = None
-        if self.layout.chunks_per_partition and len(dims) == 1 and None not in dims:
-            by = ByPartition(tuple(shape), next(iter(dims)), self.layout.model_split)
+        if self.layout.chunks_per_partition and agreed is not None:
+            by = ByPartition(tuple(shape), agreed, self.layout.model_split)
         return Chunking(by, split)
 
     # -- reading values -------------------------------------------------------------------
