@@ -102,10 +102,10 @@ def test_a_save_writes_the_stored_state_as_it_is():
     split = [leaf for leaf in dp.placement.state.leaves if leaf.model_dim is not None]
     assert chunked and split
     layout = form.saved_layout()
-    by_partition = [leaf for leaf in chunked if leaf.by is not None]
+    by_partition = [leaf for leaf in chunked if leaf.stored.by is not None]
     assert by_partition  # a split weight's optimizer state: chunked per model partition, which the metadata says
     for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True):
-        chunks = {"chunks": {"replicas": 4, "partitions": 2, "dim": leaf.by.dim}} if leaf in by_partition else {}
+        chunks = {"chunks": {"replicas": 4, "partitions": 2, "dim": leaf.stored.by.dim}} if leaf in by_partition else {}
         assert layout[leaf.path] == {"saved": list(x.shape), "shape": list(leaf.shape), **chunks}
         if leaf.sharded or leaf.model_dim is not None:
             assert max(s.data.size for s in x.addressable_shards) < x.size, f"{leaf.path}: a device holds it whole"

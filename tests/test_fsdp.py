@@ -93,7 +93,7 @@ def test_every_leaf_is_stored_one_eighth_per_device(scanned):
             assert leaf.bytes_per_device() * 8 == leaf.bytes
     stacked = [leaf for leaf in dp.placement.state.leaves if leaf.shape == (LAYERS, WIDTH, WIDTH)]
     assert len(stacked) == 3  # the stacked kernel, and Adam's two moments of it
-    assert all(leaf.chunked and leaf.fsdp_dim != 0 for leaf in stacked)  # never the layer axis
+    assert all(leaf.chunked and leaf.stored.dim != 0 for leaf in stacked)  # never the layer axis
     small = [leaf for leaf in dp.placement.state.leaves if not leaf.chunked and np.prod(leaf.shape) >= 1024]
     assert not small, [leaf.path for leaf in small]
 

@@ -54,7 +54,7 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
         stored = dp.place_state(state)
         for x, leaf in zip(jax.tree.leaves(stored), dp.layout.leaves, strict=True):
             if leaf.sharded:
-                assert x.addressable_shards[0].data.size * 8 == x.size == leaf.shard_len * (8 // k)
+                assert x.addressable_shards[0].data.size * 8 == x.size == leaf.stored.length * (8 // k)
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     halos = [c for c in module.collectives if c.kind == "collective-permute"]
     assert halos and all(c.axes == ("y",) for c in halos), [(c.name, c.axes) for c in halos]

@@ -37,8 +37,8 @@ def test_which_leaves_are_chunked_and_why():
     leaves = _by_path(layout)
     assert [p for p, leaf in leaves.items() if leaf.sharded] == ["['mu']", "['v16']"]
     assert leaves["['mu']"].reason == "sharded" and not leaves["['mu']"].weight
-    assert (leaves["['mu']"].shard_len, leaves["['mu']"].padding) == (13, 4)
-    assert (leaves["['v16']"].shard_len, leaves["['v16']"].padding) == (2, 0)
+    assert (leaves["['mu']"].stored.length, leaves["['mu']"].stored.padding) == (13, 4)
+    assert (leaves["['v16']"].stored.length, leaves["['v16']"].stored.padding) == (2, 0)
     assert leaves["['params']['w']"].weight and leaves["['params']['w']"].reason.startswith("weight: the forward pass")
     assert leaves["['params']['b']"].reason == "small: 3 < min_shard_size 16"
     assert leaves["['step']"].reason == "not a float (int32)"
@@ -81,7 +81,7 @@ def test_a_chunk_is_split_over_the_parts_axes_too():
     layout = state_layout.decide(state, mesh, {1}, 1, order=("data",), parts=("space",))
     odd, w = layout.leaves
     # ceil(99 / 4) = 25 rounded up to a multiple of the 2 space devices: 26; 4 x 26 - 99 = 5.
-    assert (odd.shard_len, odd.padding, odd.split) == (26, 5, 2)
+    assert (odd.stored.length, odd.stored.padding, odd.stored.split) == (26, 5, 2)
     assert odd.reason == "sharded over 4 replicas x 2 partitions" and odd.bytes_per_device() == 13 * 4
     assert layout.n == 4 and not w.sharded
     stored = layout.stored_shapes()
@@ -100,7 +100,7 @@ def test_a_model_dim_splits_a_leaf_in_its_own_shape():
     assert w.reason == "dimension 1 split over model axis 'model' (2 devices), whole over the replicas"
     assert w.bytes_per_device() == 6 * 8 * 4 // 2
     # Optimizer state under a rule is chunked over data x model instead, flat.
-    assert m.sharded and m.model_dim is None and (m.shard_len, m.padding, m.split) == (12, 0, 2)
+    assert m.sharded and m.model_dim is None and (m.stored.length, m.stored.padding, m.stored.split) == (12, 0, 2)
     assert not z.sharded and z.model_dim is None  # small, no rule: replicated
     stored = layout.stored_shapes()
     assert stored["w"].shape == (6, 8) and stored["w"].sharding == NamedSharding(mesh, P(None, "model"))
@@ -166,10 +166,10 @@ def test_place_then_fetch_is_bit_for_bit(shape, names, order, parts):
     placed = layout.place(state)
     layout.check_stored(placed)
     odd = layout.leaves[2]
-    assert placed["odd"].shape == (odd.shard_len * layout.n,) and odd.padding > 0
+    assert placed["odd"].shape == (odd.stored.length * layout.n,) and odd.stored.padding > 0
     assert placed["odd"].sharding == layout.stored_shapes()["odd"].sharding
     padded = np.asarray(placed["odd"])
-    assert _same_bits(padded[91:], np.zeros(odd.padding, np.float32))  # zero padding at the end
+    assert _same_bits(padded[91:], np.zeros(odd.stored.padding, np.float32))  # zero padding at the end
     back = layout.fetch(placed)
     for name in ("odd", "half", "w", "step"):
         assert _same_bits(back[name], state[name]), name

@@ -64,7 +64,7 @@ def test_ten_steps_with_tables_split_by_rows_equal_one_device(optimizer, weight_
     assert sorted(split) == [".params['table_0']", ".params['table_1']", ".params['table_3']"], split
     if optimizer == "adagrad":  # its accumulators of the tables' shapes live with their rows
         assert sum(p.startswith(".opt_state") for p in tables) == 3
-    assert tables[".params['table_1']"].table_rows == 5  # 37 rows: 8 blocks of 5, the last 2 of padding
+    assert tables[".params['table_1']"].stored.rows == 5  # 37 rows: 8 blocks of 5, the last 2 of padding
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layers' gradient sums)
     np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
 
@@ -225,7 +225,7 @@ def test_eval_program_keeps_the_tables_split_and_needs_less_than_a_tables_memory
     compiled = distributed_eval(make_eval_fn(task), dp).lower(dp.layout.stored_shapes(), masked).compile()
 
     module = hlo.read(compiled, dp.mesh)
-    smallest = min(leaf.table_rows * cfg.embed_dim * 4 for leaf in tables)  # a table's block of rows
+    smallest = min(leaf.stored.rows * cfg.embed_dim * 4 for leaf in tables)  # a table's block of rows
     for c in module.collectives:
         whole = c.buffer_bytes * c.group_size if c.kind == "all-gather" else c.buffer_bytes
         assert c.kind != "all-gather" or whole < smallest, c
@@ -322,7 +322,7 @@ def test_state_derived_from_the_rows_of_a_table_the_replicas_do_not_divide_equal
     want, want_metrics = run_single(step, state, batches)
     dp = data_parallel(step, make_mesh(), weight_update=weight_update)
     got, metrics = run_parallel(dp, state, batches)
-    assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [126]
+    assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [126]
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
     assert float(metrics["max"]) == float(want_metrics["max"]) < 0 and bool(metrics["negative"])
 
@@ -351,7 +351,7 @@ def test_a_table_split_by_rows_is_not_reported_left_whole_on_the_model_axis():
         warnings.simplefilter("always")
         dp.place_state(params, batch)
     notes = " ".join(str(w.message) for w in seen if issubclass(w.category, RuleWarning))
-    assert [leaf.table_rows for leaf in dp.layout.leaves if leaf.path == "['table']"] == [128]
+    assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "['table']"] == [128]
     assert "table" not in notes and "w [8, 64]: a large weight" in notes, notes
 
 
@@ -444,7 +444,7 @@ def test_a_tables_gradient_under_jax_checkpoint_stays_split_by_rows():
     batches = [{"ids": rng.integers(0, 256, 16), "y": rng.normal(size=16).astype(np.float32)} for _ in range(2)]
     dp = data_parallel(step, make_mesh(), weight_update="replicated")
     got, _ = run_parallel(dp, {"table": table}, batches)
-    assert [leaf.table_rows for leaf in dp.layout.leaves] == [32]
+    assert [leaf.stored.rows for leaf in dp.layout.leaves] == [32]
     whys = [c.why for c in dp.trace.collectives]
     assert any(w.startswith("cotangents of looked-up rows") for w in whys), whys
     assert not [c for c in dp.trace.collectives if c.bytes_per_device >= 256 * 8 * 4], whys

@@ -100,7 +100,7 @@ def test_tensor_partitioned_step_equals_one_device(name, shape, weight_update):
         if weight_update == "replicated" or math.prod(leaf.shape) < dp.strategy.min_shard_size:
             assert leaf.model_dim is not None and x.addressable_shards[0].data.nbytes * k == leaf.bytes
         else:
-            assert leaf.sharded and leaf.split == k
+            assert leaf.sharded and leaf.stored.split == k
             assert x.addressable_shards[0].data.nbytes == leaf.bytes_per_device() <= -(-leaf.bytes // (8 * 4)) * 4
     module = hlo.read(dp.lower(stored, batches[0]).compile(), dp.mesh)
     model_axis = dp.mesh.axis_names[-1]

@@ -41,7 +41,7 @@ def test_the_sharded_update_of_split_weights_moves_nothing_over_the_model_axis(g
         donate_state=False,
     )
     stored = dp.place_state(state, batch)
-    chunked = [leaf for leaf in dp.layout.leaves if leaf.sharded and leaf.by is not None]
+    chunked = [leaf for leaf in dp.layout.leaves if leaf.sharded and leaf.stored.by is not None]
     assert chunked, "no optimizer state of a split weight is chunked per model partition"
     module = hlo.read(dp.lower(stored, batch).compile(), dp.mesh)
     model = dp.roles.model
@@ -101,7 +101,7 @@ def test_two_weights_of_one_shape_split_along_different_dimensions_each_keep_the
         step, make_mesh((4, 2)), model_parallel=2, rules=rules, weight_update="sharded", min_shard_size=64
     )
     got, _ = run_parallel(dp, state, batches)
-    moments = {leaf.path: leaf.chunk_dim for leaf in dp.layout.leaves if leaf.sharded}
+    moments = {leaf.path: (leaf.stored.by and leaf.stored.by.dim) for leaf in dp.layout.leaves if leaf.sharded}
     assert moments == {
         "[1][0].mu['w1']": 1,
         "[1][0].mu['w2']": 0,

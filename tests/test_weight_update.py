@@ -128,7 +128,7 @@ def test_padding_of_a_size_the_replicas_do_not_divide():
     ref, _ = run_single(step, state, [batch] * 3)
     assert max_abs_diff(ref, out) <= 1e-6
     mu = next(leaf for leaf in dp.layout.leaves if leaf.sharded)
-    assert (mu.shard_len, mu.padding) == (47, 5)
+    assert (mu.stored.length, mu.stored.padding) == (47, 5)
 
 
 def test_optimizer_state_memory_per_device_falls_by_n(mlp):
@@ -308,17 +308,17 @@ def test_fused_and_lone_gradient_chunks_match_the_stored_state_chunks(chunks, sp
         order=("data",),
         parts=("space",) if split > 1 else (),
     )
-    assert all(leaf.sharded and leaf.shard_len % split == 0 for leaf in stored.leaves)
+    assert all(leaf.sharded and leaf.stored.length % split == 0 for leaf in stored.leaves)
     for r in sorted({0, 1, chunks // 2, chunks - 1}):
         # 4 MiB buckets: the largest leaves go alone, the rest in one fused buffer
         layout = Layout(_ReplicaView(chunks, r), 1, bucket_bytes=4 * 2**20, split=split)
         out = _fuse_reduce_scatter(layout, [jnp.asarray(x) for x in leaves], Trace())
         for x, leaf, got in zip(leaves, stored.leaves, out, strict=True):
-            assert layout.shard_len(x.size) == leaf.shard_len and layout.padding(x.size) == leaf.padding
-            chunk = np.pad(x.reshape(-1), (0, leaf.padding)).reshape(chunks, -1)[r]
-            assert got.shard.shape == (leaf.shard_len,), (x.size, r)
+            assert layout.shard_len(x.size) == leaf.stored.length and layout.padding(x.size) == leaf.stored.padding
+            chunk = np.pad(x.reshape(-1), (0, leaf.stored.padding)).reshape(chunks, -1)[r]
+            assert got.shard.shape == (leaf.stored.length,), (x.size, r)
             np.testing.assert_array_equal(np.asarray(got.shard), chunk)
-            assert np.asarray(layout._padded_rows(jnp.asarray(x))).shape == (chunks, leaf.shard_len)
+            assert np.asarray(layout._padded_rows(jnp.asarray(x))).shape == (chunks, leaf.stored.length)
 
 
 def _conv_step(tx):
@@ -363,7 +363,9 @@ def test_sharded_update_of_sizes_no_chunk_count_divides_equals_one_device(mesh_s
     ref, _ = run_single(step, state, batches)
     assert max_abs_diff(ref, out) <= 1e-6
     chunked = [leaf for leaf in dp.layout.leaves if leaf.sharded]
-    assert len(chunked) == 4 and all(leaf.padding and leaf.shard_len % (spatial or 1) == 0 for leaf in chunked)
+    assert len(chunked) == 4 and all(
+        leaf.stored.padding and leaf.stored.length % (spatial or 1) == 0 for leaf in chunked
+    )
 
 
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])

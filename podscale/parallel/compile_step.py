@@ -251,8 +251,8 @@ def local_program(
         mesh,
         roles,
         rows,
-        {leaf.shape: leaf.table_rows for leaf in leaves or () if leaf.table},
-        table_leaves={i: leaf.table_rows for i, leaf in enumerate(leaves or ()) if leaf.table},
+        {leaf.shape: leaf.stored.rows for leaf in leaves or () if leaf.table},
+        table_leaves={i: leaf.stored.rows for i, leaf in enumerate(leaves or ()) if leaf.table},
         independent_rng=strategy.rng == "independent",
         fsdp=strategy.fsdp and leaves is not None,  # the forward pass's probe: the plain program
         min_chunk=strategy.min_shard_size,
@@ -314,7 +314,7 @@ def build(
         closed, part = local_program(mesh, roles, strategy, gt, state_in, jax.tree.leaves(batch), layout.leaves)
         rewriter = Rewriter(chunks, trace, list(zip(model_dims, (leaf.weight for leaf in layout.leaves), strict=True)))
         args = [
-            Sharded(x, leaf.shape, leaf.by) if leaf.sharded else x
+            Sharded(x, leaf.shape, leaf.stored.by) if leaf.sharded else x
             for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)
         ]
         outs = rewriter.run(closed, [*args, *jax.tree.leaves(batch)])
@@ -393,12 +393,12 @@ def _finish_state(layout: StateLayout, chunks: Layout, trace: Trace, new_state):
         if not leaf.sharded:
             out.append(next(whole_done))
             continue
-        if isinstance(v, Sharded) and v.shape == leaf.shape and v.by == leaf.by:
+        if isinstance(v, Sharded) and v.shape == leaf.shape and v.by == leaf.stored.by:
             out.append(v.shard.astype(leaf.dtype))
             continue
         if isinstance(v, Sharded):
             v = gather(chunks, [v], trace, f"new_state{path_str(path)} changed shape")[0]
         v = as_whole("new_state", path, v)
         trace.gathered_ops.append(f"new_state{path_str(path)} computed whole, then sliced")
-        out.append(chunks.slice(jnp.asarray(v, leaf.dtype), leaf.by).shard)
+        out.append(chunks.slice(jnp.asarray(v, leaf.dtype), leaf.stored.by).shard)
     return jax.tree.unflatten(layout.treedef, out)

@@ -102,19 +102,15 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
             "sharded": leaf.sharded or leaf.chunked,  # stored 1/N over the replicas: flat, or along a dim
-            "table_rows": leaf.table_rows,
-            "shard_shape": [leaf.shard_len // leaf.split]
-            if leaf.sharded
-            else [leaf.table_rows, *leaf.shape[1:]]
-            if leaf.table
-            else _split_shape(leaf),
-            "padding_elements": leaf.padding,
+            "table_rows": leaf.stored.rows if leaf.table else 0,
+            "shard_shape": leaf.local_shape(),
+            "padding_elements": leaf.stored.padding,
             "padding_bytes": leaf.padding_bytes,
             "bytes_per_device": leaf.bytes_per_device(),
-            "split": leaf.split,
+            "split": leaf.stored.split if leaf.sharded else 1,
             "model_dim": leaf.model_dim,
             "model_split": leaf.model_split,
-            "fsdp_dim": leaf.fsdp_dim,
+            "fsdp_dim": leaf.stored.dim if leaf.chunked else None,
             "role": "weight" if leaf.weight else "state",
             "reason": leaf.reason,
         }
@@ -244,15 +240,6 @@ def _tables(placement, trace) -> dict[str, Any] | None:
     }
 
 
-def _split_shape(leaf) -> list[int]:
-    shape = list(leaf.shape)
-    if leaf.model_dim is not None:
-        shape[leaf.model_dim] //= leaf.model_split
-    if leaf.chunked:
-        shape[leaf.fsdp_dim] //= leaf.fsdp_n
-    return shape
-
-
 def _tensor(placement, strategy, compiled) -> dict[str, Any] | None:
     model = placement.roles.model
     if not model:
@@ -266,7 +253,9 @@ def _tensor(placement, strategy, compiled) -> dict[str, Any] | None:
         "split_leaves": len(split),
         "split_bytes": sum(leaf.bytes for leaf in split),
         "split_bytes_per_device": sum(leaf.bytes_per_device() for leaf in split),
-        "chunked_per_partition": sum(1 for leaf in placement.state.leaves if leaf.sharded and leaf.by is not None),
+        "chunked_per_partition": sum(
+            1 for leaf in placement.state.leaves if leaf.sharded and leaf.stored.by is not None
+        ),
     }
     if compiled is not None:
         per: dict[tuple[str, str], dict[str, Any]] = {}
@@ -367,9 +356,7 @@ def _gradient_bytes(weights, dtype, per_device: bool = True) -> int:
     for leaf in weights:
         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
-            if leaf.table and per_device:  # a table's gradient lives with its rows
-                total += leaf.table_rows * math.prod(leaf.shape[1:]) * itemsize
-                continue
-            # A chunked weight's gradient is reduce-scattered into its chunks (FSDP).
-            total += math.prod(leaf.shape) * itemsize // (leaf.model_split * leaf.fsdp_n if per_device else 1)
+            # A table's gradient lives with its rows; a chunked weight's is reduce-scattered into its chunks (FSDP).
+            count = leaf.stored.per_device(leaf.shape, leaf.model_split) if per_device else math.prod(leaf.shape)
+            total += count * itemsize
     return int(total)

@@ -71,12 +71,9 @@ def check_kept_shapes(new_state, layout) -> None:
     pairs = jax.tree_util.tree_leaves_with_path(new_state, is_leaf=lambda x: isinstance(x, Sharded))
     for (path, v), leaf in zip(pairs, layout.leaves, strict=True):
         shape = tuple(v.shape) if isinstance(v, Sharded) else tuple(np.shape(v))
-        if leaf.table:  # a table's rows on this replica
-            shape = (leaf.shape[0], *shape[1:]) if shape == (leaf.table_rows, *leaf.shape[1:]) else shape
-        elif leaf.chunked:  # an FSDP chunk on this replica
-            d, n = leaf.fsdp_dim, leaf.fsdp_n
-            local = (*leaf.shape[:d], leaf.shape[d] // n, *leaf.shape[d + 1 :])
-            shape = tuple(leaf.shape) if shape == local else shape
+        if leaf.table or leaf.chunked:  # this replica's rows or chunk
+            local = leaf.stored.local_shape(leaf.shape)
+            shape = tuple(leaf.shape) if list(shape) == local else shape
         if shape != tuple(leaf.shape):
             raise ValueError(
                 f"the step returned new_state{path_str(path)} with shape {list(shape)}, but was given it with shape "

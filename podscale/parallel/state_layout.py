@@ -1,16 +1,18 @@
-"""Where each state leaf lives between steps: replicated, or sharded 1/N over the replicas.
+"""Where each state leaf lives between steps, and the conversions between its two layouts.
 
 Two layouts, stated once (as levanter keeps a parameter and a compute mapping): the *user* layout
-is the state pytree the step was written for; the *stored* layout is what lives on the mesh. A
-sharded leaf is stored as a flat array of ``N * ceil(size / N)`` elements (zero padding at the
-end) split over every mesh axis, so each replica holds one chunk. ``store``/``unstore`` convert
-between the two; checkpoints hold the stored layout, and a restore converts it into another
-placement's (``train.saving.CheckpointForm``).
+is the state pytree the step was written for; the *stored* layout is what lives on the mesh. Each
+leaf's stored form is one value of :mod:`podscale.parallel.stored` (whole, the sharded update's
+flat chunks, a table's rows, or chunked along a dimension of its own), chosen here
+(:func:`decide`). ``store``/``unstore`` convert between the two layouts. Checkpoints save the user
+layout spread over the mesh (:meth:`StateLayout.saved_sharding`), and a restore converts it into
+another placement's (``train.saving.CheckpointForm``).
 
-A sharded leaf that a sharding rule splits over the model axis (``chunk_dim``, where the leaves
-it is updated with are split alike: :func:`partition_dims`) is chunked per model partition, then
-over the replicas (``weight_update.ByPartition``): its flat vector is ``[N, k, c]``, device ``(replica r, partition m)`` holding a 1/N piece of partition m's
-slice of the leaf, the slice it holds of the split weight itself.
+A flat-chunked leaf that a sharding rule splits over the model axis, where the leaves it is updated
+with are split alike (:func:`partition_dims`), is chunked per model partition, then over the
+replicas (``weight_update.ByPartition``). Its flat vector is ``[N, k, c]``: device ``(replica r,
+partition m)`` holds a 1/N piece of partition m's slice of the leaf, the slice it holds of the
+split weight itself.
 """
 
 from __future__ import annotations
@@ -29,62 +31,49 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import interpret
-from podscale.parallel.partition.layouts import REPLICATED, Chunked, Split, chunk_dim
+from podscale.parallel.partition.layouts import chunk_dim
+from podscale.parallel.stored import WHOLE, Along, Flat, Rows, Stored
 from podscale.parallel.weight_update import ByPartition, chunk_layout
-from podscale.parallel.weight_update.chunks import agreed_dim, by_partition_layout, from_rows, to_rows
+from podscale.parallel.weight_update.chunks import agreed_dim, by_partition_layout
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
+    """One state leaf's placement: what it is (``path``, ``shape``, ``dtype``, whether the forward
+    pass reads it), how it is stored over the data axes (``stored``, one value of
+    :mod:`podscale.parallel.stored`), the dimension a model axis splits, and why."""
+
     path: str
     shape: tuple[int, ...]
     dtype: Any
-    sharded: bool
+    stored: Stored
     reason: str
-    shard_len: int = 0
-    padding: int = 0
     weight: bool = False
     """Read by the forward pass (kept whole for it); otherwise optimizer or other state."""
     weak_type: bool = False
-    split: int = 1
-    """Devices each data replica's chunk is split over (the space and model axes')."""
     model_dim: int | None = None
     """With tensor partitioning: the dimension split over the model axis (its sharding rule)."""
     model_split: int = 1
-    """Devices of the model axis ``model_dim`` is split over."""
-    chunk_dim: int | None = None
-    """A sharded leaf chunked per model partition (:class:`ByPartition`): the dimension whose
-    ``model_split`` slices are chunked over the replicas, each in turn; ``None``: flat chunks."""
-    table_rows: int = 0
-    """An embedding table split by rows over the data axes (:mod:`podscale.parallel.tables`), and
-    the optimizer state of its shape: the rows each replica holds (the last block padded with zero
-    rows); 0 for any other leaf."""
-    fsdp_dim: int | None = None
-    """FSDP (``weight_update="fsdp"``): the dimension of its own shape the leaf is stored chunked
-    along over the data axes (:func:`~podscale.parallel.partition.layouts.chunk_dim`), 1/``fsdp_n``
-    per replica; ``None``: not chunked so."""
-    fsdp_n: int = 1
+    """Devices of the model axis (of ``model_dim``'s split, or of a flat chunk's per-partition layout)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Stored in the sharded update's flat chunks."""
+        return isinstance(self.stored, Flat)
 
     @property
     def table(self) -> bool:
-        return self.table_rows > 0
+        return isinstance(self.stored, Rows)
 
     @property
     def chunked(self) -> bool:
-        return self.fsdp_dim is not None
+        """Stored chunked along a dimension of its own."""
+        return isinstance(self.stored, Along)
 
     @property
     def partition_layout(self):
-        """The layout the step's partitioner reads the stored leaf in: a table's rows, a chunk
-        (FSDP), or whole."""
-        if self.table:
-            return Split(0)
-        return Chunked(self.fsdp_dim) if self.chunked else REPLICATED
-
-    @property
-    def by(self) -> ByPartition | None:
-        """The chunking of a sharded leaf per model partition, or ``None`` (flat, row-major)."""
-        return None if self.chunk_dim is None else ByPartition(self.shape, self.chunk_dim, self.model_split)
+        """The layout the step's partitioner reads the stored leaf in: a table's rows, a chunk, or whole."""
+        return self.stored.partition_layout
 
     @property
     def itemsize(self) -> int:
@@ -96,14 +85,14 @@ class LeafLayout:
 
     @property
     def padding_bytes(self) -> int:
-        return self.padding * self.itemsize
+        return self.stored.padding * self.itemsize
+
+    def local_shape(self) -> list[int]:
+        """The shape of each device's piece as stored."""
+        return self.stored.local_shape(self.shape, self.model_dim, self.model_split)
 
     def bytes_per_device(self) -> int:
-        if self.table:
-            return self.table_rows * math.prod(self.shape[1:]) * self.itemsize
-        if self.sharded:
-            return self.shard_len // self.split * self.itemsize
-        return self.bytes // self.model_split // self.fsdp_n
+        return self.stored.per_device(self.shape, self.model_split) * self.itemsize
 
 
 def _itemsize(dtype) -> int:
@@ -156,27 +145,25 @@ class StateLayout:
 
     def _spec(self, leaf: LeafLayout) -> P:
         """How the step's ``shard_map`` (manual over the data axes) sees the stored leaf."""
-        if leaf.chunked:
-            return P(*[self.data_axes if d == leaf.fsdp_dim else None for d in range(len(leaf.shape))])
-        return P(self.axes) if leaf.sharded or leaf.table else P()
+        match leaf.stored:
+            case Along(dim=dim):
+                return P(*[self.data_axes if d == dim else None for d in range(len(leaf.shape))])
+            case Flat() | Rows():
+                return P(self.axes)
+        return P()
 
     def _sharding(self, leaf: LeafLayout) -> NamedSharding:
-        if leaf.chunked:  # along its dim over the data axes (and a rule's over the model axis)
-            spec: list = [None] * len(leaf.shape)
-            if leaf.model_dim is not None:
-                spec[leaf.model_dim] = self.model
-            here = spec[leaf.fsdp_dim]
-            spec[leaf.fsdp_dim] = self.data_axes + ((here,) if here else ())
-            return NamedSharding(self.mesh, P(*spec))
+        spec: list = [None] * len(leaf.shape)
         if leaf.model_dim is not None:
-            spec = [None] * len(leaf.shape)
             spec[leaf.model_dim] = self.model
-            return NamedSharding(self.mesh, P(*spec))
-        if leaf.table:  # rows over the data axes, whole over a space or model axis
-            return NamedSharding(self.mesh, P(self.axes))
-        if not leaf.sharded:
-            return NamedSharding(self.mesh, P())
-        return NamedSharding(self.mesh, P((*self.axes, *self.parts)))
+        match leaf.stored:
+            case Along(dim=dim):  # along its dim over the data axes (and a rule's over the model axis)
+                spec[dim] = self.data_axes + ((spec[dim],) if spec[dim] else ())
+            case Rows():  # rows over the data axes, whole over a space or model axis
+                spec = [self.axes]
+            case Flat():  # each replica's chunk split over the space and model axes too
+                spec = [(*self.axes, *self.parts)]
+        return NamedSharding(self.mesh, P(*spec) if any(spec) else P())
 
     def saved_sharding(self, leaf: LeafLayout) -> NamedSharding:
         """How a checkpoint holds ``leaf``: in the user layout (its own shape, so that any placement
@@ -234,9 +221,7 @@ class StateLayout:
     def stored_shape(self, leaf: LeafLayout) -> tuple[int, ...]:
         """The shape ``leaf`` has on the mesh: flat ``N * chunk`` when sharded, a table's rows
         padded to ``N`` blocks, else its own."""
-        if leaf.table:
-            return (leaf.table_rows * self.n, *leaf.shape[1:])
-        return (leaf.shard_len * self.n,) if leaf.sharded else leaf.shape
+        return leaf.stored.stored_shape(leaf.shape, self.n)
 
     def check_stored(self, state, what: str = "state") -> None:
         """Refuses a stored ``state`` this layout did not place: its structure, and each leaf's
@@ -295,38 +280,27 @@ class StateLayout:
 
     # -- conversions; pure functions usable under jit --------------------------------------
     def store(self, state):
-        """User layout -> stored layout (flatten and pad the sharded leaves)."""
+        """User layout -> stored layout (each leaf to its stored form)."""
         self.check(state)
         leaves = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            leaves.append(self.flat(x, leaf) if leaf.sharded else self.padded(x, leaf) if leaf.table else x)
+            leaves.append(self.store_leaf(x, leaf))
         return jax.tree.unflatten(self.treedef, leaves)
 
     def unstore(self, stored):
         """Stored layout -> user layout (drop the padding, restore the shape)."""
         leaves = []
         for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
-            leaves.append(self.whole(x, leaf) if leaf.sharded else x[: leaf.shape[0]] if leaf.table else x)
+            leaves.append(self.unstore_leaf(x, leaf))
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def padded(self, x, leaf: LeafLayout, xp=jnp):
-        """A table's value -> its stored rows: zero rows appended up to ``N`` equal blocks."""
-        extra = leaf.table_rows * self.n - leaf.shape[0]
-        return xp.pad(x, [(0, extra)] + [(0, 0)] * (len(leaf.shape) - 1)) if extra else x
+    def store_leaf(self, x, leaf: LeafLayout, xp=jnp):
+        """A leaf's value in its own shape -> its stored form (``xp``: ``jax.numpy`` or ``numpy``)."""
+        return leaf.stored.store(x, leaf.shape, self.n, xp)
 
-    def flat(self, x, leaf: LeafLayout, xp=jnp):
-        """A sharded ``leaf``'s value in its own shape -> its stored flat, padded vector (``xp``:
-        ``jax.numpy`` or ``numpy``)."""
-        if leaf.by is not None:
-            return to_rows(x, self.n, leaf.by, xp).reshape(-1)
-        flat = xp.ravel(x)
-        return xp.pad(flat, (0, leaf.padding)) if leaf.padding else flat
-
-    def whole(self, x, leaf: LeafLayout, xp=jnp):
-        """The inverse of :meth:`flat`: a sharded ``leaf``'s stored vector -> its own shape."""
-        if leaf.by is not None:
-            return from_rows(xp.reshape(x, (self.n, -1)), leaf.by, xp)
-        return x[: math.prod(leaf.shape)].reshape(leaf.shape)
+    def unstore_leaf(self, x, leaf: LeafLayout, xp=jnp):
+        """The inverse of :meth:`store_leaf`: a leaf's stored value -> its own shape."""
+        return leaf.stored.unstore(x, leaf.shape, self.n, xp)
 
     # -- host-side placement ----------------------------------------------------------------
     def place(self, state):
@@ -342,11 +316,7 @@ class StateLayout:
         out = []
         for x, leaf in zip(jax.tree.leaves(stored), self.leaves, strict=True):
             x = _get(x)
-            if leaf.sharded and not _is_key(x):
-                x = self.whole(np.asarray(x), leaf, np)
-            elif leaf.table:
-                x = np.asarray(x)[: leaf.shape[0]]
-            out.append(x)
+            out.append(x if _is_key(x) else self.unstore_leaf(np.asarray(x), leaf, np))
         return jax.tree.unflatten(self.treedef, out)
 
 
@@ -407,10 +377,8 @@ def _put(x, sharding, leaf: LeafLayout | None = None, layout: StateLayout | None
     if isinstance(x, jax.Array) and x.sharding == sharding and not (leaf and (leaf.sharded or leaf.table)):
         return x
     x = np.asarray(x)
-    if leaf is not None and leaf.sharded:
-        x = layout.flat(x, leaf, np)
-    elif leaf is not None and leaf.table:
-        x = layout.padded(x, leaf, np)
+    if leaf is not None:
+        x = layout.store_leaf(x, leaf, np)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
@@ -481,9 +449,8 @@ def decide(
             leaves.append(
                 LeafLayout(
                     **kw,
-                    sharded=False,
+                    stored=Rows(tables[i]),
                     reason=f"{what}: rows split over the data axes ({n} x {tables[i]} rows), looked up and updated there",
-                    table_rows=tables[i],
                 )
             )
         elif dim is not None and not chunked:
@@ -491,30 +458,30 @@ def decide(
             leaves.append(
                 LeafLayout(
                     **kw,
-                    sharded=False,
+                    stored=WHOLE,
                     reason=f"dimension {dim} split over model axis {model!r} ({k} devices), whole over the replicas",
                     model_dim=dim,
                     model_split=k,
                 )
             )
         elif not shard:
-            leaves.append(LeafLayout(**kw, sharded=False, reason="weight_update='replicated'"))
+            leaves.append(LeafLayout(**kw, stored=WHOLE, reason="weight_update='replicated'"))
         elif not jnp.issubdtype(dtype, jnp.inexact) or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            leaves.append(LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype})"))
+            leaves.append(LeafLayout(**kw, stored=WHOLE, reason=f"not a float ({dtype})"))
         elif size < min_shard_size:
-            leaves.append(LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}"))
+            leaves.append(LeafLayout(**kw, stored=WHOLE, reason=f"small: {size} < min_shard_size {min_shard_size}"))
         elif kw["weight"]:
             leaves.append(
                 LeafLayout(
                     **kw,
-                    sharded=False,
+                    stored=WHOLE,
                     reason="weight: the forward pass reads it whole; updated on shards, then all-gathered",
                 )
             )
         elif dims and not parts and chunk_dim(shape, n) is not None:
             d = chunk_dim(shape, n)
             reason = f"sharded along dimension {d} over the {n} replicas, in its own shape"
-            leaves.append(LeafLayout(**kw, sharded=False, reason=reason, fsdp_dim=d, fsdp_n=n))
+            leaves.append(LeafLayout(**kw, stored=Along(d, n), reason=reason))
         else:
             k = math.prod(mesh.shape[a] for a in parts)
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
@@ -523,23 +490,14 @@ def decide(
             elif dims:
                 reason += " (flat: a space or model axis splits the chunks too)"
             dim = partition_dims[i] if per_partition and partition_dims else None
-            if dim is not None:  # per model partition, then over the replicas
-                length, padding = by_partition_layout(ByPartition(shape, dim, k), n)
+            by = ByPartition(shape, dim, k) if dim is not None else None
+            if by is not None:  # per model partition, then over the replicas
+                length, padding = by_partition_layout(by, n)
                 reason += f", per model partition of dimension {dim}"
             else:
                 length, padding = chunk_layout(size, n, k)  # the chunk splits over the space and model axes too
-            leaves.append(
-                LeafLayout(
-                    **kw,
-                    sharded=True,
-                    reason=reason,
-                    shard_len=length,
-                    padding=padding,
-                    split=k,
-                    chunk_dim=dim,
-                    model_split=k if dim is not None else 1,
-                )
-            )
+            flat = Flat(length, padding, k, by)
+            leaves.append(LeafLayout(**kw, stored=flat, reason=reason, model_split=k if by is not None else 1))
     return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)
 
 
@@ -549,15 +507,15 @@ def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: 
     size = math.prod(shape)
     model = {"model_dim": model_dim, "model_split": k} if model_dim is not None else {}
     if not _float(dtype):
-        return LeafLayout(**kw, sharded=False, reason=f"not a float ({dtype}): replicated", **model)
+        return LeafLayout(**kw, stored=WHOLE, reason=f"not a float ({dtype}): replicated", **model)
     if size < min_shard_size:
-        return LeafLayout(**kw, sharded=False, reason=f"small: {size} < min_shard_size {min_shard_size}", **model)
+        return LeafLayout(**kw, stored=WHOLE, reason=f"small: {size} < min_shard_size {min_shard_size}", **model)
     dim = chunk_dim(shape, n)
     if dim is None or n == 1:
         why = "one replica" if n == 1 else f"no dimension of {list(shape)} that the {n} replicas divide"
-        return LeafLayout(**kw, sharded=False, reason=f"{why}: replicated", **model)
+        return LeafLayout(**kw, stored=WHOLE, reason=f"{why}: replicated", **model)
     reason = f"fsdp: dimension {dim} over the {n} replicas"
-    return LeafLayout(**kw, sharded=False, reason=reason, fsdp_dim=dim, fsdp_n=n, **model)
+    return LeafLayout(**kw, stored=Along(dim, n), reason=reason, **model)
 
 
 def partition_dims(jaxpr, model_dims: Sequence[int | None]) -> tuple[int | None, ...]:

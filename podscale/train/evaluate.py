@@ -101,7 +101,7 @@ class DistributedEval:
         the batch split by rows; each
         output comes back as this replica's rows."""
         layout, placement = self.placement.state, self.placement
-        tables = {leaf.shape: leaf.table_rows for leaf in layout.leaves if leaf.table}
+        tables = {leaf.shape: leaf.stored.rows for leaf in layout.leaves if leaf.table}
 
         def per_example(state, batch):
             part = partitioner(placement.mesh, placement.roles, batch_rows, tables)
@@ -176,7 +176,7 @@ class DistributedEval:
         def program(stored, batch):
             leaves = jax.tree.leaves(stored)
             for i in gather:  # a chunked leaf eval_fn reads: whole for it
-                leaves[i] = layout.whole(leaves[i], layout.leaves[i])
+                leaves[i] = layout.unstore_leaf(leaves[i], layout.leaves[i])
             return mapped(jax.tree.unflatten(layout.treedef, leaves), batch)
 
         return jax.jit(

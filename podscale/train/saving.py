@@ -54,9 +54,10 @@ class CheckpointForm:
 
     def _chunks(self, leaf) -> dict[str, int] | None:
         """How this placement chunks a sharded ``leaf`` per model partition, as the metadata says it."""
-        if not leaf.sharded or leaf.by is None:
+        by = leaf.stored.by if leaf.sharded else None
+        if by is None:
             return None
-        return {"replicas": self.layout.n, "partitions": leaf.by.k, "dim": leaf.by.dim}
+        return {"replicas": self.layout.n, "partitions": by.k, "dim": by.dim}
 
     def _as_stored(self, leaf, entry) -> bool:
         """Whether a leaf saved as ``entry`` says is in this placement's stored layout of ``leaf``."""
@@ -139,9 +140,7 @@ class CheckpointForm:
             by = ByPartition(tuple(leaf.shape), int(chunks["dim"]), int(chunks["partitions"]))
             x = from_rows(x.reshape(int(chunks["replicas"]), -1), by)
         whole = jnp.ravel(x)[: math.prod(leaf.shape)].reshape(leaf.shape)  # a table's padding rows come last
-        if leaf.sharded:
-            return self.layout.flat(whole, leaf)
-        return self.layout.padded(whole, leaf) if leaf.table else whole
+        return self.layout.store_leaf(whole, leaf)
 
     def sizes(self, saved_layout: dict[str, dict] | None = None) -> list[int]:
         """Per leaf, the elements its fingerprint covers: its own element count (a flat saved
