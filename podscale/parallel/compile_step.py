@@ -19,6 +19,7 @@ signature. In order:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -203,18 +204,19 @@ def partitioner(
     mesh: Mesh,
     roles: Roles,
     batch_rows: int | None,
-    tables: dict,
+    leaves: Sequence[state_layout.LeafLayout] = (),
     *,
-    table_leaves: dict[int, int] | None = None,
     independent_rng: bool = False,
     fsdp: bool = False,
     min_chunk: int = 1,
     chunk_partials: bool | None = None,
 ) -> Partitioner:
     """The :class:`Partitioner` of a program placed by ``roles`` on ``mesh``: over the data axes,
-    its batch of ``batch_rows`` global rows, ``tables`` (``{global shape: rows per replica}``) split
-    by rows, the space and model axes' regions and convolutions as the step partitions them. The
-    step's and the evaluation's replay (:mod:`podscale.train.evaluate`) are made here, alike."""
+    its batch of ``batch_rows`` global rows, the state ``leaves`` it is given as the placement
+    stores them (the tables among them split by rows; none for the evaluation's replay, whose
+    jaxpr's inputs are the ones it reads), the space and model axes' regions and convolutions as
+    the step partitions them. The step's and the evaluation's replay
+    (:mod:`podscale.train.evaluate`) are made here, alike."""
     group, space, model, partitions = roles.group, roles.space, roles.model, roles.partitions
     return Partitioner(
         roles.data,
@@ -229,8 +231,7 @@ def partitioner(
         region_axes={
             role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
         },
-        tables=tables,
-        table_leaves=table_leaves,
+        table_leaves={i: leaf.stored.rows for i, leaf in enumerate(leaves) if leaf.table},
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,
@@ -251,8 +252,7 @@ def local_program(
         mesh,
         roles,
         rows,
-        {leaf.shape: leaf.stored.rows for leaf in leaves or () if leaf.table},
-        table_leaves={i: leaf.stored.rows for i, leaf in enumerate(leaves or ()) if leaf.table},
+        leaves or (),
         independent_rng=strategy.rng == "independent",
         fsdp=strategy.fsdp and leaves is not None,  # the forward pass's probe: the plain program
         min_chunk=strategy.min_shard_size,

@@ -39,6 +39,10 @@ output's chunk at the same positions)."""
 CALLS = frozenset("jit pjit custom_jvp_call custom_vjp_call closed_call".split())
 """Equations that call a sub-jaxpr once on their operands (its last inputs)."""
 
+REMATS = frozenset("remat2 checkpoint".split())
+"""``jax.checkpoint``'s equations: called once on their operands too. :func:`kin` walks into their
+body, which the partitioner runs under the equation's id (``Partitioner.ctx``)."""
+
 GRAD_SUM = "psum_invariant"
 """The primitive that sums a replicated value's gradient over the mesh axes under ``check_vma``
 (the transpose of the implicit cast of a replicated value to a per-replica one)."""
@@ -132,12 +136,12 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
     """Which ``seeds`` (``{input variable: label}``) each variable of ``jaxpr`` is kin to: the
     labels of the seeds joined to it by chains of shape-keeping elementwise equations
     (:data:`SHAPE_KEEPING`) between same-shaped non-scalar variables, into and out of calls
-    (:data:`CALLS`). Adam's ``mu * b1 + g * (1 - b1)`` makes the gradient sum ``g`` kin to the
+    (:data:`CALLS`, and remat's :data:`REMATS`). Adam's ``mu * b1 + g * (1 - b1)`` makes the gradient sum ``g`` kin to the
     moment ``mu`` it is added to, and ``w - lr * u`` the update kin to its weight: a value is known
     by the state leaves it is computed with, not by its shape. A variable is named with the path of
     call equations it sits under (``ctx``, a tuple of their ids): one traced sub-jaxpr called for
     two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``: ``None`` for a variable the
-    walk did not reach (inside a loop's, a branch's or a remat's body)."""
+    walk did not reach (inside a loop's or a branch's body)."""
     families = _Families()
     find, join = families.find, families.join
 
@@ -158,7 +162,7 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
                 for v in [*eqn.invars, *eqn.outvars[1:]]:
                     if joinable(v) and v.aval.shape == out.aval.shape:
                         join((ctx, out), (ctx, v))
-            elif name in CALLS:
+            elif name in CALLS or name in REMATS:
                 inner, inside = call_jaxpr(eqn)[0], (*ctx, id(eqn))
                 for a, b in _call_pairs(eqn, inner):
                     if joinable(a) and joinable(b) and a.aval.shape == b.aval.shape:
@@ -174,7 +178,7 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
     def kin_of(var, ctx: tuple = ()) -> frozenset | None:
         if not isinstance(var, core.Var):
             return frozenset()
-        if (ctx, var) not in walked:  # in a loop's or a remat's body, which the walk does not enter
+        if (ctx, var) not in walked:  # in a loop's or a branch's body, which the walk does not enter
             return None
         return frozen.get(find((ctx, var)), frozenset())
 

@@ -101,10 +101,9 @@ class DistributedEval:
         the batch split by rows; each
         output comes back as this replica's rows."""
         layout, placement = self.placement.state, self.placement
-        tables = {leaf.shape: leaf.stored.rows for leaf in layout.leaves if leaf.table}
 
         def per_example(state, batch):
-            part = partitioner(placement.mesh, placement.roles, batch_rows, tables)
+            part = partitioner(placement.mesh, placement.roles, batch_rows)
             state_in = [
                 (x, leaf.partition_layout) for x, leaf in zip(jax.tree.leaves(state), layout.leaves, strict=True)
             ]

@@ -128,7 +128,7 @@ def gather(p: Partitioner, eqn, ins):
     if isinstance(ol, Split) and il is REPLICATED:
         d = ol.dim
         if d in window and d not in dn.start_index_map and slice_sizes[d] == oshape[d]:
-            slice_sizes[d] //= p.n
+            slice_sizes[d] = p.block(slice_sizes[d])
             out = p.bind(eqn, [op, idx], slice_sizes=tuple(slice_sizes))
             return [(out[0], Split(offset_dims[window.index(d)]))]
     return None

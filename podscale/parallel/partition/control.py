@@ -121,7 +121,11 @@ def _remat(p: Partitioner, eqn, ins):
 
     @_scoped(p)
     def body(*vals):
-        outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
+        outer, p.ctx = p.ctx, (*p.ctx, id(eqn))  # as interpret.kin names the body's variables
+        try:
+            outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
+        finally:
+            p.ctx = outer
         found.append(([lay for _, lay in outs], _casts(p, outs)))
         return [v for v, _ in outs]
 

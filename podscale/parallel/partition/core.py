@@ -60,7 +60,6 @@ class Partitioner:
         conv_axes: Sequence[str] = (),
         region_axes: dict[str, tuple[str, int]] | None = None,
         conv_size: int = 1,
-        tables: dict[tuple[int, ...], int] | None = None,
         table_leaves: dict[int, int] | None = None,
         fsdp: bool = False,
         min_chunk: int = 1,
@@ -85,10 +84,6 @@ class Partitioner:
         self.runs = 1
         """How many times the equations being replayed run per step: a loop body's, its trip count
         (a collective recorded there runs that many times)."""
-        self.tables = dict(tables or {})
-        """The global shapes of the tables the placement splits by rows over the data axes, each
-        with its rows per replica (:mod:`~podscale.parallel.partition.tables`): the geometry in
-        which a whole value of such a shape is cut into padded blocks of rows to meet one."""
         self.table_leaves = dict(table_leaves or {})
         """``{input index: rows per replica}``: the step's inputs that are tables split by rows
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
@@ -181,11 +176,16 @@ class Partitioner:
         """A whole value's block of ``dim`` on this replica (no communication)."""
         return self.convert(x, REPLICATED, Split(dim))
 
+    def block(self, size: int) -> int:
+        """The length of each replica's block of a dimension of ``size`` split over the replicas:
+        ``ceil(size / N)``, the last block padded where they do not divide it (a table's rows)."""
+        return -(-size // self.n)
+
     def _slice_rows(self, x, dim: int):
-        rows = self.tables.get(tuple(x.shape)) if dim == 0 else None
-        if rows:  # a whole value of a table's shape: its rows in the table's padded blocks
-            x = jnp.pad(x, [(0, rows * self.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-            return lax.dynamic_slice_in_dim(x, self.index() * rows, rows, 0)
+        size = self.block(x.shape[dim])
+        if size * self.n != x.shape[dim]:  # blocks of ceil(rows / N), the last padded (a table's)
+            x = jnp.pad(x, [(0, size * self.n - x.shape[dim]) if d == dim else (0, 0) for d in range(x.ndim)])
+            return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
         if id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x and x.shape[dim] % self.n == 0:
             _, eqn, operand = self.broadcasts[id(x)]
             return shape_rules.broadcast_block(self, eqn, operand, dim)
@@ -311,18 +311,8 @@ class Partitioner:
         out = all_gather_invariant(x, self.axes, axis=layout.dim, tiled=True)
         self.record("all-gather", self.axes, x, "rows made whole")
         rows = self.padded_rows(x, layout)
-        if rows is not None:  # split in a table's padded blocks: drop the padding of the last block
+        if rows is not None:  # split in padded blocks (a table's): drop the padding of the last block
             return lax.slice_in_dim(out, 0, rows, axis=layout.dim)
-        if layout.dim == 0:
-            padded = {s[0] for s, rows in self.tables.items() if (rows, *s[1:]) == tuple(x.shape)}
-            if len(padded) > 1:
-                raise NotImplementedError(
-                    f"a value of {list(x.shape)} rows per replica is needed whole, and the tables of {sorted(padded)} "
-                    "rows split by rows both have that many: podscale cannot tell which it is; give min_table_rows "
-                    "above one of them"
-                )
-            if padded:  # a table's rows: drop the padding of the last block
-                out = out[: padded.pop()]
         return out
 
     def record(self, kind: str, axes, buffer, why: str, update: bool = False) -> None:
@@ -365,8 +355,16 @@ class Partitioner:
         return self._slice_rows(x, dst.dim)
 
     def splittable(self, shape, dim: int) -> bool:
-        if dim == 0 and tuple(shape) in self.tables:  # a table's shape: split in its padded blocks
-            return True
+        """Whether a whole value of ``shape`` can be cut into this replica's block of ``dim`` to
+        meet a value split along it. Where the replicas do not divide the dimension, the blocks
+        are ``ceil(size / N)`` long and the last is padded (:meth:`_slice_rows`), as a table's rows
+        are stored: only a value computed from such padded blocks is split along such a
+        dimension, so the two meet in one geometry."""
+        return 0 <= dim < len(shape) and shape[dim] > 0
+
+    def divides(self, shape, dim: int) -> bool:
+        """Whether the replicas divide dimension ``dim`` of ``shape`` into equal blocks: where a rule
+        chooses to split a value (a reshape's result, a draw of the batch's rows), not to meet one."""
         return 0 <= dim < len(shape) and shape[dim] % self.n == 0 and shape[dim] > 0
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -383,11 +381,10 @@ class Partitioner:
     def table_rows_of(self, var) -> int | None:
         """The rows per replica of the table split by rows that ``var`` (in the running jaxpr) is
         computed elementwise with (its gradient, updated with it and its optimizer state), or
-        ``None``. In a body the kin's walk does not enter (a loop's, a remat's), by its shape."""
+        ``None``: also in a loop's or a branch's body, which the kin's walk does not enter (there a
+        scatter-add into a zero table is a partial sum, summed whole: exact, at a dense sum's cost)."""
         found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
-        if found is None:
-            return self.tables.get(global_shape(var))
-        return next(iter(found)) if len(found) == 1 else None
+        return next(iter(found)) if found and len(found) == 1 else None
 
     def only_updated(self, var) -> bool:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""

@@ -23,7 +23,7 @@ def random_bits_rows(p: Partitioner, eqn, key):
     the very bits of the single-device draw (``jax_threefry_partitionable``: bit i is a function
     of the key and the flat index i), computed for the local rows only."""
     shape, bit_width = tuple(eqn.params["shape"]), eqn.params["bit_width"]
-    if not shape or shape[0] != p.batch_rows or not p.splittable(shape, 0) or np.shape(key) != ():
+    if not shape or shape[0] != p.batch_rows or not p.divides(shape, 0) or np.shape(key) != ():
         return None
     local = (shape[0] // p.n, *shape[1:])
     if p.independent_rng:  # rng="independent": this replica's own stream

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def _local_shape(p: Partitioner, shape, dim: int):
     shape = list(shape)
-    shape[dim] //= p.n
+    shape[dim] = p.block(shape[dim])
     return tuple(shape)
 
 
@@ -42,7 +42,7 @@ def broadcast_block(p: Partitioner, eqn, operand, dim: int):
     shape, dims = list(eqn.params["shape"]), tuple(eqn.params["broadcast_dimensions"])
     if dim in dims and np.shape(operand)[dims.index(dim)] != 1:
         operand = p.slice_rows(operand, dims.index(dim))
-    shape[dim] //= p.n
+    shape[dim] = p.block(shape[dim])
     return p.bind(eqn, [operand], shape=tuple(shape), sharding=None)[0]
 
 
@@ -86,7 +86,7 @@ def reshape(p: Partitioner, eqn, ins):
         return None
     in_shape, out_shape = global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
     out_dim = _reshape_dim(in_shape, out_shape, lay.dim, p.n)
-    if out_dim is None or not p.splittable(out_shape, out_dim):
+    if out_dim is None or not p.divides(out_shape, out_dim):
         return None
     out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
     return [(out[0], Split(out_dim))]
@@ -114,7 +114,7 @@ def slice_op(p: Partitioner, eqn, ins):
     strides = eqn.params["strides"]
     if start[d] != 0 or limit[d] != shape[d] or (strides and strides[d] != 1):
         return None
-    limit[d] //= p.n
+    limit[d] = p.block(limit[d])
     return [(p.bind(eqn, [v], limit_indices=tuple(limit))[0], lay)]
 
 
@@ -125,7 +125,7 @@ def dynamic_slice(p: Partitioner, eqn, ins):
     sizes = list(eqn.params["slice_sizes"])
     if sizes[lay.dim] != global_shape(eqn.invars[0])[lay.dim]:
         return None
-    sizes[lay.dim] //= p.n
+    sizes[lay.dim] = p.block(sizes[lay.dim])
     return [(p.bind(eqn, [v, *[i for i, _ in idx]], slice_sizes=tuple(sizes))[0], lay)]
 
 
