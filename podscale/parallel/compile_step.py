@@ -232,7 +232,6 @@ def partitioner(
             role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
         },
         table_leaves={i: leaf.stored.rows for i, leaf in enumerate(leaves) if leaf.table},
-        whole_leaves={i for i, leaf in enumerate(leaves) if leaf.partition_layout is REPLICATED},
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,
@@ -313,12 +312,7 @@ def build(
             for x, shape, leaf in zip(jax.tree.leaves(stored), jax.tree.leaves(abstract_state), layout.leaves)
         ]
         closed, part = local_program(mesh, roles, strategy, gt, state_in, jax.tree.leaves(batch), layout.leaves)
-        rewriter = Rewriter(
-            chunks,
-            trace,
-            list(zip(model_dims, (leaf.weight for leaf in layout.leaves), strict=True)),
-            [leaf.chunked or i in part.applied_in_place for i, leaf in enumerate(layout.leaves)],
-        )
+        rewriter = Rewriter(chunks, trace, list(zip(model_dims, (leaf.weight for leaf in layout.leaves), strict=True)))
         args = [
             Sharded(x, leaf.shape, leaf.stored.by) if leaf.sharded else x
             for x, leaf in zip(jax.tree.leaves(stored), layout.leaves, strict=True)

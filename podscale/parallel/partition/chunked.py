@@ -15,7 +15,6 @@ import math
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 from jax import lax
 
 from podscale._jax import all_gather_invariant
@@ -31,13 +30,12 @@ if TYPE_CHECKING:
 _REDUCTIONS = {"reduce_sum": None, "reduce_max": lax.pmax, "reduce_min": lax.pmin}
 
 
-def gather(p: Partitioner, x, layout: Chunked, update: bool = False):
-    """The whole tensor of the chunk ``x`` (an all-gather over the data axes along its dim).
-    ``update``: the update's chunks, gathered to be applied to a whole weight (as when leaving)."""
+def gather(p: Partitioner, x, layout: Chunked):
+    """The whole tensor of the chunk ``x`` (an all-gather over the data axes along its dim)."""
     if p.one:
         return x
     p.communications += 1
-    if p.leaving or update:  # the update's (compiled.hlo's phases), with the relayouts XLA adds around it
+    if p.leaving:  # the update's (compiled.hlo's phases), with the relayouts XLA adds around it
         p.record("all-gather", p.axes, x, "updated chunks gathered into the whole weight", update=True)
         with jax.named_scope(UPDATE_SCOPE):
             return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
@@ -65,10 +63,6 @@ def convert(p: Partitioner, x, src: Layout, dst: Layout):
         return scatter(p, x, dst.dim)
     if src is not REPLICATED:  # a split value, or a batch-norm group's (averaged over the groups)
         x = p.whole(x, src)
-    hit = p.elementwise.get(id(x))
-    if hit is not None and hit[0] is x and all(np.shape(v) in ((), x.shape) for v in hit[2]):
-        _, eqn, operands = hit  # a chunk of an elementwise op's result: the op on chunks
-        return p.bind(eqn, [p.convert(v, REPLICATED, dst) if np.shape(v) else v for v in operands])[0]
     size = x.shape[dst.dim] // p.n
     return lax.dynamic_slice_in_dim(x, p.index() * size, size, dst.dim)
 
@@ -125,9 +119,6 @@ def _elementwise(p: Partitioner, eqn, ins):
     (dim,) = dims
     if _extends_shape(eqn):
         return None
-    applied = _in_place(p, eqn, ins)
-    if applied is not None:
-        return applied
     vals = []
     for (v, lay), var in zip(ins, eqn.invars, strict=True):
         vshape = tuple(getattr(var.aval, "shape", ()))
@@ -144,22 +135,6 @@ def _elementwise(p: Partitioner, eqn, ins):
         else:
             return None
     return [(o, Chunked(dim)) for o in p.bind(eqn, vals)]
-
-
-def _in_place(p: Partitioner, eqn, ins):
-    """A whole-stored leaf's new value from its old one and one chunk (``w + u``), computed whole
-    on the chunk gathered (:meth:`Partitioner.in_place_of`), or ``None``. The same elementwise op
-    on the same values as one device's, and the same bytes gathered as the new value's chunk
-    (where the chunk is no wider than the result)."""
-    leaf = p.in_place_of(eqn)
-    chunks = [(v, lay) for v, lay in ins if isinstance(lay, Chunked)]
-    if leaf is None or len(chunks) != 1 or any(lay is PARTIAL for _, lay in ins):
-        return None
-    if chunks[0][0].dtype.itemsize > eqn.outvars[0].aval.dtype.itemsize:
-        return None
-    p.applied_in_place.add(leaf)
-    whole = [(gather(p, v, lay, update=True), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
-    return p.equation(eqn, whole)
 
 
 def _extends_shape(eqn) -> bool:

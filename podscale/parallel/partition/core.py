@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,7 +18,7 @@ from jax.extend import core
 from podscale._jax import all_gather_invariant
 from podscale.parallel import interpret
 from podscale.parallel.collectives import Collective
-from podscale.parallel.interpret import ELEMENTWISE, SHAPE_KEEPING
+from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition import chunked, partials, shape_rules
 from podscale.parallel.partition.contract_rules import split_spatially
 from podscale.parallel.partition.control import CONTROL
@@ -61,7 +61,6 @@ class Partitioner:
         region_axes: dict[str, tuple[str, int]] | None = None,
         conv_size: int = 1,
         table_leaves: dict[int, int] | None = None,
-        whole_leaves: Collection[int] = (),
         fsdp: bool = False,
         min_chunk: int = 1,
         chunk_partials: bool | None = None,
@@ -89,14 +88,6 @@ class Partitioner:
         """``{input index: rows per replica}``: the step's inputs that are tables split by rows
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
         where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
-        self.whole_leaves = frozenset(whole_leaves)
-        """The step's state inputs (and outputs) stored whole over the data axes. A new value of
-        one that an elementwise op computes from its old value and one chunk (the update's
-        ``w + u``) is computed whole, in place, on the chunk gathered (:meth:`in_place_of`)."""
-        self._in_place: dict = {}
-        self.applied_in_place: set[int] = set()
-        """The leaves of ``whole_leaves`` whose new value was computed so: their update is the
-        partitioner's (the weight update's replay leaves it whole)."""
         self.ctx: tuple = ()
         """The ids of the call equations whose jaxpr is running (``control._inline``): how
         :func:`~podscale.parallel.interpret.kin` names a variable inside a call."""
@@ -131,11 +122,6 @@ class Partitioner:
         self._zeros: set = set()
         """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
         self._group_values: set[int] = set()
-        self.elementwise: dict[int, tuple] = {}
-        """Whole values a shape-keeping elementwise op made from whole operands, by id: (the value,
-        the equation, its operands), so that a chunk of one is the op on its operands' chunks
-        (:func:`.chunked.convert`: adamw's ``wd * w`` meeting the update's chunks reads a chunk of
-        the weight, and the whole product, unread, is dropped)."""
         self.broadcasts: dict[int, tuple] = {}
         """Whole values a ``broadcast_in_dim`` made, by id: (the value, the equation, its operand),
         so that a block of one is broadcast at the block's size (:func:`shape_rules.broadcast_block`)."""
@@ -400,17 +386,6 @@ class Partitioner:
         found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
         return next(iter(found)) if found and len(found) == 1 else None
 
-    def in_place_of(self, eqn) -> int | None:
-        """The index of the whole-stored state leaf whose new value ``eqn`` computes from its old
-        value (``w + u``: the step's output for that leaf, reading its input), else
-        ``None``. Computed whole from a gathered chunk, the new value is written where the old
-        one was: a chunk of the new value gathered into a donated leaf costs XLA a copy of the
-        old value and one of the gathered value (measured on XLA:TPU)."""
-        if self.ctx or not eqn.outvars:
-            return None
-        old, i = self._in_place.get(eqn.outvars[0], (None, None))
-        return i if old is not None and old in eqn.invars else None
-
     def only_updated(self, var) -> bool:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
         return self._update_only is not None and self._update_only(var, self.ctx)
@@ -418,12 +393,6 @@ class Partitioner:
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
             self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
-        if self.whole_leaves and not self.ctx and not self._in_place:  # the step's own jaxpr
-            self._in_place = {
-                jaxpr.outvars[i]: (jaxpr.invars[i], i)
-                for i in self.whole_leaves
-                if i < len(jaxpr.outvars) and isinstance(jaxpr.outvars[i], core.Var)
-            }
         if self._update_only is None and self.chunk_partials and not self.fsdp and not self.ctx:
             self._update_only = interpret.update_only(jaxpr)  # the step's own jaxpr, run first
         env: dict[Any, tuple[Any, Layout]] = {}
@@ -505,10 +474,7 @@ class Partitioner:
             self.broadcasts[id(out)] = (out, eqn, ins[0][0])  # a block of it is made at the block's size
             return [(out, REPLICATED)]
         if all(lay is REPLICATED for lay in layouts):
-            outs = self.bind(eqn, [v for v, _ in ins])
-            if self.chunk_partials and name in SHAPE_KEEPING and len(outs) == 1:
-                self.elementwise[id(outs[0])] = (outs[0], eqn, [v for v, _ in ins])
-            return [(o, REPLICATED) for o in outs]
+            return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in IDENTITY and len(ins) == 1:
             return [ins[0]]
         if PARTIAL in layouts:

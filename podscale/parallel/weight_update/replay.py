@@ -34,21 +34,12 @@ REDUCTIONS = {"reduce_sum": ("sum", 0), "reduce_max": ("max", -np.inf), "reduce_
 class Rewriter:
     """Replays a traced step with sharded layouts; see :mod:`podscale.parallel.weight_update`."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        trace: Trace,
-        leaves: Sequence[tuple[int | None, bool]] = (),
-        chunked: Sequence[bool] = (),
-    ):
+    def __init__(self, layout: Layout, trace: Trace, leaves: Sequence[tuple[int | None, bool]] = ()):
         self.layout, self.trace = layout, trace
-        self.leaves = tuple((*leaf, i in {j for j, c in enumerate(chunked) if c}) for i, leaf in enumerate(leaves))
+        self.leaves = tuple(leaves)
         """Per state leaf (the step's first inputs): the dimension a model axis splits it along
-        (``None``: none), whether it is a weight, and whether the partitioner already computes
-        its update on chunks along a dimension (``chunked``: stored so, or computed with such
-        leaves). A gradient is chunked as the leaves it is computed with are split
-        (:meth:`chunking`); work kin to a chunked leaf is the partitioner's, never cut into flat
-        chunks here (:meth:`_redundant`)."""
+        (``None``: none) and whether it is a weight. A gradient is chunked as the leaves it is
+        computed with are split (:meth:`chunking`)."""
         self.fuser = Fuser(layout, trace)
         self.forward: set | None = None  # variables the per-replica computation depends on
         self._update: dict[int, Any] = {}  # values downstream of a gradient sum (id -> value, kept alive)
@@ -67,8 +58,8 @@ class Rewriter:
         is split along, where they all agree and the update chunks per partition; else flat.
         ``split``: kin to a weight split over the model axis."""
         found = self._kin(var, ctx) or frozenset()
-        agreed = agreed_dim(dim for dim, *_ in found)
-        split = any(dim is not None and weight for dim, weight, _ in found)
+        agreed = agreed_dim(dim for dim, _ in found)
+        split = any(dim is not None and weight for dim, weight in found)
         by = None
         if self.layout.chunks_per_partition and agreed is not None:
             by = ByPartition(tuple(shape), agreed, self.layout.model_split)
@@ -170,7 +161,7 @@ class Rewriter:
             inner_jaxpr, consts = interpret.call_jaxpr(eqn)
             extra = len(vals) - len(inner_jaxpr.invars)
             return self.evaluate(inner_jaxpr, consts, vals[extra:], (*ctx, id(eqn)))
-        if not has_shard and self._redundant(eqn, vals, ctx):
+        if not has_shard and self._redundant(eqn, vals):
             # Replicated work of the update on a large whole tensor (LAMB's weight norm, a weight
             # decay term): every replica would repeat it, so each does its chunk instead.
             big = [i for i, v in enumerate(vals) if self._sliceable(v)]
@@ -196,14 +187,10 @@ class Rewriter:
     def _sliceable(self, v) -> bool:
         return isinstance(v, jax.Array) and self.layout.shards(np.shape(v), v.dtype) and not _varying(jax.typeof(v))
 
-    def _redundant(self, eqn, vals, ctx: tuple = ()) -> bool:
+    def _redundant(self, eqn, vals) -> bool:
         """An update-region equation (nothing per-replica depends on it) on a large whole tensor,
-        of a kind that runs on chunks; only with the sharded update, and not where the partitioner
-        has placed the work (kin to a leaf it chunks along a dimension: a whole weight's new value
-        computed in place from its gathered update, ``w + u``, stays whole)."""
+        of a kind that runs on chunks; only with the sharded update."""
         if not self.layout.scatter or self.forward is None or any(v in self.forward for v in eqn.outvars):
-            return False
-        if any(chunked for *_, chunked in self._kin(eqn.outvars[0], ctx) or ()):
             return False
         if self.layout.n == 1:  # no replica repeats it (and no value is typed per replica to tell the forward pass)
             return False
