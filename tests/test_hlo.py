@@ -77,3 +77,26 @@ def test_a_compiled_loop_of_sums_is_counted_with_its_trips():
     (row,) = [r for r in module.totals() if r["kind"] == "all-reduce"]
     assert (row["axes"], row["dtype"], row["runs"], row["buffer_bytes"]) == (["x"], "f32", 5, 5 * 1024)
     assert module.memory["peak"] > 0
+
+
+def test_the_copies_of_each_phase_are_counted_apart_from_the_work():
+    """The plan lists the bytes of the module's copies per phase (XLA's relayouts, and its copies
+    around aliased outputs), beside all the bytes the phase's ops move: on XLA:TPU they were most
+    of the sharded update's (docs/benchmarks.md, issue 45)."""
+    text = """HloModule m, num_partitions=2
+
+ENTRY %main (w: f32[64,256], u: f32[64,256]) -> f32[64,256] {
+  %w = f32[64,256]{1,0} parameter(0)
+  %u = f32[64,256]{1,0} parameter(1)
+  %relayout = f32[64,256]{0,1} copy(%w), metadata={op_name="jit(step)/podscale_update/add"}
+  %sum = f32[64,256]{0,1} add(%relayout, %u), metadata={op_name="jit(step)/podscale_update/add"}
+  %fwd = f32[64,256]{1,0} copy(%u), metadata={op_name="jit(step)/dense/dot_general"}
+  ROOT %out = f32[64,256]{1,0} copy(%sum), metadata={op_name="jit(step)/podscale_update/add"}
+}
+"""
+    module = hlo.read_text(text, {"data": 2})
+    tensor = 64 * 256 * 4
+    assert module.copy_bytes(["update"]) == 2 * 2 * tensor  # two copies, each read and written
+    assert module.copy_bytes(["forward"]) == 2 * tensor
+    assert module.op_bytes(["update"]) == module.copy_bytes(["update"]) + 3 * tensor
+    assert module.to_dict()["copy_bytes"] == {"forward": 2 * tensor, "backward": 0, "update": 4 * tensor}

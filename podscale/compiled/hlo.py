@@ -121,6 +121,11 @@ class Module:
         """Bytes the ops read and write per device per step."""
         return sum(o.bytes * o.count for o in self.ops if o.phase in phases)
 
+    def copy_bytes(self, phases: Sequence[str] = PHASES) -> float:
+        """Bytes the module's copies read and write per device per step: XLA's relayouts and the
+        copies it adds around aliased buffers, which one device's program of the step may not have."""
+        return sum(o.bytes * o.count for o in self.ops if o.phase in phases and o.opcode == "copy")
+
     def moved_bytes(self, kinds: Sequence[str] = KINDS) -> float:
         """Bytes each device sends in one step (loops counted with their trip counts)."""
         return sum(c.moved_bytes * c.count for c in self.collectives if c.kind in kinds)
@@ -160,6 +165,7 @@ class Module:
             "moved_bytes": self.moved_bytes(),
             "flops": {p: self.flops([p]) for p in PHASES},
             "op_bytes": {p: self.op_bytes([p]) for p in PHASES},
+            "copy_bytes": {p: self.copy_bytes([p]) for p in PHASES},
         }
 
 
