@@ -19,6 +19,7 @@ signature. In order:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from podscale.parallel.partition import REPLICATED, Partitioner, Split
 from podscale.parallel.placement import BatchPlacement, Placement, Roles
 from podscale.parallel.program import (
     GlobalTrace,
+    KeptApart,
     Step,
     as_whole,
     check_kept_shapes,
@@ -42,6 +44,7 @@ from podscale.parallel.program import (
     trace_global,
 )
 from podscale.parallel.state_layout import StateLayout
+from podscale.parallel.stored import WHOLE
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import Layout, Rewriter, Sharded, Trace, forward_used, gather
 
@@ -355,13 +358,46 @@ def build(
         axis_names=set(axes),
         check_vma=replicas > 1,
     )
-    program.jitted = jax.jit(
-        mapped,
-        in_shardings=(layout.shardings(), batch_shardings),
-        out_shardings=(layout.shardings(), NamedSharding(mesh, P())),
-        donate_argnums=(0,) if donate_state else (),
+    out_shardings = (layout.shardings(), NamedSharding(mesh, P()))
+    kept = frozenset(i for i, leaf in enumerate(layout.leaves) if donate_state and _gathered(strategy, leaf))
+    if not kept:
+        program.jitted = jax.jit(
+            mapped,
+            in_shardings=(layout.shardings(), batch_shardings),
+            out_shardings=out_shardings,
+            donate_argnums=(0,) if donate_state else (),
+        )
+        return program
+    shardings = layout.treedef.flatten_up_to(layout.shardings())
+
+    def body(donated, kept_leaves, batch):  # named as the step's program is (compiled.hlo's op names)
+        given, others = iter(donated), iter(kept_leaves)
+        leaves = [next(others) if i in kept else next(given) for i in range(len(shardings))]
+        return mapped(jax.tree.unflatten(layout.treedef, leaves), batch)
+
+    inner = jax.jit(
+        body,
+        in_shardings=(
+            [s for i, s in enumerate(shardings) if i not in kept],
+            [s for i, s in enumerate(shardings) if i in kept],
+            batch_shardings,
+        ),
+        out_shardings=out_shardings,
+        donate_argnums=(0,),
     )
+    program.jitted = KeptApart(inner, layout.treedef, kept)
     return program
+
+
+def _gathered(strategy: Strategy, leaf) -> bool:
+    """Whether the sharded update makes ``leaf``'s new value by gathering its updated chunks: a
+    float weight stored whole, large enough to be updated on chunks. Such a leaf is not donated.
+    XLA:TPU cannot gather into a donated buffer: it copies the donated weight at the start and
+    the gathered value into it at the end, two copies of every weight a step (transformer-big full
+    on v3:2x2, 1.7 GB; the update term 10.9 -> 6.4 ms without them, docs/benchmarks.md)."""
+    floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+    big = math.prod(leaf.shape) >= strategy.min_shard_size
+    return strategy.sharded and leaf.weight and leaf.stored is WHOLE and floating and big
 
 
 def _finish_full(chunks: Layout, trace: Trace, pairs, kind) -> list:

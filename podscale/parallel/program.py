@@ -143,6 +143,27 @@ def check_batch(batch, n: int, mesh) -> None:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptApart:
+    """A jitted step called as ``(state, batch)`` whose state leaves at ``kept`` are passed apart
+    and not donated (the rest are): ``inner`` takes ``(donated leaves, kept leaves, batch)``."""
+
+    inner: Any
+    treedef: Any
+    kept: frozenset[int]
+
+    def args(self, state, batch) -> tuple:
+        leaves = self.treedef.flatten_up_to(state)
+        donated = [x for i, x in enumerate(leaves) if i not in self.kept]
+        return donated, [x for i, x in enumerate(leaves) if i in self.kept], batch
+
+    def __call__(self, state, batch):
+        return self.inner(*self.args(state, batch))
+
+    def lower(self, state, batch):
+        return self.inner.lower(*self.args(state, batch))
+
+
 def check_not_donated(tree, name: str) -> None:
     """A donated buffer passed again would abort the process inside XLA; refuse it here."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
