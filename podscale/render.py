@@ -87,7 +87,7 @@ def plan(plan: Plan, console: Console | None = None) -> None:
                 f"[yellow]loops without a known trip count (counted once):[/] {plan.compiled['unknown_trip_counts']}"
             )
         copies, moved = plan.compiled.get("copy_bytes", {}), plan.compiled.get("op_bytes", {})
-        if copies:
+        if any(copies.values()):
             console.print(
                 "copies in the compiled module (relayouts, aliasing), bytes per device per step: "
                 + ", ".join(f"{p} {size(copies[p])} of {size(moved.get(p, 0))}" for p in copies)

@@ -453,3 +453,41 @@ def test_a_tables_gradient_under_jax_checkpoint_stays_split_by_rows():
     assert not [c for c in dp.trace.collectives if c.bytes_per_device >= 256 * 8 * 4], whys
     want, _ = run_single(step, {"table": table}, batches)
     assert relative_error(got, want, floor=1e-12) <= 1e-6
+
+
+def test_a_reshape_of_a_table_the_replicas_do_not_divide_keeps_or_gathers_its_blocks():
+    """37 rows on 8 replicas: blocks of 5 rows, the last 3 of padding. A reshape that keeps the
+    rows (``[37, 2, 4]``) runs on the blocks; one that merges them with another dimension
+    (``reshape(-1)``: 296 elements, which 8 divides) reads the table whole. The merge used to be
+    split as if the blocks were even, and failed to trace."""
+    import jax.numpy as jnp
+
+    tx = optax.sgd(0.1)
+    params = {"table": jax.random.normal(jax.random.key(0), (37, 8)), "w": jnp.full((8, 1), 0.1)}
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss_fn(p):
+            e = jnp.take(p["table"], batch["ids"], axis=0)
+            kept = jnp.sum(p["table"].reshape(37, 2, 4)[:, 0] ** 2)
+            merged = jnp.sum(jnp.tanh(p["table"].reshape(-1)) * jnp.arange(296.0))
+            return jnp.mean(((e @ p["w"])[:, 0] - batch["y"]) ** 2) + 1e-3 * kept + 1e-4 * merged
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt = tx.update(g, opt, params)
+        return (optax.apply_updates(params, u), opt), {"loss": loss}
+
+    batches = [
+        {
+            "ids": jax.random.randint(jax.random.key(10 + i), (32,), 0, 37),
+            "y": jax.random.normal(jax.random.key(i), (32,)),
+        }
+        for i in range(2)
+    ]
+    state = (params, tx.init(params))
+    want, _ = run_single(step, state, batches)
+    dp = data_parallel(step, make_mesh())
+    got, _ = run_parallel(dp, state, batches)
+    assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [5]
+    assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)

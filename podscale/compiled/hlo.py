@@ -122,8 +122,9 @@ class Module:
         return sum(o.bytes * o.count for o in self.ops if o.phase in phases)
 
     def copy_bytes(self, phases: Sequence[str] = PHASES) -> float:
-        """Bytes the module's copies read and write per device per step: XLA's relayouts and the
-        copies it adds around aliased buffers, which one device's program of the step may not have."""
+        """Bytes the module's ``copy`` instructions read and write per device per step: XLA's
+        relayouts and the copies it adds around aliased buffers, which one device's program of the
+        step may not have. A copy fused with other work (XLA:GPU fuses relayouts) is not counted."""
         return sum(o.bytes * o.count for o in self.ops if o.phase in phases and o.opcode == "copy")
 
     def moved_bytes(self, kinds: Sequence[str] = KINDS) -> float:

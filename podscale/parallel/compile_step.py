@@ -44,7 +44,7 @@ from podscale.parallel.program import (
     trace_global,
 )
 from podscale.parallel.state_layout import StateLayout
-from podscale.parallel.stored import WHOLE
+from podscale.parallel.stored import Whole
 from podscale.parallel.strategy import Strategy
 from podscale.parallel.weight_update import Layout, Rewriter, Sharded, Trace, forward_used, gather
 
@@ -54,7 +54,8 @@ class Program:
     """One batch signature's jitted program and what tracing it recorded."""
 
     jitted: Any = None
-    """The ``jax.jit`` of the step's ``shard_map``: ``jitted(stored_state, batch)``."""
+    """The ``jax.jit`` of the step's ``shard_map``, or a :class:`~podscale.parallel.program.KeptApart`
+    of it (weights passed apart, not donated): ``jitted(stored_state, batch)``, ``jitted.lower(...)``."""
     trace: Trace | None = None
     """What the traced program does (collectives, gathered ops), for the plan; set when ``jitted``
     is traced (its first call or lowering)."""
@@ -359,7 +360,8 @@ def build(
         check_vma=replicas > 1,
     )
     out_shardings = (layout.shardings(), NamedSharding(mesh, P()))
-    kept = frozenset(i for i, leaf in enumerate(layout.leaves) if donate_state and _gathered(strategy, leaf))
+    gathered = donate_state and replicas > 1  # one replica gathers nothing
+    kept = frozenset(i for i, leaf in enumerate(layout.leaves) if gathered and _gathered(strategy, leaf))
     if not kept:
         program.jitted = jax.jit(
             mapped,
@@ -395,9 +397,9 @@ def _gathered(strategy: Strategy, leaf) -> bool:
     XLA:TPU cannot gather into a donated buffer: it copies the donated weight at the start and
     the gathered value into it at the end, two copies of every weight a step (transformer-big full
     on v3:2x2, 1.7 GB; the update term 10.9 -> 6.4 ms without them, docs/benchmarks.md)."""
-    floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+    floating = jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
     big = math.prod(leaf.shape) >= strategy.min_shard_size
-    return strategy.sharded and leaf.weight and leaf.stored is WHOLE and floating and big
+    return strategy.sharded and leaf.weight and isinstance(leaf.stored, Whole) and floating and big
 
 
 def _finish_full(chunks: Layout, trace: Trace, pairs, kind) -> list:

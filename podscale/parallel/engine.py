@@ -64,7 +64,8 @@ class DataParallelStep:
     Call it as ``new_state, metrics = dp(state, batch)`` with ``state`` from :meth:`place_state`
     (the *stored* layout: with the sharded weight update, optimizer-state leaves are flat 1/N
     chunks) and a *global* ``batch`` whose leading dimension the replica count divides. The state
-    argument is donated. :meth:`gather_state` returns the plain pytree. The step is built by
+    argument is donated (``donate_state``), but for the weights the sharded update gathers from
+    their updated chunks. :meth:`gather_state` returns the plain pytree. The step is built by
     :mod:`podscale.parallel.compile_step`; what it reads is ``dp.strategy``, ``dp.roles`` (the axes)
     and ``dp.placement`` (the state's and the example batch's layouts).
     """

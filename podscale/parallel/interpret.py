@@ -252,8 +252,9 @@ def update_only(jaxpr) -> Callable[[Any, tuple], bool]:
             else:
                 if name not in _WHOLE_REDUCTIONS:
                     opened.extend((ctx, v) for v in ins)
+                inside = (*ctx, id(eqn)) if name in REMATS else ctx  # as the partitioner names them
                 for sub in sub_jaxprs(eqn):  # a body of its own, read as the partitioner runs it
-                    walk(sub, ctx, set())
+                    walk(sub, inside, set())
 
     walk(jaxpr, (), set())
     roots = {find(k) for k in opened}

@@ -13,7 +13,7 @@ immutable :class:`Placement`:
   ``PartitionSpec`` over named axes (a rule's split over the model axis) and, with the sharded
   update, its flat 1/N chunk;
 - **embedding tables** (``looked_up``): weights the step looks up by rows; those with at least
-  ``min_table_rows`` rows are split by rows over the data axes (a state leaf's ``table_rows``);
+  ``min_table_rows`` rows are split by rows over the data axes (a state leaf stored as ``stored.Rows``);
 - **the batch's layout** (:class:`BatchPlacement`): which leaves are images, split by height over
   the space axis, besides rows over the data axes; the step's windows and the layers a space axis
   does not divide.

@@ -4,9 +4,9 @@ Two layouts, stated once (as levanter keeps a parameter and a compute mapping): 
 is the state pytree the step was written for; the *stored* layout is what lives on the mesh. Each
 leaf's stored form is one value of :mod:`podscale.parallel.stored` (whole, the sharded update's
 flat chunks, a table's rows, or chunked along a dimension of its own), chosen here
-(:func:`decide`). ``store``/``unstore`` convert between the two layouts. Checkpoints save the user
-layout spread over the mesh (:meth:`StateLayout.saved_sharding`), and a restore converts it into
-another placement's (``train.saving.CheckpointForm``).
+(:func:`decide`). ``store``/``unstore`` convert between the two layouts. Checkpoints save the
+stored layout as it is, and a restore converts it into another placement's
+(``train.saving.CheckpointForm``, :meth:`StateLayout.saved_sharding`).
 
 A flat-chunked leaf that a sharding rule splits over the model axis, where the leaves it is updated
 with are split alike (:func:`partition_dims`), is chunked per model partition, then over the
@@ -166,14 +166,14 @@ class StateLayout:
         return NamedSharding(self.mesh, P(*spec) if any(spec) else P())
 
     def saved_sharding(self, leaf: LeafLayout) -> NamedSharding:
-        """How a checkpoint holds ``leaf``: in the user layout (its own shape, so that any placement
-        restores it) and spread over the mesh, so that no device holds it whole where its shape
-        allows: a rule's dimension over the model axis, then the first other dimension that the
+        """How a restore reads ``leaf`` where a checkpoint holds it in its own shape (another
+        placement's form: ``train.saving.CheckpointForm``), spread over the mesh so that no device
+        holds it whole where its shape allows: a rule's dimension over the model axis, then the first other dimension that the
         remaining axes divide over them (over fewer of them, in mesh order, where they do not);
         else whole (a scalar, a small or oddly shaped leaf, a PRNG key). The first: a sharded
         update's chunk is a contiguous run of the flattened leaf, so where the replicas divide its
         size and its first dimension, the chunk is the device's block of rows and making the saved
-        form moves nothing between devices. An FSDP chunk is saved as it is stored."""
+        form moves nothing between devices. A leaf chunked along a dimension is read as stored."""
         if leaf.chunked:
             return self._sharding(leaf)
         spec: list = [None] * len(leaf.shape)
@@ -188,10 +188,6 @@ class StateLayout:
                     spec[free[0]] = tuple(rest[:k])
                     break
         return NamedSharding(self.mesh, P(*spec))
-
-    def saved_shardings(self):
-        """Each leaf's :meth:`saved_sharding`: the checkpoint's layout of the state."""
-        return jax.tree.unflatten(self.treedef, [self.saved_sharding(leaf) for leaf in self.leaves])
 
     def shardings(self):
         """The stored leaves' shardings on the mesh (``specs`` name the data axes only, as the

@@ -3,7 +3,8 @@
 - ``WHOLE`` (:class:`Whole`): every replica holds the leaf whole.
 - :class:`Flat`: the sharded update's flat chunks. The leaf is a flat vector of ``N * length``
   elements, its ``padding`` zeros at the end, each replica holding one run of ``length``. With
-  tensor partitioning the runs are laid out per model partition (``by``). A chunk is split over the
+  tensor partitioning the runs are laid out per model partition (``by``), each partition's piece
+  padded at its own end. A chunk is split over the
   space and model axes too (``split`` devices).
 - :class:`Rows`: an embedding table split by rows (:mod:`podscale.parallel.tables`), and its
   optimizer state. Each replica holds ``rows`` of them, and the last block is padded with zero rows.

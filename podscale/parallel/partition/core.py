@@ -89,9 +89,15 @@ class Partitioner:
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
         where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
         self.ctx: tuple = ()
-        """The ids of the call equations whose jaxpr is running (``control._inline``): how
+        """The ids of the call equations whose jaxpr is running (``control._inline``, and a remat's,
+        ``control._remat``): how
         :func:`~podscale.parallel.interpret.kin` names a variable inside a call."""
         self._table_kin = None
+        self._table_shapes: dict = {}
+        """The step's tables' global shapes, each with its rows per replica: in a loop's or a
+        branch's body, which :func:`~podscale.parallel.interpret.kin` does not walk, a gradient
+        scattered into a zero value of a table's shape is that table's (kept split by rows, where
+        a dense partial sum would hold the whole table on every replica)."""
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
@@ -185,11 +191,9 @@ class Partitioner:
         size = self.block(x.shape[dim])
         if size * self.n != x.shape[dim]:  # blocks of ceil(rows / N), the last padded (a table's)
             x = jnp.pad(x, [(0, size * self.n - x.shape[dim]) if d == dim else (0, 0) for d in range(x.ndim)])
-            return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
-        if id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x and x.shape[dim] % self.n == 0:
+        elif id(x) in self.broadcasts and self.broadcasts[id(x)][0] is x:
             _, eqn, operand = self.broadcasts[id(x)]
             return shape_rules.broadcast_block(self, eqn, operand, dim)
-        size = x.shape[dim] // self.n
         return lax.dynamic_slice_in_dim(x, self.index() * size, size, dim)
 
     def whole(self, x, layout: Layout):
@@ -381,10 +385,12 @@ class Partitioner:
     def table_rows_of(self, var) -> int | None:
         """The rows per replica of the table split by rows that ``var`` (in the running jaxpr) is
         computed elementwise with (its gradient, updated with it and its optimizer state), or
-        ``None``: also in a loop's or a branch's body, which the kin's walk does not enter (there a
-        scatter-add into a zero table is a partial sum, summed whole: exact, at a dense sum's cost)."""
+        ``None``. In a loop's or a branch's body, which the kin's walk does not enter, the table of
+        ``var``'s global shape (``_table_shapes``)."""
         found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
-        return next(iter(found)) if found and len(found) == 1 else None
+        if found is None:  # a loop's or a branch's body: the table of the value's shape, if any
+            return self._table_shapes.get(global_shape(var))
+        return next(iter(found)) if len(found) == 1 else None
 
     def only_updated(self, var) -> bool:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
@@ -393,6 +399,7 @@ class Partitioner:
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
             self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
+            self._table_shapes = {global_shape(jaxpr.invars[i]): rows for i, rows in self.table_leaves.items()}
         if self._update_only is None and self.chunk_partials and not self.fsdp and not self.ctx:
             self._update_only = interpret.update_only(jaxpr)  # the step's own jaxpr, run first
         env: dict[Any, tuple[Any, Layout]] = {}

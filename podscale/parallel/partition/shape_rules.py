@@ -86,8 +86,12 @@ def reshape(p: Partitioner, eqn, ins):
         return None
     in_shape, out_shape = global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
     out_dim = _reshape_dim(in_shape, out_shape, lay.dim, p.n)
-    if out_dim is None or not p.divides(out_shape, out_dim):
+    if out_dim is None:
         return None
+    if not (
+        out_shape[out_dim] == in_shape[lay.dim] or (p.divides(in_shape, lay.dim) and p.divides(out_shape, out_dim))
+    ):
+        return None  # a dimension split in padded blocks (a table's rows) keeps its blocks only whole
     out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
     return [(out[0], Split(out_dim))]
 
