@@ -284,6 +284,20 @@ def _rowwise_adagrad(lr=0.1):
     return optax.GradientTransformation(init, update)
 
 
+def _uneven_table_run(step, state, rows: int, count: int, weight_update: str = "replicated"):
+    """``count`` batches of 32 ids into a table of ``rows`` rows and targets; the step run on them
+    on one device and on 8 replicas: ``(batches, (state, metrics) of one device, of 8, the step)``."""
+    batches = [
+        {
+            "ids": jax.random.randint(jax.random.key(10 + i), (32,), 0, rows),
+            "y": jax.random.normal(jax.random.key(i), (32,)),
+        }
+        for i in range(count)
+    ]
+    dp = data_parallel(step, make_mesh(), weight_update=weight_update)
+    return batches, run_single(step, state, batches), run_parallel(dp, state, batches), dp
+
+
 @pytest.mark.parametrize(
     "optimizer, weight_update",
     [(lambda: optax.adafactor(0.01), "replicated"), (_rowwise_adagrad, "sharded")],
@@ -313,17 +327,8 @@ def test_state_derived_from_the_rows_of_a_table_the_replicas_do_not_divide_equal
         metrics = {"loss": loss, "max": jnp.max(params["table"]), "negative": jnp.all(params["table"] < 0)}
         return (optax.apply_updates(params, u), opt), metrics
 
-    batches = [
-        {
-            "ids": jax.random.randint(jax.random.key(10 + i), (32,), 0, 1001),
-            "y": jax.random.normal(jax.random.key(i), (32,)),
-        }
-        for i in range(3)
-    ]
     state = (params, tx.init(params))
-    want, want_metrics = run_single(step, state, batches)
-    dp = data_parallel(step, make_mesh(), weight_update=weight_update)
-    got, metrics = run_parallel(dp, state, batches)
+    batches, (want, want_metrics), (got, metrics), dp = _uneven_table_run(step, state, 1001, 3, weight_update)
     assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [126]
     assert dp.plan(state, batches[0]).whole_ops == []
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
@@ -478,16 +483,6 @@ def test_a_reshape_of_a_table_the_replicas_do_not_divide_keeps_or_gathers_its_bl
         u, opt = tx.update(g, opt, params)
         return (optax.apply_updates(params, u), opt), {"loss": loss}
 
-    batches = [
-        {
-            "ids": jax.random.randint(jax.random.key(10 + i), (32,), 0, 37),
-            "y": jax.random.normal(jax.random.key(i), (32,)),
-        }
-        for i in range(2)
-    ]
-    state = (params, tx.init(params))
-    want, _ = run_single(step, state, batches)
-    dp = data_parallel(step, make_mesh())
-    got, _ = run_parallel(dp, state, batches)
+    _, (want, _), (got, _), dp = _uneven_table_run(step, (params, tx.init(params)), 37, 2)
     assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [5]
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
