@@ -46,7 +46,7 @@ def _compiled(system: str, chips: int, strategy: Strategy, replica_batch: int = 
     s = systems.get(system)
     devices = tpu.devices(system, tpu.topology_name(s, chips))
     mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
-    dp = data_parallel(_step, mesh, strategy, donate_state=False)
+    dp = data_parallel(_step, mesh, strategy)  # the state donated, as a run and the projection donate it
     batch = _batch(replica_batch * mesh.size)
     dp.prepare(_state(), batch)
     return dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh

@@ -299,7 +299,7 @@ def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int
     lowerings), or on ``devices`` (compile-only TPU or GPU devices: XLA:TPU, XLA:GPU with
     :data:`podscale.compiled.gpu.COMPILER_OPTIONS`)."""
     mesh = compile_mesh(shape, devices)
-    dp = data_parallel(step, mesh, strategy, donate_state=False)
+    dp = data_parallel(step, mesh, strategy)  # the state donated, as train runs it (its memory: aliased)
     batch = make_batch(replica_batch * (mesh.size // k))
     with accelerator_lowerings() if devices is None else _no_persistent_cache():
         dp.prepare(shapes, batch)
