@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import max_abs_diff, relative_error, reordered_runs, run_parallel, run_single
+from jax.ad_checkpoint import checkpoint_name
 
 from podscale import Strategy, data_parallel, make_mesh
 from podscale.compiled import hlo
@@ -134,3 +135,57 @@ def test_fsdp_state_keeps_its_type_and_stays_chunked_across_steps(scanned):
     gathered = dp.gather_state(stored)
     assert jax.tree.structure(gathered) == jax.tree.structure(state)
     assert all(np.shape(a) == np.shape(b) for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
+
+
+class _NamedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        h = checkpoint_name(h, "layer_input")  # what MaxText's remat policies name
+        return jnp.tanh(nn.Dense(WIDTH)(h)) + h, None
+
+
+_OFFLOAD = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["layer_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+)
+
+
+class _OffloadNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(_NamedBlock, policy=_OFFLOAD, prevent_cse=False)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+        h, _ = stack()(x, None)
+        return nn.Dense(4)(h)
+
+
+@pytest.mark.parametrize("weight_update", ["fsdp", "replicated"])
+def test_named_and_offloaded_activations_stay_split_by_rows(weight_update):
+    """A remat policy that offloads named activations to host memory (MaxText's ``offload``
+    remat): ``checkpoint_name`` and the moves to and from host memory run on each replica's rows,
+    as one device's step runs them on all. Neither had a rule: each gathered the global batch's
+    activations whole on every replica (3x one device's activation memory at 8 replicas, and the
+    offload then moved the whole batch)."""
+    net = _OffloadNet()
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt = _TX.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+    params = net.init(jax.random.key(0), jnp.ones((ROWS, WIDTH)))["params"]
+    state, batches = (params, _TX.init(params)), [_data(i) for i in range(2)]
+    dp = data_parallel(step, make_mesh((8,)), Strategy(weight_update=weight_update), donate_state=False)
+    assert dp.plan(state, batches[0]).whole_ops == []
+    got, _ = run_parallel(dp, state, batches)
+    ref = run_single(step, state, batches)[0]
+    spread = max(relative_error(r, ref) for r in reordered_runs(step, state, batches))
+    assert relative_error(got, ref) <= max(1e-6, 4 * spread)

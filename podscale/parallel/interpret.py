@@ -25,10 +25,12 @@ ELEMENTWISE = frozenset(
     pow real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
     sign sin sinh sqrt square sub tan tanh xor conj complex random_bits random_fold_in random_split
     random_wrap random_unwrap random_seed threefry2x32 polygamma zeta bessel_i0e bessel_i1e regularized_incomplete_beta
-    stop_gradient bitcast_convert_type""".split()
+    stop_gradient bitcast_convert_type name""".split()
 )
 """Ops whose outputs are computed position by position from their operands' positions (with the
-operands' leading dimensions for the random-key ops, whose outputs extend the key's shape)."""
+operands' leading dimensions for the random-key ops, whose outputs extend the key's shape).
+``name`` is ``jax.ad_checkpoint.checkpoint_name``'s identity, which a remat policy reads (what to
+save, what to offload to host memory): kept on the piece, so that the policy sees it there."""
 
 KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
 

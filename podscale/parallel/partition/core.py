@@ -484,6 +484,9 @@ class Partitioner:
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in IDENTITY and len(ins) == 1:
             return [ins[0]]
+        if name == "device_put" and all(type(d).__name__ == "MemorySpace" for d in eqn.params["devices"]):
+            # A move to or from host memory (a remat policy's offload): each piece moves as it is.
+            return list(zip(self.bind(eqn, [v for v, _ in ins]), layouts, strict=True))
         if PARTIAL in layouts:
             out = partials.partial_rule(self, eqn, ins)
             if out is not None:
