@@ -37,16 +37,22 @@ _NET = _Net()
 _TX = optax.adam(1e-2)
 
 
-def _step(state, batch):
-    params, opt = state
+def _step_of(net):
+    def step(state, batch):
+        params, opt = state
 
-    def loss_fn(p):
-        logits = _NET.apply({"params": p}, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt = _TX.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), {"loss": loss}
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt = _TX.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {"loss": loss}
+
+    return step
+
+
+_step = _step_of(_NET)
 
 
 def _data(i):
@@ -169,18 +175,7 @@ def test_named_and_offloaded_activations_stay_split_by_rows(weight_update):
     activations whole on every replica (3x one device's activation memory at 8 replicas, and the
     offload then moved the whole batch)."""
     net = _OffloadNet()
-
-    def step(state, batch):
-        params, opt = state
-
-        def loss_fn(p):
-            logits = net.apply({"params": p}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt = _TX.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), {"loss": loss}
-
+    step = _step_of(net)
     params = net.init(jax.random.key(0), jnp.ones((ROWS, WIDTH)))["params"]
     state, batches = (params, _TX.init(params)), [_data(i) for i in range(2)]
     dp = data_parallel(step, make_mesh((8,)), Strategy(weight_update=weight_update), donate_state=False)
