@@ -2,6 +2,7 @@
 under data parallelism, FSDP and FSDP x tensor against one device, and (slow) the tiny config
 trained to its target through ``podscale train``."""
 
+import dataclasses
 import math
 
 import jax
@@ -143,3 +144,20 @@ def test_project_compares_the_recipe_s_strategies_unless_told_otherwise(capsys):
     ]
     assert main([*argv, "--strategies", "replicated"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == ["16 chips: replicated would compile"]
+
+
+def test_offloaded_layer_inputs_under_fsdp_equal_one_device():
+    """``remat="offload"`` (config ``full-offload``): each layer's input, named as MaxText names it,
+    moved to host memory between the passes. Under FSDP the name and the moves run on each
+    replica's rows (no op on the whole batch) and the steps equal one device's."""
+    task = make_task("llama3-8b", config="tiny", policy=FLOAT32)
+    task = dataclasses.replace(task, config=dataclasses.replace(task.config, remat="offload"))
+    assert llama3.LLAMA3_8B.configs["full-offload"].remat == "offload"
+    tx = task.workload.make_optimizer(task.config, 10)
+    batches = [task.train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(2)]
+    state = task.init_state(jax.random.key(0), tx)
+    ref, _ = run_single(jax.jit(make_train_step(task, tx)), state, batches)
+    dp = data_parallel(make_train_step(task, tx), make_mesh((8,)), Strategy(weight_update="fsdp"))
+    assert dp.plan(state, batches[0]).whole_ops == []
+    out, _ = run_parallel(dp, state, batches)
+    assert max_abs_diff(ref.params, out.params) <= 1e-5

@@ -557,6 +557,9 @@ def memory_of(compiled) -> dict[str, int]:
     allocated = getattr(m, "peak_memory_in_bytes", 0)
     if allocated:
         fields["allocated"] = allocated
+    host = getattr(m, "host_temp_size_in_bytes", 0)
+    if host:  # buffers a remat policy offloads to host memory (pinned_host), not in the chip's HBM
+        fields["host_temporaries"] = host
     return {k: int(v) for k, v in fields.items()}
 
 

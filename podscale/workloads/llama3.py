@@ -26,8 +26,10 @@ FLOPs and bytes XLA:TPU does not report, so they would have to be supplied.
 
 ``remat`` is MaxText's ``remat_policy`` as a config choice: ``"none"`` (every activation kept for
 the backward pass), ``"per-layer"`` (each scanned layer checkpointed, its matrix products' outputs
-saved and the rest recomputed: MaxText's ``minimal``) or ``"full"`` (each layer recomputed from its
-input: MaxText's ``full``, its default).
+saved and the rest recomputed: MaxText's ``minimal``), ``"full"`` (each layer recomputed from its
+input: MaxText's ``full``, its default) or ``"offload"`` (as ``full``, with each layer's input,
+named ``decoder_layer_input`` as MaxText names it, moved to host memory between the passes: the
+``decoder_layer_input: offload`` of MaxText's ``custom`` policy; config ``full-offload``).
 
 The full configs' recipe is MaxText's (``MaxText/configs/base.yml``, which its Llama 3.1 configs and
 the tpu-recipes runs inherit): AdamW (beta1 0.9, beta2 0.95, epsilon 1e-8, weight decay 0.1),
@@ -57,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from mlperf_logging.mllog import constants as C
 
 from podscale.workloads.base import Reference, Workload
@@ -65,7 +68,7 @@ from podscale.workloads.precision import Policy
 
 PAD, BOS = 0, 1
 """Reserved token ids of the tiny task; content tokens are ``2 .. vocab_size - 1``."""
-REMAT = ("none", "per-layer", "full")
+REMAT = ("none", "per-layer", "full", "offload")
 
 _MAXTEXT = (
     "MaxText MaxText/configs/base.yml (AI-Hypercomputer/maxtext; its llama3.1 configs and tpu-recipes inherit it): "
@@ -113,7 +116,7 @@ class LlamaConfig:
     """Queries per block of the attention (0: all at once); see :func:`causal_attention`."""
     loss_chunk: int = 1024
     """Positions per block of the output projection and the loss (0: all at once); see :class:`Output`."""
-    """MaxText's ``remat_policy``: ``none``, ``per-layer`` (its ``minimal``) or ``full``."""
+    """MaxText's ``remat_policy``: ``none``, ``per-layer`` (its ``minimal``), ``full`` or ``offload``."""
     span: int = 0
     """Tiny config: random tokens that are then copied (0: no bundled data)."""
     train_size: int = 0
@@ -314,6 +317,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
         cfg, p = self.cfg, self.policy
+        x = checkpoint_name(x, "decoder_layer_input")  # MaxText's name: what ``remat="offload"`` moves to host
         x = x + Attention(cfg, p, name="attention")(RMSNorm(cfg.norm_eps, p, name="attention_norm")(x))
         x = x + MLP(cfg, p, name="mlp")(RMSNorm(cfg.norm_eps, p, name="mlp_norm")(x))
         return x, None
@@ -323,6 +327,12 @@ _POLICIES = {
     "none": None,
     "per-layer": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "full": jax.checkpoint_policies.nothing_saveable,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["decoder_layer_input"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 
@@ -499,7 +509,9 @@ def _workload(name: str, full: LlamaConfig, params: int, size: str) -> Workload:
         name=name,
         mlperf_name=name,
         description=f"Llama 3.1 {size} decoder, MaxText's pre-training recipe (sequence 8192)",
-        configs={"full": full, "tiny": TINY},
+        # "full-offload": the full size with each layer's input offloaded to host memory between
+        # the passes (remat="offload"), as the tpu-recipes' v6e runs of these models do.
+        configs={"full": full, "full-offload": dataclasses.replace(full, remat="offload"), "tiny": TINY},
         reference=Reference(
             params=params,
             source=f"Meta, Llama 3.1 model card and arXiv 2407.21783 Table 3: {size} ({params / 1e9:.2f}B parameters)",
