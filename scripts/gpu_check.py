@@ -497,7 +497,7 @@ def device_check(name: str, batch: int | None, args, deadline: float) -> dict:
 def xla_cpu_check(name: str, batch: int | None, args) -> dict:
     """The row ``podscale project --system S --chips 1 --strategies replicated --compiler cpu``
     gives: podscale's ``_compile`` (XLA:CPU, the accelerators' threefry lowering,
-    ``donate_state=False``) and the same costing as ``_project_one`` for 1 chip."""
+    the state donated) and the same costing as ``_project_one`` for 1 chip."""
     import jax
 
     from podscale.compiled import systems

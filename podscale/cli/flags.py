@@ -65,7 +65,11 @@ def add_model_flags(p, model: str = "mlp") -> None:
         default=model,
         help=f"mlp, cnn, resnet, transformer, or an MLPerf workload: {', '.join(workloads.NAMES)}",
     )
-    p.add_argument("--config", default=None, help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="MLPerf workloads: tiny (trains on CPU) or full (MLPerf size); Llama also full-offload (layer inputs on host)",
+    )
     p.add_argument("--data", default=None, help="digits or synthetic (default); MLPerf workloads bring their own")
     p.add_argument(
         "--optimizer",

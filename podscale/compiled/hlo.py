@@ -100,7 +100,9 @@ class Module:
     """``while`` loops whose trip count XLA did not record (their collectives counted once)."""
     memory: dict[str, int]
     """``memory_analysis()``: ``arguments``, ``outputs``, ``aliased``, ``temporaries`` and
-    ``peak`` (= arguments + outputs + temporaries - aliased) bytes per device."""
+    ``peak`` (= arguments + outputs + temporaries - aliased) bytes per device; ``allocated``, the
+    compiler's own peak of its buffer assignment, where it gives one; ``host_temporaries``, buffers
+    a remat policy offloads to host memory, where there are any."""
     ops: list[Op] = dataclasses.field(default_factory=list)
     """The ops that do work, each with its FLOPs, bytes and runs per step (see :class:`Op`)."""
     schedule: dict[str, list[tuple]] = dataclasses.field(default_factory=dict)

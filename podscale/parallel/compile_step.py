@@ -397,9 +397,9 @@ def _gathered(strategy: Strategy, leaf) -> bool:
     XLA:TPU cannot gather into a donated buffer: it copies the donated weight at the start and
     the gathered value into it at the end, two copies of every weight a step (transformer-big full
     on v3:2x2, 1.7 GB; the update term 10.9 -> 6.4 ms without them, docs/benchmarks.md)."""
-    floating = jnp.issubdtype(leaf.dtype, jnp.inexact) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    inexact = jnp.issubdtype(leaf.dtype, jnp.inexact)  # as the update's chunks are chosen (Layout.shards)
     big = math.prod(leaf.shape) >= strategy.min_shard_size
-    return strategy.sharded and leaf.weight and isinstance(leaf.stored, Whole) and floating and big
+    return strategy.sharded and leaf.weight and isinstance(leaf.stored, Whole) and inexact and big
 
 
 def _finish_full(chunks: Layout, trace: Trace, pairs, kind) -> list:

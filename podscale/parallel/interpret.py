@@ -29,8 +29,9 @@ ELEMENTWISE = frozenset(
 )
 """Ops whose outputs are computed position by position from their operands' positions (with the
 operands' leading dimensions for the random-key ops, whose outputs extend the key's shape).
-``name`` is ``jax.ad_checkpoint.checkpoint_name``'s identity, which a remat policy reads (what to
-save, what to offload to host memory): kept on the piece, so that the policy sees it there."""
+``name`` is ``jax.ad_checkpoint.checkpoint_name``'s identity (a remat policy has read it by the
+time the step is traced: the offloads are ``device_put`` equations then); on a piece, the named
+value is not gathered whole."""
 
 KEY_OPS = frozenset("random_bits random_fold_in random_split random_wrap random_unwrap random_seed".split())
 

@@ -112,11 +112,11 @@ class LlamaConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_length: int = 8192
     remat: str = "full"
+    """MaxText's ``remat_policy``: ``none``, ``per-layer`` (its ``minimal``), ``full`` or ``offload``."""
     attention_chunk: int = 512
     """Queries per block of the attention (0: all at once); see :func:`causal_attention`."""
     loss_chunk: int = 1024
     """Positions per block of the output projection and the loss (0: all at once); see :class:`Output`."""
-    """MaxText's ``remat_policy``: ``none``, ``per-layer`` (its ``minimal``), ``full`` or ``offload``."""
     span: int = 0
     """Tiny config: random tokens that are then copied (0: no bundled data)."""
     train_size: int = 0

@@ -87,7 +87,8 @@ class Partitioner:
         self.table_leaves = dict(table_leaves or {})
         """``{input index: rows per replica}``: the step's inputs that are tables split by rows
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
-        where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
+        where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape (but in
+        a loop's or a branch's body, which kin does not walk: ``_table_shapes``)."""
         self.ctx: tuple = ()
         """The ids of the call equations whose jaxpr is running (``control._inline``, and a remat's,
         ``control._remat``): how
@@ -392,6 +393,13 @@ class Partitioner:
             return self._table_shapes.get(global_shape(var))
         return next(iter(found)) if len(found) == 1 else None
 
+    def _moves_memory(self, eqn, ins) -> bool:
+        """A ``device_put`` to memory spaces only, of values of one layout (bound together, they
+        are typed alike), none split in padded blocks (their padding is held at zero by a masked
+        select, which cannot read host memory): each piece moves as it is."""
+        spaces = all(isinstance(d, jax.memory.Space) for d in eqn.params["devices"])
+        return spaces and len({lay for _, lay in ins}) == 1 and all(self.padded_rows(v, lay) is None for v, lay in ins)
+
     def only_updated(self, var) -> bool:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
         return self._update_only is not None and self._update_only(var, self.ctx)
@@ -484,7 +492,7 @@ class Partitioner:
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in IDENTITY and len(ins) == 1:
             return [ins[0]]
-        if name == "device_put" and all(type(d).__name__ == "MemorySpace" for d in eqn.params["devices"]):
+        if name == "device_put" and self._moves_memory(eqn, ins):
             # A move to or from host memory (a remat policy's offload): each piece moves as it is.
             return list(zip(self.bind(eqn, [v for v, _ in ins]), layouts, strict=True))
         if PARTIAL in layouts:

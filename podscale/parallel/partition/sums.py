@@ -14,7 +14,7 @@ from podscale.parallel.partition.layouts import PARTIAL, Split
 # their result on the sum. Shape-only ops and sums; nothing that multiplies, so that the arithmetic
 # after the sum is the single device's.
 LINEAR_UNARY = frozenset(
-    "neg reshape transpose squeeze expand_dims slice broadcast_in_dim reduce_sum rev copy copy_p".split()
+    "neg reshape transpose squeeze expand_dims slice broadcast_in_dim reduce_sum rev copy copy_p name".split()
 )
 LINEAR_SUMS = frozenset("add add_any sub".split())
 IDENTITY = frozenset("reshard sharding_constraint mesh_cast".split())
