@@ -261,22 +261,13 @@ def _quoted(name: str) -> str:
 
 
 def _orbax():
-    """orbax.checkpoint, imported when a checkpoint is first made or read: a run or command that
-    keeps none does not pay its import (0.7 s: tensorstore and its handlers). With several
-    processes, its barriers go through JAX's coordination service (orbax's
-    ``experimental_orbax_use_distributed_barrier``), as podscale's own do (``parallel.together``),
-    not through a device collective: such a barrier is an all-gather over every device, which sets
-    up the processes' gloo group for that program and was seen to hang there, one process inside
-    it and the other already past it (the two-process SIGTERM test's stacks)."""
-    import jax
+    """orbax.checkpoint, imported when first used (0.7 s: tensorstore and its handlers), its
+    barriers through JAX's coordination service (:func:`.distributed.orbax_barriers`)."""
     import orbax.checkpoint
 
-    if jax.process_count() > 1:
-        from absl import flags
+    from podscale.train.distributed import orbax_barriers
 
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()  # podscale's CLI parses no absl flags: theirs keep their defaults
-        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    orbax_barriers()
     return orbax.checkpoint
 
 

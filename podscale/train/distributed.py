@@ -458,3 +458,19 @@ def _exit_code(exits: list[tuple[int, bool]]) -> int:
         code = exits[0][0]
         return 128 - code if code < 0 else code
     return 0
+
+
+def orbax_barriers() -> None:
+    """With several processes, orbax's barriers through JAX's coordination service (its
+    ``experimental_orbax_use_distributed_barrier``), as podscale's own are (``parallel.together``),
+    not through a device collective: such a barrier is an all-gather over every device, which sets
+    up the processes' gloo group for that program and was seen to hang there, one process inside
+    it and the other already past it (the two-process SIGTERM test's stacks). Call after importing
+    orbax (which defines the flag)."""
+    jax = _jax()
+    if jax.process_count() > 1:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()  # podscale's CLI parses no absl flags: theirs keep their defaults
+        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
