@@ -157,9 +157,46 @@ def test_gradient_sums_inside_scan_remat_jit_and_cond(step):
         for i in range(5)
     ]
     ref, _ = run_single(step, params, batches)
-    par, _ = run_parallel(data_parallel(step, make_mesh()), params, batches)
+    dp = data_parallel(step, make_mesh())
+    par, _ = run_parallel(dp, params, batches)
     assert max_abs_diff(ref, par) <= 1e-6
     assert max_abs_diff(params, par) > 1e-3
+    # Microbatches of the split rows stay split (each replica's rows of each microbatch): no op
+    # runs on the whole batch.
+    assert dp.plan(params, batches[0]).whole_ops == []
+
+
+@pytest.mark.parametrize("microbatches, rows", [(8, 64), (2, 32)], ids=["exchanged", "gathered"])
+def test_microbatches_scanned_over_stay_split(microbatches, rows):
+    """``k`` microbatches of a global batch reshaped ``[k, rows / k]`` and scanned over. Where the
+    replicas divide both (8 of 8 rows on 8 replicas), each replica's rows, a whole microbatch,
+    are exchanged (an all-to-all) for its rows of every microbatch; where they divide only the
+    microbatch (2 of 16 rows: a replica's 4 rows are a quarter of one), the rows are gathered
+    and each replica keeps its block of each microbatch. Either way the work stays split and equals
+    one device."""
+
+    def step(params, batch):
+        micro = jax.tree.map(lambda v: v.reshape(microbatches, -1, *v.shape[1:]), batch)
+
+        def body(acc, mb):
+            return jax.tree.map(jnp.add, acc, jax.grad(_mlp_loss)(params, mb["x"], mb["y"])), None
+
+        grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+        return jax.tree.map(lambda p, g: p - 0.1 * g / microbatches, params, grads), {}
+
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    params = {"w1": jax.random.normal(k1, (6, 16)), "w2": jax.random.normal(k2, (16, 3))}
+    batches = [
+        {"x": jax.random.normal(jax.random.fold_in(k3, i), (rows, 6)), "y": jnp.full((rows, 3), 0.5)} for i in range(2)
+    ]
+    dp = data_parallel(step, make_mesh())
+    ref, _ = run_single(step, params, batches)
+    par, _ = run_parallel(dp, params, batches)
+    assert max_abs_diff(ref, par) <= 1e-6
+    plan = dp.plan(params, batches[0])
+    assert plan.whole_ops == []
+    exchanged = [c for c in plan.collectives if c["kind"] == "all-to-all"]
+    assert len(exchanged) == (2 if microbatches == 8 else 0), plan.collectives  # x and y
 
 
 def test_optax_multisteps_accumulates_like_one_device():

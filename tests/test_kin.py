@@ -28,19 +28,45 @@ def test_kin_keeps_the_call_sites_of_one_traced_function_apart():
     assert kin(jaxpr.invars[2]) == {"w1"} and kin(jaxpr.invars[3]) == {"w2"}  # g1 * w1 inside the call
 
 
-def test_kin_joins_only_same_shaped_values_and_says_what_it_did_not_walk():
-    def step(w, v, xs):
+def test_kin_joins_only_same_shaped_values_and_follows_loops_and_branches():
+    def step(w, v, xs, u):
         total = jnp.sum(w) * v  # a reduction and a scalar: no kin between w and v
-        ys = lax.scan(lambda c, x: (c + x, c * x), jnp.zeros(3), xs)[1]
-        return total, ys
+        carry, ys = lax.scan(lambda c, x: (c + x, c * x), v[0], xs)  # the carry starts as v's row
+        branch = lax.cond(total[0, 0] > 0, lambda a: a * 2.0, lambda a: a - 1.0, u)
+        return total, ys, carry, branch
 
-    closed = jax.make_jaxpr(step)(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)))
+    closed = jax.make_jaxpr(step)(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((5, 3)), jnp.ones((2, 3)))
     jaxpr = closed.jaxpr
-    kin = interpret.kin(jaxpr, {jaxpr.invars[0]: "w", jaxpr.invars[1]: "v"})
-    assert kin(jaxpr.outvars[0]) == {"v"}
+    kin = interpret.kin(jaxpr, {jaxpr.invars[0]: "w", jaxpr.invars[1]: "v", jaxpr.invars[3]: "u"})
+    total, ys, carry, branch = jaxpr.outvars
+    assert kin(total) == {"v"} and kin(ys) == frozenset() and kin(carry) == frozenset()
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     body = scan.params["jaxpr"].jaxpr
-    assert kin(body.outvars[0]) is None  # a loop's body: not walked, so not known (not "no kin")
+    assert kin(body.outvars[0], (id(scan),)) == kin(body.invars[-2], (id(scan),))  # a carry, one family
+    assert kin(body.outvars[0]) is None  # named under the loop's id, as the partitioner runs it
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert kin(branch) == {"u"}
+    assert all(kin(br.jaxpr.outvars[0], (id(cond),)) == {"u"} for br in cond.params["branches"])
+
+
+def test_a_scanned_carry_is_kin_to_what_it_starts_as_and_what_it_becomes():
+    """A carry's value in the body is the value it starts as and the value the loop returns:
+    the gradient accumulated in a loop is kin to the weight its total updates."""
+
+    def step(w, xs):
+        def body(acc, x):
+            return acc + x * 2.0, None
+
+        g, _ = lax.scan(body, jnp.zeros_like(w), xs)
+        return w - 0.1 * g
+
+    closed = jax.make_jaxpr(step)(jnp.ones((4, 3)), jnp.ones((2, 4, 3)))
+    jaxpr = closed.jaxpr
+    kin = interpret.kin(jaxpr, {jaxpr.invars[0]: "w"})
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    body = scan.params["jaxpr"].jaxpr
+    assert kin(body.outvars[0], (id(scan),)) == {"w"}
+    assert kin(jaxpr.invars[1]) == frozenset()  # the stacked xs: a slice of it is added, not it
 
 
 def test_update_only_tells_an_update_from_a_statistic_the_rows_read():

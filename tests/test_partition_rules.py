@@ -95,11 +95,11 @@ def test_a_scans_consts_and_carry_are_counted_under_jax_0_10_and_0_11():
     within 1.2e-7 of one device, where the rule raised KeyError before)."""
     from types import SimpleNamespace
 
-    from podscale.parallel.partition.control import _scan_counts
+    from podscale.parallel.interpret import scan_counts
 
-    assert _scan_counts({"num_consts": 2, "num_carry": 3, "jaxpr": None}) == (2, 3)
+    assert scan_counts({"num_consts": 2, "num_carry": 3, "jaxpr": None}) == (2, 3)
     tree = SimpleNamespace(unpack=lambda: (("w", "b"), ("h",), ("x", "y", "z")))
-    assert _scan_counts({"ft_in": tree, "jaxpr": None}) == (2, 1)
+    assert scan_counts({"ft_in": tree, "jaxpr": None}) == (2, 1)
 
 
 def test_a_whole_mask_broadcast_against_the_rows_is_made_at_the_rows_size():

@@ -486,3 +486,48 @@ def test_a_reshape_of_a_table_the_replicas_do_not_divide_keeps_or_gathers_its_bl
     _, (want, _), (got, _), dp = _uneven_table_run(step, (params, tx.init(params)), 37, 2)
     assert [leaf.stored.rows for leaf in dp.layout.leaves if leaf.path == "[0]['table']"] == [5]
     assert relative_error(got, want) <= 1e-5  # summation order only (the dense layer's gradient sums)
+
+
+@pytest.mark.parametrize("loop", ["scan", "while_loop"])
+def test_a_table_s_gradient_accumulated_in_a_loop_stays_split_by_rows(loop):
+    """Gradient accumulation over 2 microbatches in a loop's body: the table is looked up there
+    (a candidate for splitting by rows, its ids a step counted over a scan's 2 trips), and
+    its gradient is scattered into a zero table there, added to the carry and used outside by the
+    update. The gradient is known as the table's by kin through the loop (the carry, the next
+    iteration's), not by its shape, so it stays split by rows: no op on whole values (each
+    microbatch's rows stay split too), no collective of the table's size, and the step equals
+    one device."""
+    import jax.numpy as jnp
+
+    rows = 101
+    params = {"table": jax.random.normal(jax.random.key(0), (rows, 16)) * 0.1, "w": jnp.full((16, 1), 0.1)}
+
+    def loss_fn(p, mb):
+        e = jnp.take(p["table"], mb["ids"], axis=0)
+        return jnp.mean(((e @ p["w"])[:, 0] - mb["y"]) ** 2)
+
+    def step(params, batch):
+        micro = jax.tree.map(lambda v: v.reshape(2, v.shape[0] // 2, *v.shape[1:]), batch)
+        zero = jax.tree.map(jnp.zeros_like, params)
+
+        def accumulate(acc, mb):
+            return jax.tree.map(jnp.add, acc, jax.grad(loss_fn)(params, mb))
+
+        if loop == "scan":
+            grads, _ = jax.lax.scan(lambda acc, mb: (accumulate(acc, mb), None), zero, micro)
+        else:
+            grads = jax.lax.while_loop(
+                lambda c: c[0] < 2,
+                lambda c: (c[0] + 1, accumulate(c[1], jax.tree.map(lambda v: v[c[0]], micro))),
+                (0, zero),
+            )[1]
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), {}
+
+    batches, (want, _), (got, _), dp = _uneven_table_run(step, params, rows, 3)
+    assert [leaf.path for leaf in dp.layout.leaves if leaf.table] == ["['table']"]
+    assert dp.plan(params, batches[0]).whole_ops == []
+    table_bytes = rows * 16 * 4
+    assert all(c.bytes_per_device < table_bytes for c in dp.trace.collectives), [
+        (c.kind, c.bytes_per_device, c.why) for c in dp.trace.collectives
+    ]
+    assert relative_error(got, want) <= 1e-5

@@ -46,6 +46,10 @@ REMATS = frozenset("remat2 checkpoint".split())
 """``jax.checkpoint``'s equations: called once on their operands too. :func:`kin` walks into their
 body, which the partitioner runs under the equation's id (``Partitioner.ctx``)."""
 
+LOOPS = frozenset("scan while cond".split())
+"""Loops and branches: :func:`kin` walks their bodies too (:func:`body_pairs`), which the
+partitioner runs under the equation's id, as a remat's."""
+
 GRAD_SUM = "psum_invariant"
 """The primitive that sums a replicated value's gradient over the mesh axes under ``check_vma``
 (the transpose of the implicit cast of a replicated value to a per-replica one)."""
@@ -61,6 +65,44 @@ def varying_axes(aval) -> frozenset:
     """The mesh axes over which a value of type ``aval`` differs per replica."""
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 names it so; older: ``aval.vma``
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """How many of a ``scan``'s inputs are consts and carry: JAX 0.10's ``num_consts`` and
+    ``num_carry``, or the trees JAX 0.11 gives instead (``ft_in``: consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def body_pairs(eqn) -> list[tuple[Any, list[tuple[Any, Any]], list[tuple[Any, Any]]]]:
+    """A loop's or a branch's (:data:`LOOPS`) bodies, each as ``(jaxpr, across, around)``:
+    ``across`` pairs the equation's variables with the body's that hold the same values (its
+    operands with the body's inputs, its results with the body's results: a carry, a const, a
+    branch's operand), ``around`` pairs a body's carry results with its carry inputs (the next
+    iteration's). A scanned input or a stacked result pairs with its slice; :func:`kin` joins
+    only pairs of one shape."""
+    prm, name = eqn.params, eqn.primitive.name
+    if name == "scan":
+        body = prm["jaxpr"].jaxpr
+        nc, ncarry = scan_counts(prm)
+        across = [*zip(eqn.invars, body.invars), *zip(eqn.outvars, body.outvars)]
+        return [(body, across, list(zip(body.outvars[:ncarry], body.invars[nc : nc + ncarry])))]
+    if name == "while":
+        cj, bj, cn, bn = prm["cond_jaxpr"].jaxpr, prm["body_jaxpr"].jaxpr, prm["cond_nconsts"], prm["body_nconsts"]
+        init = eqn.invars[cn + bn :]
+        cond = [*zip(eqn.invars[:cn], cj.invars[:cn]), *zip(init, cj.invars[cn:])]
+        body = [*zip(eqn.invars[cn : cn + bn], bj.invars[:bn]), *zip(init, bj.invars[bn:])]
+        body += list(zip(eqn.outvars, bj.outvars))
+        around = [*zip(bj.outvars, bj.invars[bn:]), *zip(bj.outvars, cj.invars[cn:])]
+        return [(cj, cond, []), (bj, body, around)]
+    if name == "cond":
+        return [
+            (br.jaxpr, [*zip(eqn.invars[1:], br.jaxpr.invars), *zip(eqn.outvars, br.jaxpr.outvars)], [])
+            for br in prm["branches"]
+        ]
+    return []
 
 
 def sub_jaxprs(eqn) -> list[Any]:
@@ -139,12 +181,13 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
     """Which ``seeds`` (``{input variable: label}``) each variable of ``jaxpr`` is kin to: the
     labels of the seeds joined to it by chains of shape-keeping elementwise equations
     (:data:`SHAPE_KEEPING`) between same-shaped non-scalar variables, into and out of calls
-    (:data:`CALLS`, and remat's :data:`REMATS`). Adam's ``mu * b1 + g * (1 - b1)`` makes the gradient sum ``g`` kin to the
+    (:data:`CALLS`, and remat's :data:`REMATS`), loops and branches (:data:`LOOPS`: a carry with
+    its value in the body and the next iteration's, a const with its use). Adam's ``mu * b1 + g * (1 - b1)`` makes the gradient sum ``g`` kin to the
     moment ``mu`` it is added to, and ``w - lr * u`` the update kin to its weight: a value is known
     by the state leaves it is computed with, not by its shape. A variable is named with the path of
-    call equations it sits under (``ctx``, a tuple of their ids): one traced sub-jaxpr called for
-    two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``: ``None`` for a variable the
-    walk did not reach (inside a loop's or a branch's body)."""
+    call, loop or branch equations it sits under (``ctx``, a tuple of their ids): one traced
+    sub-jaxpr called for two leaves keeps their kin apart. Returns ``kin_of(var, ctx=())``:
+    ``None`` for a variable the walk did not reach (in the body of a form it does not know)."""
     families = _Families()
     find, join = families.find, families.join
 
@@ -171,6 +214,16 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
                     if joinable(a) and joinable(b) and a.aval.shape == b.aval.shape:
                         join((ctx, a), (inside, b))
                 walk(inner, inside)
+            elif name in LOOPS:  # its bodies, under the equation's id, as the partitioner runs them
+                inside = (*ctx, id(eqn))
+                for inner, across, around in body_pairs(eqn):
+                    for a, b in across:
+                        if joinable(a) and joinable(b) and a.aval.shape == b.aval.shape:
+                            join((ctx, a), (inside, b))
+                    for a, b in around:
+                        if joinable(a) and joinable(b) and a.aval.shape == b.aval.shape:
+                            join((inside, a), (inside, b))
+                    walk(inner, inside)
 
     walk(jaxpr, ())
     labels: dict = {}
@@ -181,7 +234,7 @@ def kin(jaxpr, seeds: dict[Any, Hashable]) -> Callable[[Any, tuple], frozenset |
     def kin_of(var, ctx: tuple = ()) -> frozenset | None:
         if not isinstance(var, core.Var):
             return frozenset()
-        if (ctx, var) not in walked:  # in a loop's or a branch's body, which the walk does not enter
+        if (ctx, var) not in walked:  # in the body of a form the walk does not know
             return None
         return frozen.get(find((ctx, var)), frozenset())
 
@@ -255,7 +308,7 @@ def update_only(jaxpr) -> Callable[[Any, tuple], bool]:
             else:
                 if name not in _WHOLE_REDUCTIONS:
                     opened.extend((ctx, v) for v in ins)
-                inside = (*ctx, id(eqn)) if name in REMATS else ctx  # as the partitioner names them
+                inside = (*ctx, id(eqn)) if name in REMATS or name in LOOPS else ctx  # as the partitioner names them
                 for sub in sub_jaxprs(eqn):  # a body of its own, read as the partitioner runs it
                     walk(sub, inside, set())
 

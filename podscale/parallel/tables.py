@@ -51,7 +51,7 @@ def lookups(jaxpr, n_state: int) -> dict[int, int]:
     found: dict[int, int] = {}
     contracted: set[int] = set()
 
-    def visit(jaxpr, sources: dict):
+    def visit(jaxpr, sources: dict, runs: int = 1):
         def read(v):
             return frozenset() if isinstance(v, core.Literal) else sources.get(v, frozenset())
 
@@ -60,18 +60,25 @@ def lookups(jaxpr, n_state: int) -> dict[int, int]:
             if name == "gather":
                 dn = eqn.params["dimension_numbers"]
                 if tuple(dn.start_index_map) == (0,) and 0 in dn.collapsed_slice_dims:
-                    ids = math.prod(eqn.invars[1].aval.shape[:-1])  # the last dimension is each id's vector
+                    ids = math.prod(eqn.invars[1].aval.shape[:-1]) * runs  # the last dim is each id's vector
                     for leaf in read(eqn.invars[0]):
                         found[leaf] = max(found.get(leaf, 0), ids)
                 continue  # the looked-up rows are activations, not the table
             ins = frozenset().union(*(read(v) for v in eqn.invars))
             if name in ("dot_general", "conv_general_dilated"):
                 contracted.update(ins)
+            if name in interpret.LOOPS:  # its bodies read as they run: a gradient accumulation's lookups
+                trips = eqn.params["length"] if name == "scan" else 1  # a while loop's count is not known
+                outs = _through_bodies(eqn, read, lambda sub, inner: visit(sub, inner, runs * trips))
+                for o, derived in zip(eqn.outvars, outs, strict=True):
+                    if derived:
+                        sources[o] = derived
+                continue
             outs = None  # what each output is derived from, where a call says it exactly
             for sub in interpret.sub_jaxprs(eqn):
                 if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the equation's
                     inner = {s: read(o) for s, o in zip(sub.invars, eqn.invars, strict=True) if read(o)}
-                    visit(sub, inner)
+                    visit(sub, inner, runs)
                     if len(sub.outvars) == len(eqn.outvars):  # a lookup's rows (jnp.take's call) are no table
                         got = [
                             frozenset() if isinstance(v, core.Literal) else inner.get(v, frozenset())
@@ -87,6 +94,31 @@ def lookups(jaxpr, n_state: int) -> dict[int, int]:
 
     visit(jaxpr, {v: frozenset([i]) for i, v in enumerate(jaxpr.invars[:n_state])})
     return {leaf: ids for leaf, ids in found.items() if leaf not in contracted}
+
+
+def _through_bodies(eqn, read, visit) -> list[frozenset]:
+    """What each result of a loop or a branch (``eqn``) is derived from, its bodies visited with
+    their inputs derived as the equation's operands are (:func:`interpret.body_pairs`), and a
+    loop's carries as the previous iteration left them, until that settles."""
+    outs = [frozenset()] * len(eqn.outvars)
+    position = {v: i for i, v in enumerate(eqn.outvars)}
+    operands = set(v for v in eqn.invars if isinstance(v, core.Var))
+    for sub, across, around in interpret.body_pairs(eqn):
+        inner = {b: read(a) for a, b in across if isinstance(a, core.Var) and a in operands and read(a)}
+        for _ in range(len(around) + 1):  # each pass carries one more iteration's derivation
+            visit(sub, inner)
+            grew = False
+            for out, into in around:
+                more = inner.get(out, frozenset()) if isinstance(out, core.Var) else frozenset()
+                if not more <= inner.get(into, frozenset()):
+                    inner[into] = inner.get(into, frozenset()) | more
+                    grew = True
+            if not grew:
+                break
+        for a, b in across:
+            if isinstance(a, core.Var) and a in position and isinstance(b, core.Var):
+                outs[position[a]] |= inner.get(b, frozenset())
+    return outs
 
 
 def thresholds(ids: Mapping[int, int], batch_rows: int, given: int | None) -> dict[int, int]:

@@ -13,7 +13,7 @@ from jax import lax
 from jax.extend import core
 
 from podscale._jax import pe
-from podscale.parallel import regions
+from podscale.parallel import interpret, regions
 from podscale.parallel.partition import chunked
 from podscale.parallel.partition.jaxprs import source_at
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Split
@@ -119,13 +119,9 @@ def _remat(p: Partitioner, eqn, ins):
     layouts = [lay for _, lay in ins]
     found: list = []
 
-    @_scoped(p)
+    @_scoped(p, eqn)
     def body(*vals):
-        outer, p.ctx = p.ctx, (*p.ctx, id(eqn))  # as interpret.kin names the body's variables
-        try:
-            outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
-        finally:
-            p.ctx = outer
+        outs = p.run(eqn.params["jaxpr"], (), list(zip(vals, layouts, strict=True)))
         found.append(([lay for _, lay in outs], _casts(p, outs)))
         return [v for v, _ in outs]
 
@@ -137,11 +133,21 @@ def _remat(p: Partitioner, eqn, ins):
     return list(zip(_recast(p, outs, casts), out_layouts, strict=True))
 
 
-def _scoped(p: Partitioner):
+def _scoped(p: Partitioner, eqn=None):
+    """A body run in a scope of its own (``Partitioner.scope``); with ``eqn``, a remat's, a loop's
+    or a branch's, under the equation's id (``Partitioner.ctx``), as :func:`interpret.kin` names the
+    body's variables."""
+
     def wrap(fn):
         def inner(*args):
-            with p.scope():
-                return fn(*args)
+            outer = p.ctx
+            if eqn is not None:
+                p.ctx = (*outer, id(eqn))
+            try:
+                with p.scope():
+                    return fn(*args)
+            finally:
+                p.ctx = outer
 
         return inner
 
@@ -215,23 +221,14 @@ def _zero_carries(p: Partitioner, eqn, first: int, count: int) -> list[int]:
     ]
 
 
-def _scan_counts(prm) -> tuple[int, int]:
-    """How many of a ``scan``'s inputs are consts and carry: JAX 0.10's ``num_consts`` and
-    ``num_carry``, or the trees JAX 0.11 gives instead (``ft_in``: consts, carry, xs)."""
-    if "num_consts" in prm:
-        return prm["num_consts"], prm["num_carry"]
-    consts, carry, _ = prm["ft_in"].unpack()
-    return len(consts), len(carry)
-
-
 def _scan(p: Partitioner, eqn, ins):
     prm = eqn.params
-    body, (nc, ncarry) = prm["jaxpr"], _scan_counts(prm)
+    body, (nc, ncarry) = prm["jaxpr"], interpret.scan_counts(prm)
     consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
     # The scanned dimension is 0 and runs in order: a split along it cannot be scanned locally. A
     # chunk along another dimension (a stacked layer's weight, stored by FSDP) is scanned as
     # chunks: each iteration reads its own layer's chunk, gathered inside the loop where it is used.
-    xs = [(p.whole(v, lay), REPLICATED) if _along(lay) == 0 else (v, lay) for v, lay in xs]
+    xs = [_unscanned(p, v, lay, var) for (v, lay), var in zip(xs, eqn.invars[nc + ncarry :], strict=True)]
     x_layouts = [_inner(lay, -1) for _, lay in xs]
     ys_layouts: list = []
     ys_casts: list = []
@@ -241,7 +238,7 @@ def _scan(p: Partitioner, eqn, ins):
             p, [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)], carry_layouts
         )
 
-        @_scoped(p)
+        @_scoped(p, eqn)
         def step(carry, x):
             outs = p.run(body.jaxpr, body.consts, [*consts, *zip(carry, carry_layouts), *zip(x, x_layouts)])
             new = _vary_all(p, _fit(p, outs[:ncarry], carry_layouts, pinned, guessed), carry_layouts)
@@ -272,6 +269,23 @@ def _scan(p: Partitioner, eqn, ins):
         return [*zip(carry, carry_layouts), *zip(_recast(p, ys, ys_casts), ys_out)]
 
     return _fixed_point(p, attempt, [lay for _, lay in init], guessed=_zero_carries(p, eqn, nc, ncarry))
+
+
+def _unscanned(p: Partitioner, v, lay, var):
+    """A scanned input ``v`` (``var`` in the program) in a layout the scan can run on locally: one
+    split along the scanned dimension 0 (microbatches of split rows) is exchanged into its split
+    along dimension 1 where the replicas divide both (an all-to-all: each replica keeps its rows
+    of every microbatch), else gathered and cut along dimension 1 where they divide that, else
+    made whole."""
+    if _along(lay) != 0:
+        return v, lay
+    shape = tuple(var.aval.shape)
+    if p.divides(shape, 0) and p.divides(shape, 1) and not p.one:
+        p.communications += 1
+        p.record("all-to-all", p.axes, v, "scanned rows exchanged for each iteration's rows")
+        return lax.all_to_all(v, p.axes, 1, 0, tiled=True), Split(1)
+    whole = p.whole(v, lay)
+    return (p.slice_rows(whole, 1), Split(1)) if p.divides(shape, 1) else (whole, REPLICATED)
 
 
 def _along(layout) -> int | None:
@@ -311,12 +325,12 @@ def _while(p: Partitioner, eqn, ins):
     def attempt(carry_layouts, pinned, guessed):
         carry0 = [p.hold(p.convert(v, lay, t), t) for (v, lay), t in zip(init, carry_layouts, strict=True)]
 
-        @_scoped(p)
+        @_scoped(p, eqn)
         def cond(c):
             ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
             return p._whole(pred, lay)
 
-        @_scoped(p)
+        @_scoped(p, eqn)
         def body(c):
             outs = p.run(bj.jaxpr, bj.consts, [*bconsts, *zip(c, carry_layouts)])
             return _vary_all(p, _fit(p, outs, carry_layouts, pinned, guessed), carry_layouts)
@@ -339,7 +353,7 @@ def _cond(p: Partitioner, eqn, ins):
 
     def attempt(out_layouts, pinned, guessed):
         def make(br):
-            @_scoped(p)
+            @_scoped(p, eqn)
             def fn(*vals):
                 outs = p.run(br.jaxpr, br.consts, list(zip(vals, [lay for _, lay in ops], strict=True)))
                 return _vary_all(p, _fit(p, outs, out_layouts, pinned), out_layouts)

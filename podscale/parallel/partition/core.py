@@ -87,18 +87,12 @@ class Partitioner:
         self.table_leaves = dict(table_leaves or {})
         """``{input index: rows per replica}``: the step's inputs that are tables split by rows
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
-        where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape (but in
-        a loop's or a branch's body, which kin does not walk: ``_table_shapes``)."""
+        where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
         self.ctx: tuple = ()
         """The ids of the call equations whose jaxpr is running (``control._inline``, and a remat's,
         ``control._remat``): how
         :func:`~podscale.parallel.interpret.kin` names a variable inside a call."""
         self._table_kin = None
-        self._table_shapes: dict = {}
-        """The step's tables' global shapes, each with its rows per replica: in a loop's or a
-        branch's body, which :func:`~podscale.parallel.interpret.kin` does not walk, a gradient
-        scattered into a zero value of a table's shape is that table's (kept split by rows, where
-        a dense partial sum would hold the whole table on every replica)."""
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
@@ -386,12 +380,10 @@ class Partitioner:
     def table_rows_of(self, var) -> int | None:
         """The rows per replica of the table split by rows that ``var`` (in the running jaxpr) is
         computed elementwise with (its gradient, updated with it and its optimizer state), or
-        ``None``. In a loop's or a branch's body, which the kin's walk does not enter, the table of
-        ``var``'s global shape (``_table_shapes``)."""
-        found = self._table_kin(var, self.ctx) if self._table_kin is not None else frozenset()
-        if found is None:  # a loop's or a branch's body: the table of the value's shape, if any
-            return self._table_shapes.get(global_shape(var))
-        return next(iter(found)) if len(found) == 1 else None
+        ``None`` (also in the body of a form :func:`~podscale.parallel.interpret.kin` does not
+        walk)."""
+        found = self._table_kin(var, self.ctx) if self._table_kin is not None else None
+        return next(iter(found)) if found and len(found) == 1 else None
 
     def _moves_memory(self, eqn, ins) -> bool:
         """A ``device_put`` to memory spaces only, of values of one layout (bound together, they
@@ -407,7 +399,6 @@ class Partitioner:
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
             self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
-            self._table_shapes = {global_shape(jaxpr.invars[i]): rows for i, rows in self.table_leaves.items()}
         if self._update_only is None and self.chunk_partials and not self.fsdp and not self.ctx:
             self._update_only = interpret.update_only(jaxpr)  # the step's own jaxpr, run first
         env: dict[Any, tuple[Any, Layout]] = {}

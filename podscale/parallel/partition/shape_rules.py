@@ -86,14 +86,26 @@ def reshape(p: Partitioner, eqn, ins):
         return None
     in_shape, out_shape = global_shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
     out_dim = _reshape_dim(in_shape, out_shape, lay.dim, p.n)
-    if out_dim is None:
-        return None
-    if not (
+    if out_dim is not None and (
         out_shape[out_dim] == in_shape[lay.dim] or (p.divides(in_shape, lay.dim) and p.divides(out_shape, out_dim))
-    ):
-        return None  # a dimension split in padded blocks (a table's rows) keeps its blocks only whole
-    out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
-    return [(out[0], Split(out_dim))]
+    ):  # (a dimension split in padded blocks, a table's rows, keeps its blocks only whole)
+        out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
+        return [(out[0], Split(out_dim))]
+    return regrouped(p, eqn, v, lay, out_shape)
+
+
+def regrouped(p: Partitioner, eqn, v, lay: Split, out_shape):
+    """A reshape that regroups the split rows so that no replica's block stays one block of the
+    result (the global batch of 32 as 2 microbatches of 16 on 8 replicas: a replica's 4 rows are
+    half of one microbatch). The rows are gathered (a collective of the input's size), reshaped,
+    and each replica keeps its block of the first dimension of the result that the replicas divide
+    (each microbatch's 16 rows, 2 per replica), so the work after it stays split; ``None`` where
+    no dimension is divided (the reshape then runs whole)."""
+    dim = next((d for d in range(len(out_shape)) if p.divides(out_shape, d)), None)
+    if dim is None:
+        return None
+    (whole,) = p.bind(eqn, [p.whole(v, lay)])
+    return [(p.slice_rows(whole, dim), Split(dim))]
 
 
 def transpose(p: Partitioner, eqn, ins):

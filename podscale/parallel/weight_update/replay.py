@@ -225,9 +225,11 @@ class Rewriter:
         if interpret.contains_any(eqn, {GRAD_SUM}):
             # Control flow that resolves a partial sum inside (a value that each iteration needs
             # whole): those sums stay all-reduces in the loop, the results are full values.
-            self.trace.collectives.append(
-                Collective("all-reduce", self.layout.axes, 0, 0, f"sum inside {eqn.primitive.name}", update=True)
-            )
+            why = f"sum inside {eqn.primitive.name}"
+            for runs, (nbytes, tensors) in sorted(_sums_inside(eqn, self.layout.axes).items()):
+                self.trace.collectives.append(
+                    Collective("all-reduce", self.layout.axes, nbytes, tensors, why, runs=runs, update=True)
+                )
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
         return list(outs) if eqn.primitive.multiple_results else [outs]
@@ -279,6 +281,23 @@ class Rewriter:
             partial = eqn.primitive.bind(local, **dict(p, axes=(0,)))
             return [self.fuser.add(partial, kind)]  # fused with the other partials when read
         return None
+
+
+def _sums_inside(eqn, axes, runs: int = 1, found: dict | None = None) -> dict[int, tuple[int, int]]:
+    """The gradient sums (``GRAD_SUM`` over ``axes``) inside ``eqn``'s sub-jaxprs, as ``{runs per
+    step: (bytes per device, tensors)}``: a scan's body runs once per iteration (a while loop's
+    count is not known here: once)."""
+    found = {} if found is None else found
+    inner_runs = runs * eqn.params["length"] if eqn.primitive.name == "scan" else runs
+    for sub in interpret.sub_jaxprs(eqn):
+        for inner in sub.eqns:
+            if is_grad_sum(inner, axes):
+                nbytes, tensors = found.get(inner_runs, (0, 0))
+                size = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in inner.invars)
+                found[inner_runs] = (nbytes + size, tensors + len(inner.invars))
+            else:
+                _sums_inside(inner, axes, inner_runs, found)
+    return found
 
 
 def _ordered(eqn) -> bool:
