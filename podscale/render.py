@@ -13,6 +13,7 @@ from rich.table import Table
 
 from podscale import report
 from podscale.compiled import systems
+from podscale.compiled.hlo import device_bytes
 from podscale.report import show, size
 
 if TYPE_CHECKING:
@@ -148,13 +149,15 @@ def plan(plan: Plan, console: Console | None = None) -> None:
     if "temporaries" in m:
         lines += [
             f"temporaries (activations, gradients, workspace) {size(m['temporaries'])}",
-            f"peak {size(m.get('allocated', m['peak']))}"
+            f"peak {size(device_bytes(m))}"
             + (f" live at once (all buffers together {size(m['peak'])})" if "allocated" in m else ""),
         ]
+        if m.get("host_temporaries"):
+            lines.append(f"offloaded to host memory {size(m['host_temporaries'])} (not in the peak)")
     console.print("memory per device: " + "; ".join(lines))
     e = plan.eval
     if e:
-        train = f" (the train step's peak {size(m.get('allocated', m['peak']))})" if "peak" in m else ""
+        train = f" (the train step's peak {size(device_bytes(m))})" if "peak" in m else ""
         console.print(
             f"evaluation memory per device: arguments {size(e['arguments'])}; temporaries {size(e['temporaries'])}; "
             f"peak {size(e['peak'])}{train}"

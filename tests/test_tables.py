@@ -531,3 +531,35 @@ def test_a_table_s_gradient_accumulated_in_a_loop_stays_split_by_rows(loop):
         (c.kind, c.bytes_per_device, c.why) for c in dp.trace.collectives
     ]
     assert relative_error(got, want) <= 1e-5
+
+
+def test_a_table_s_optimizer_state_is_known_by_what_it_updates_not_by_its_shape():
+    """Adagrad's accumulator of the table is split by rows with it: it is computed elementwise
+    with the table (its kin). An average of a dense weight kept beside it, of the table's very
+    shape but computed with that weight only, stays as the strategy stores any leaf."""
+    import jax.numpy as jnp
+
+    rows = 64
+    tx = optax.adagrad(0.1)
+    params = {
+        "table": jax.random.normal(jax.random.key(0), (rows, 16)) * 0.1,
+        "dense": jax.random.normal(jax.random.key(1), (rows, 16)) * 0.1,  # the table's shape, no lookup
+    }
+
+    def step(state, batch):
+        params, opt, average = state
+
+        def loss_fn(p):
+            e = jnp.take(p["table"], batch["ids"], axis=0)
+            return jnp.mean((jnp.sum(e @ p["dense"].T, axis=1) - batch["y"]) ** 2)
+
+        g = jax.grad(loss_fn)(params)
+        u, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+        return (params, opt, 0.9 * average + 0.1 * params["dense"]), {}
+
+    state = (params, tx.init(params), jnp.zeros((rows, 16)))
+    batches, (want, _), (got, _), dp = _uneven_table_run(step, state, rows, 3)
+    tables = sorted(leaf.path for leaf in dp.layout.leaves if leaf.table)
+    assert tables == ["[0]['table']", "[1][0].sum_of_squares['table']"], tables
+    assert relative_error(got, want) <= 1e-5

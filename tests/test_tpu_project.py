@@ -563,3 +563,63 @@ def test_the_sharded_update_does_not_donate_the_weights_it_gathers_so_xla_tpu_co
     assert not {"64,256", "256,8"} & set(copied), copied  # the weights' shapes
     header = text.splitlines()[0]  # HloModule ..., input_output_alias={ {0}: (0, {}, may-alias), ... }
     assert header.count("may-alias") == 5  # the step count and the four moments, not w1 and w2
+
+
+def _scanned_step(offload: bool):
+    """SGD on 8 stacked tanh layers under ``lax.scan``, each layer's input rematerialised, or
+    offloaded to host memory between the passes (MaxText's ``offload`` policy)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = (
+        jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["layer_input"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        if offload
+        else jax.checkpoint_policies.nothing_saveable
+    )
+
+    def layer(h, w):
+        return jnp.tanh(checkpoint_name(h, "layer_input") @ w), None
+
+    def step(state, batch):
+        def loss(w):
+            h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), batch["x"], w)
+            return jnp.mean(h**2)
+
+        return {"w": state["w"] - 0.1 * jax.grad(loss)(state["w"])}, {}
+
+    return step
+
+
+@needs_libtpu
+def test_memory_offloaded_to_host_is_not_counted_in_the_chip_s_memory():
+    """XLA:TPU's peak counts the buffers a remat policy offloads to host memory, and not the
+    device's temporaries: the row's memory per chip is the device's buffers (arguments, outputs
+    and temporaries), below the same step's without the offload, and the host's is its own
+    figure."""
+    state = {"w": jax.ShapeDtypeStruct((8, 512, 512), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((4096, 512), jnp.float32)}  # per replica, as project takes it
+    rows = {}
+    for offload in (False, True):
+        (rows[offload],) = project.project(
+            _scanned_step(offload), state, batch, system="tpu-v6e", chips=[8], strategies=["replicated"]
+        )
+    kept, moved = rows[False], rows[True]
+    assert kept.host_memory_per_chip == 0 and moved.host_memory_per_chip >= 7 * 4096 * 512 * 4  # 7 layers' inputs
+    assert moved.memory_per_chip < kept.memory_per_chip
+    s = systems.get("tpu-v6e")
+    devices = tpu.devices("tpu-v6e", tpu.topology_name(s, 8))
+    mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
+    dp = data_parallel(_scanned_step(True), mesh)
+    whole = {"x": jax.ShapeDtypeStruct((4096 * mesh.size, 512), jnp.float32)}
+    dp.prepare(state, whole)
+    memory = hlo.memory_of(dp.lower(dp.layout.stored_shapes(), whole).compile())
+    held = memory["arguments"] + memory["outputs"] - memory["aliased"]
+    # the host buffers in the compiler's peak, the device's temporaries (8.4 MiB) not
+    assert held + memory["host_temporaries"] <= memory["allocated"] < held + memory["host_temporaries"] + 2**20
+    assert (
+        hlo.device_bytes(memory) * s.devices_per_chip == moved.memory_per_chip == memory["peak"] < memory["allocated"]
+    )

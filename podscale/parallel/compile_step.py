@@ -111,12 +111,13 @@ def place(
             "leaves the forward pass reads: call place_state(state, batch) or prepare(state, batch)"
         )
     replicas = roles.replicas(mesh)
-    found, looked_up, min_rows, gt = {}, set(), {}, None
+    found, looked_up, min_rows, gt, kin = {}, set(), {}, None, None
     if batch is not None:
         batch_rows = jax.tree.leaves(batch)[0].shape[0]
         gt = traced(abstract, batch)
         ids = tables.lookups(gt.closed.jaxpr, gt.n_state)
         looked_up = set(ids)
+        kin = tables.state_kin(gt.closed.jaxpr, gt.n_state, looked_up) if looked_up else None
         min_rows = tables.thresholds(ids, batch_rows, strategy.min_table_rows)
         if strategy.min_table_rows is not None and not looked_up:
             checks.warn(
@@ -127,7 +128,7 @@ def place(
     model_dims, notes = None, ()
     if roles.model:
         # The tables split by rows over the data axes where no rule splits them: not "left whole"
-        split_by_rows = set(tables.choose(jax.tree.leaves(abstract), looked_up, forward, replicas, min_rows))
+        split_by_rows = set(tables.choose(jax.tree.leaves(abstract), looked_up, forward, replicas, min_rows, kin))
         assignment = tensor.assign(
             strategy.rules,
             abstract,
@@ -140,7 +141,7 @@ def place(
         model_dims, notes = assignment.dims, tuple(assignment.notes)
     if batch is not None:
         ruled = {i for i, d in enumerate(model_dims or ()) if d is not None}  # a rule's split wins
-        found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, replicas, min_rows)
+        found = tables.choose(jax.tree.leaves(abstract), looked_up - ruled, forward, replicas, min_rows, kin)
         found = {i: rows for i, rows in found.items() if i not in ruled}
     layout = state_layout.decide(
         abstract,

@@ -5,7 +5,8 @@ A *table* is a float weight of rank 2 or more that the step looks up by rows (th
 matrix product reads (a tied embedding is the output layer's weight too, and stays one), and that
 has at least as many rows as the step's global batch. The placement stores it split by rows over the data axes
 (each replica holds ``ceil(rows / N)`` consecutive rows, the last block padded with zero rows),
-and so the optimizer-state leaves of its shape (Adagrad's accumulator, momentum): the lookup and
+and so the optimizer-state leaves computed with it (Adagrad's accumulator, momentum: its kin, not
+any leaf of its shape): the lookup and
 the gradient run where the rows live (:mod:`podscale.parallel.partition.tables`) and the update
 touches only a replica's own rows. The plan lists each table with where it went and why.
 
@@ -138,12 +139,19 @@ def _has_product(jaxpr) -> bool:
 
 
 def choose(
-    state_leaves, candidates: set[int], forward: set[int] | None, n: int, min_rows: Mapping[int, int]
+    state_leaves,
+    candidates: set[int],
+    forward: set[int] | None,
+    n: int,
+    min_rows: Mapping[int, int],
+    kin: Mapping[int, frozenset] | None = None,
 ) -> dict[int, int]:
     """``{leaf index: rows per replica}`` of the tables split by rows over ``n`` replicas: the
     float weights of rank 2 or more looked up by rows with at least ``min_rows[i]`` rows (each
-    table its own threshold: :func:`thresholds`), and every other float leaf of one of their shapes
-    (their optimizer state)."""
+    table its own threshold: :func:`thresholds`), and their optimizer state: each float leaf that
+    is no weight and is computed elementwise with one table (``kin``: leaf index to the looked-up
+    leaves it is kin to, :func:`state_kin`), of that table's shape. A leaf is not taken for a
+    table's state by its shape alone."""
     if n < 2:
         return {}
     tables = set()
@@ -152,16 +160,25 @@ def choose(
         shape = tuple(np.shape(x))
         if len(shape) >= 2 and shape[0] >= min_rows[i] and _float(x) and (forward is None or i in forward):
             tables.add(i)
-    shapes = {tuple(np.shape(state_leaves[i])) for i in tables}
     out = {}
     for i, x in enumerate(state_leaves):
         shape = tuple(np.shape(x))
         weight = forward is not None and i in forward
-        # A table, or a float leaf of a table's shape that is no weight (its optimizer state); a
-        # looked-up weight under its own threshold is no table, whatever its shape.
-        if i in tables or (shape in shapes and _float(x) and not weight and i not in candidates):
+        related = {t for t in (kin or {}).get(i, frozenset()) if t in tables}
+        # A table, or a float leaf updated with exactly one table, of its shape, that is no weight
+        # (its optimizer state); a looked-up weight under its own threshold is no table.
+        state = len(related) == 1 and tuple(np.shape(state_leaves[next(iter(related))])) == shape
+        if i in tables or (state and _float(x) and not weight and i not in candidates):
             out[i] = math.ceil(shape[0] / n)
     return out
+
+
+def state_kin(jaxpr, n_state: int, looked: set[int]) -> dict[int, frozenset]:
+    """Per state leaf (the first ``n_state`` inputs of the step's ``jaxpr``), the looked-up leaves
+    it is computed elementwise with (:func:`interpret.kin`): Adagrad's accumulator and a momentum
+    are kin to the table they update."""
+    kin_of = interpret.kin(jaxpr, {jaxpr.invars[i]: i for i in looked})
+    return {i: kin_of(v) or frozenset() for i, v in enumerate(jaxpr.invars[:n_state])}
 
 
 def _float(x) -> bool:

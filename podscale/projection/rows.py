@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from podscale.compiled import hlo
 from podscale.compiled.systems import System
 from podscale.parallel.strategy import Strategy
 
@@ -35,6 +36,10 @@ class Row:
     examples_per_s: float | None = None
     mfu: float | None = None
     memory_per_chip: float | None = None
+    """The chip's memory the program holds at its peak (:func:`~podscale.compiled.hlo.device_bytes`)."""
+    host_memory_per_chip: float | None = None
+    """Host memory per chip the program's offloaded buffers take (a remat policy's offload), not
+    in :attr:`memory_per_chip`."""
     hbm_per_chip: float | None = None
     fits: bool | None = None
     """Whether the program fits the chip: XLA:TPU's verdict where it compiled the row (it refuses a
@@ -123,8 +128,9 @@ class _Draft(dict):
         compute = phases["forward"] + phases["backward"]
         step_s = compute + phases["update"] + self["exposed"]
         model_flops = sum(o.matmul_flops * o.count for o in module.ops if o.phase != "update")
-        # the compiler's peak of its buffer assignment where it gives one (what is live at once)
-        per_device = module.memory.get("allocated") or module.memory.get("peak", 0)
+        # the compiler's peak of its buffer assignment where it gives one (what is live at once),
+        # less what a remat policy offloads to host memory
+        per_device = hlo.device_bytes(module.memory)
         if factor > 1 and self["strategy"].state_scales:
             # the sharded (or FSDP-chunked) state's shards are ``factor`` times smaller at the target
             shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded or leaf.chunked)
@@ -149,6 +155,7 @@ class _Draft(dict):
             examples_per_s=global_batch / step_s if step_s else 0.0,
             mfu=model_flops / (step_s * system.device_peak("bf16")) if step_s else 0.0,
             memory_per_chip=float(memory),
+            host_memory_per_chip=float(module.memory.get("host_temporaries", 0) * system.devices_per_chip),
             hbm_per_chip=float(system.hbm_bytes),
             # the compiler's verdict where it checks the chip's memory (XLA:TPU), else the datasheet's
             fits=True if self.get("memory_checked") else memory <= system.hbm_bytes,
@@ -294,6 +301,11 @@ def render(rows: list[Row], system: System, what: str, console=None) -> None:
             console.print(f"  {r.chips} chips, {r.strategy}: does not fit: {r.does_not_fit}", markup=False)
         elif r.compiled_mesh != r.mesh:
             console.print(f"  {r.chips} chips, {r.strategy}: compiled on mesh {r.compiled_mesh}, scaled to {r.mesh}")
+        if r.host_memory_per_chip:
+            console.print(
+                f"  {r.chips} chips, {r.strategy}: {r.host_memory_per_chip / 2**30:.2f} GiB per chip offloaded to host "
+                "memory (not in GiB/chip)"
+            )
     if partitioned:
         console.print(
             "halo MB, model-axis MB = per device per step, the collective-permutes over the space or model axis (the "
