@@ -221,8 +221,9 @@ class Verification:
 
 
 def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
-    """The strategies to check on ``mesh``, by name: both weight updates, with the 2-D sum where two
-    data axes of at least 2 devices remain, over no partition axis, the last axis as the space axis
+    """The strategies to check on ``mesh``, by name: each weight update, with the 2-D sum where two
+    data axes of at least 2 devices remain (and there data x FSDP, ``data-x-fsdp``: FSDP's chunks
+    over the last data axis, copies of them over the others), over no partition axis, the last axis as the space axis
     (spatial partitioning; refused, and so reported as not applying, for a step without images) and,
     with ``rules``, as the model axis, and with three axes or more the last two as space and model."""
     _check_mesh(mesh)
@@ -242,6 +243,9 @@ def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
             for grad_sum in sums:
                 name = "+".join(x for x in (update, "2d" if grad_sum == "2d" else "", part) if x)
                 out[name] = Strategy(weight_update=update, grad_sum=grad_sum, **fields)
+        if not taken and len(data) >= 2 and all(shape[a] > 1 for a in data):
+            # data x FSDP: chunks over the last data axis (within a slice or node), copies over the rest
+            out["data-x-fsdp"] = Strategy(weight_update="fsdp", fsdp_axes=tuple(data[-1:]))
     return out
 
 

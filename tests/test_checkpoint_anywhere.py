@@ -39,14 +39,16 @@ PLACEMENTS = {
     "8 replicas, fsdp": ((8,), 8, {"weight_update": "fsdp"}),
     "2 replicas, fsdp": ((2,), 2, {"weight_update": "fsdp"}),
     "4x2, model axis of 2, fsdp": ((4, 2), 8, {"model_parallel": 2, "rules": "transformer", "weight_update": "fsdp"}),
+    "2x4, fsdp over y (data x FSDP)": ((2, 4), 8, {"weight_update": "fsdp", "fsdp_axes": ("y",)}),
 }
 CHAINS = [  # the data axes alone on the MLP (quicker to trace), a model axis on the Transformer
     ("8 replicas, sharded", "4 replicas, sharded", "2 replicas, replicated"),
     ("4x2, model axis of 2, sharded", "2x4, model axis of 4, replicated", "8 replicas, sharded"),
     # flat chunks into chunks per model partition, then those read back as they are
     ("8 replicas, sharded", "4x2, model axis of 2, sharded", "4x2, model axis of 2, sharded"),
-    # FSDP chunks (each leaf along its own dim) into flat chunks, a replicated state, and back
-    ("8 replicas, fsdp", "4 replicas, sharded", "2 replicas, fsdp"),
+    # FSDP chunks (each leaf along its own dim) into flat chunks, a replicated state, and back;
+    # then 4 chunks copied over a second data axis (data x FSDP)
+    ("8 replicas, fsdp", "4 replicas, sharded", "2 replicas, fsdp", "2x4, fsdp over y (data x FSDP)"),
     ("4x2, model axis of 2, fsdp", "8 replicas, fsdp", "2x4, model axis of 4, replicated"),
 ]
 

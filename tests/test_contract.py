@@ -214,6 +214,30 @@ STRATEGIES = {
         "conv-mlp",
         [ADAMW, LAMB],
     ),
+    # data x FSDP: chunks over one data axis, whole copies of them over the other (across slices)
+    "data-x-fsdp-2x4": (
+        (2, 4),
+        ("data", "fsdp"),
+        {"weight_update": "fsdp", "fsdp_axes": ("fsdp",)},
+        "mlp",
+        # moments, per-layer norms (reductions over chunks), factored statistics, a line search's
+        # branches and loops (a chunk's type kept over its own axes)
+        [ADAMW, LAMB, LARS, "optax.adafactor", "optax.lbfgs"],
+    ),
+    "data-x-fsdp-2d-sum": (
+        (4, 2),
+        None,
+        {"weight_update": "fsdp", "fsdp_axes": ("y",), "grad_sum": "2d"},
+        "mlp",
+        [LAMB],
+    ),
+    "data-x-fsdp-x-model": (
+        (2, 2, 2),
+        ("data", "fsdp", "model"),
+        {"model_axis": "model", "rules": RULES, "weight_update": "fsdp", "fsdp_axes": ("fsdp",)},
+        "mlp",
+        [ADAMW, LAMB],
+    ),
 }
 SPACE_FACTOR = 8
 """A space axis also sums each image's positions in another order (the stem's map averaged over

@@ -184,3 +184,66 @@ def test_named_and_offloaded_activations_stay_split_by_rows(weight_update):
     ref = run_single(step, state, batches)[0]
     spread = max(relative_error(r, ref) for r in reordered_runs(step, state, batches))
     assert relative_error(got, ref) <= max(1e-6, 4 * spread)
+
+
+def _data_x_fsdp():
+    """Chunks over the mesh's ``fsdp`` axis (4 replicas), whole copies of them over ``data`` (2)."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    return data_parallel(_step, mesh, Strategy(weight_update="fsdp", fsdp_axes="fsdp"), donate_state=False)
+
+
+def test_data_x_fsdp_stores_a_quarter_per_device_copied_over_the_data_axis(scanned):
+    """``fsdp_axes``: each leaf is chunked over the named axis only (1/4 per device, not 1/8), each
+    chunk held by both of the data axis's replicas; the step equals one device."""
+    state, batches = scanned
+    dp = _data_x_fsdp()
+    stored = dp.place_state(state, batches[0])
+    chunked = [
+        (leaf, x) for leaf, x in zip(dp.placement.state.leaves, jax.tree.leaves(stored), strict=True) if leaf.chunked
+    ]
+    assert chunked and all(leaf.stored.axes == ("fsdp",) for leaf, _ in chunked)
+    for leaf, x in chunked:
+        assert {s.data.size for s in x.addressable_shards} == {x.size // 4}, leaf.path
+        assert leaf.bytes_per_device() * 4 == leaf.bytes
+        spec = x.sharding.spec[leaf.stored.dim]
+        assert spec in ("fsdp", ("fsdp",)), (leaf.path, x.sharding.spec)  # nothing over data: copies
+    ref = run_single(_step, state, batches)[0]
+    got, _ = run_parallel(dp, state, batches)
+    spread = max(relative_error(r, ref) for r in reordered_runs(_step, state, batches))
+    assert relative_error(got, ref) <= max(1e-6, 4 * spread)
+
+
+def test_data_x_fsdp_gathers_each_layer_over_its_axis_and_sums_across_the_copies(scanned):
+    """Inside the scan over layers, once per layer: the layer's chunk all-gathered over the fsdp
+    axis (groups of 4, forward and backward), its gradient reduce-scattered over it, and the
+    gradient chunk all-reduced over the data axis (groups of 2); nothing over all 8 devices is of
+    a layer's size."""
+    state, batches = scanned
+    dp = _data_x_fsdp()
+    stored = dp.place_state(state, batches[0])
+    module = hlo.read(dp.lower(stored, batches[0]).compile(), dp.mesh)
+    layer_chunk = WIDTH * WIDTH // 4 * 4  # a quarter of a layer's kernel, float32
+    in_loop = [c for c in module.collectives if c.count == LAYERS]
+    gathers = [c for c in in_loop if c.kind == "all-gather" and c.buffer_bytes == layer_chunk]
+    scatters = [c for c in in_loop if c.kind == "reduce-scatter" and c.buffer_bytes == layer_chunk * 4]
+    across = [c for c in in_loop if c.kind == "all-reduce" and c.buffer_bytes == layer_chunk]
+    assert len(gathers) == 2 and all(c.group_size == 4 for c in gathers), module.collectives
+    assert len(scatters) == 1 and scatters[0].group_size == 4, module.collectives
+    assert len(across) == 1 and across[0].group_size == 2, module.collectives
+    plan = dp.plan()
+    assert {c["axes"] for c in plan.collectives if c["why"].startswith("chunks summed across")} == {("data",)}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"weight_update": "sharded", "fsdp_axes": ("fsdp",)}, "add weight_update='fsdp'"),
+        ({"weight_update": "fsdp", "fsdp_axes": ("slice",)}, "'slice' is not an axis of the mesh"),
+        ({"weight_update": "fsdp", "fsdp_axes": ("model",), "model_axis": "model"}, "'model' is not a data axis"),
+        ({"weight_update": "fsdp", "fsdp_axes": ("fsdp", "fsdp")}, "name each axis once"),
+    ],
+)
+def test_fsdp_axes_are_checked_before_anything_runs(fields, message):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "model") if "model_axis" in fields else ("data", "fsdp"))
+    with pytest.raises(ValueError, match=message):
+        data_parallel(_step, mesh, Strategy(**fields))

@@ -82,6 +82,7 @@ WRONG_TYPES = {
     "spatial": _INT,
     "model_parallel": _INT,
     "space_axis": [3, True, ("space",), ""],
+    "fsdp_axes": [3, True, (3,), b"y", ("y", "")],
     "model_axis": [3, True, ("model",), b"model"],
     "rules": [3, ("w", 0), True, [("w", 0)]],
 }
@@ -99,6 +100,7 @@ OUT_OF_RANGE = {
     "axis_costs": ["x=fast"],
     "rules": ["resnet"],
     "data_axes": [()],
+    "fsdp_axes": [()],
 }
 
 

@@ -72,7 +72,7 @@ def test_every_strategy_on_a_2d_mesh_is_within_the_floor():
     step, state, batch = _problem()
     result = podscale.verify(step, state, batch, podscale.make_mesh((4, 2)), steps=2)
     ran = {r.name: r for r in result.results if r.applies}
-    assert set(ran) == {"replicated", "sharded", "fsdp", "replicated+2d", "sharded+2d", "fsdp+2d"}
+    assert set(ran) == {"replicated", "sharded", "fsdp", "replicated+2d", "sharded+2d", "fsdp+2d", "data-x-fsdp"}
     assert result.passed, "\n".join(result.lines())
     assert all(r.ratio <= podscale.verification.MULTIPLE and r.leaf for r in ran.values())
     assert len(result.floor) == 2 and all(0 < f < 1e-5 for f in result.floor), result.floor  # float32 rounding

@@ -159,6 +159,7 @@ def place(
         partition_dims=state_layout.partition_dims(gt.closed.jaxpr, model_dims)
         if model_dims and gt is not None
         else None,
+        chunk_axes=roles.chunks,
     )
     example = batch_placement(mesh, roles, strategy, traced, abstract, batch) if batch is not None else BatchPlacement()
     looked = tuple(sorted(looked_up))
@@ -240,6 +241,8 @@ def partitioner(
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,
+        chunk_axes=roles.chunk_axes,
+        chunk_size=math.prod(mesh.shape[a] for a in roles.chunk_axes),
     )
 
 

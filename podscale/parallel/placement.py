@@ -50,16 +50,27 @@ class Roles:
     """The axis the sharding rules split weights over, or ``None``."""
     group: str | None = None
     """The batch-norm group axis (``make_mesh(bn_group_size=k)``), one of the data axes, or ``None``."""
+    chunks: tuple[str, ...] | None = None
+    """The data axes a leaf stored in chunks along a dimension is chunked over (mesh order):
+    ``None``, every data axis; with ``Strategy(fsdp_axes=...)`` (data x FSDP) those only, the
+    other data axes holding whole copies of the chunks."""
 
     @classmethod
     def of(cls, strategy, mesh: Mesh) -> Roles:
         """The roles ``strategy`` gives ``mesh``'s axes (refused, naming the axis, where they clash)."""
+        data = strategy.axes(mesh)
+        chunks = strategy.chunk_axes(mesh)
         return cls(
-            data=strategy.axes(mesh),
+            data=data,
             space=strategy.space_of(mesh),
             model=strategy.model_of(mesh),
             group=BN_GROUP if BN_GROUP in mesh.axis_names else None,
+            chunks=None if chunks == data else chunks,
         )
+
+    @property
+    def chunk_axes(self) -> tuple[str, ...]:
+        return self.data if self.chunks is None else self.chunks
 
     @property
     def partitions(self) -> tuple[str, ...]:

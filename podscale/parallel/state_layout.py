@@ -146,8 +146,8 @@ class StateLayout:
     def _spec(self, leaf: LeafLayout) -> P:
         """How the step's ``shard_map`` (manual over the data axes) sees the stored leaf."""
         match leaf.stored:
-            case Along(dim=dim):
-                return P(*[self.data_axes if d == dim else None for d in range(len(leaf.shape))])
+            case Along(dim=dim, axes=axes):
+                return P(*[(axes or self.data_axes) if d == dim else None for d in range(len(leaf.shape))])
             case Flat() | Rows():
                 return P(self.axes)
         return P()
@@ -157,8 +157,8 @@ class StateLayout:
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
         match leaf.stored:
-            case Along(dim=dim):  # along its dim over the data axes (and a rule's over the model axis)
-                spec[dim] = self.data_axes + ((spec[dim],) if spec[dim] else ())
+            case Along(dim=dim, axes=axes):  # along its dim over the data axes (and a rule's over the model axis)
+                spec[dim] = (axes or self.data_axes) + ((spec[dim],) if spec[dim] else ())
             case Rows():  # rows over the data axes, whole over a space or model axis
                 spec = [self.axes]
             case Flat():  # each replica's chunk split over the space and model axes too
@@ -404,6 +404,7 @@ def decide(
     fsdp: bool = False,
     dims: bool = False,
     partition_dims: Sequence[int | None] | None = None,
+    chunk_axes: tuple[str, ...] | None = None,
 ) -> StateLayout:
     """The layout of every leaf of ``state`` (arrays or ``ShapeDtypeStruct``).
 
@@ -421,9 +422,11 @@ def decide(
     one of its dimensions. ``dims=True`` (the sharded update with the 1-D sum, no space or model
     axis): an optimizer-state leaf the replicas chunk along one of its dimensions is stored so
     (the update's gradient reduce-scattered into that chunk, in its own shape: no relayout); the
-    others keep flat chunks.
+    others keep flat chunks. ``chunk_axes`` (data x FSDP): the data axes FSDP chunks over, where
+    not every one (the others hold whole copies of the chunks).
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
+    chunks = (chunk_axes, math.prod(mesh.shape[a] for a in chunk_axes)) if chunk_axes else (None, n)
     per_partition = shard and model and tuple(parts) == (model,)
     leaves = []
     for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(state)):
@@ -439,7 +442,7 @@ def decide(
         dim = model_dims[i] if model_dims else None
         chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
         if fsdp and not (tables and i in tables):
-            leaves.append(_fsdp_leaf(kw, n, min_shard_size, dim, mesh.shape[model] if dim is not None else 1))
+            leaves.append(_fsdp_leaf(kw, chunks, min_shard_size, dim, mesh.shape[model] if dim is not None else 1))
         elif tables and i in tables:
             what = "table" if kw["weight"] else "a table's optimizer state"
             leaves.append(
@@ -497,8 +500,10 @@ def decide(
     return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)
 
 
-def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: int) -> LeafLayout:
-    """A leaf's FSDP layout: chunked along :func:`chunk_dim` over the ``n`` replicas, or why not."""
+def _fsdp_leaf(kw: dict, chunks: tuple, min_shard_size: int, model_dim: int | None, k: int) -> LeafLayout:
+    """A leaf's FSDP layout: chunked along :func:`chunk_dim` over ``chunks`` (``(axes, n)``: the
+    ``n`` replicas of the data axes ``axes``, ``None`` for all), or why not."""
+    axes, n = chunks
     shape, dtype = kw["shape"], kw["dtype"]
     size = math.prod(shape)
     model = {"model_dim": model_dim, "model_split": k} if model_dim is not None else {}
@@ -510,8 +515,8 @@ def _fsdp_leaf(kw: dict, n: int, min_shard_size: int, model_dim: int | None, k: 
     if dim is None or n == 1:
         why = "one replica" if n == 1 else f"no dimension of {list(shape)} that the {n} replicas divide"
         return LeafLayout(**kw, stored=WHOLE, reason=f"{why}: replicated", **model)
-    reason = f"fsdp: dimension {dim} over the {n} replicas"
-    return LeafLayout(**kw, stored=Along(dim, n), reason=reason, **model)
+    over = f"the {n} replicas" if axes is None else f"the {n} replicas of axes {', '.join(axes)}"
+    return LeafLayout(**kw, stored=Along(dim, n, axes), reason=f"fsdp: dimension {dim} over {over}", **model)
 
 
 def partition_dims(jaxpr, model_dims: Sequence[int | None]) -> tuple[int | None, ...]:

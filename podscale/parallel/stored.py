@@ -123,10 +123,13 @@ class Rows:
 
 @dataclasses.dataclass(frozen=True)
 class Along:
-    """Chunked along dimension ``dim`` of its own over the ``n`` data replicas (mesh order)."""
+    """Chunked along dimension ``dim`` of its own over ``n`` data replicas (mesh order): over the
+    data axes ``axes``, or every data axis (``None``); with fewer axes (data x FSDP), the other
+    data axes hold whole copies of the chunks."""
 
     dim: int
     n: int
+    axes: tuple[str, ...] | None = None
 
     padding = 0
 

@@ -56,6 +56,16 @@ def _data_axes(name, value):
     return axes
 
 
+def _fsdp_axes(name, value):
+    """A tuple of axis names, or one string of comma-separated names (the command line's form:
+    ``"y"``, ``"x,y"``)."""
+    if isinstance(value, str):
+        value = tuple(a.strip() for a in value.split(","))
+    if isinstance(value, tuple | list) and not value:
+        raise ValueError(f"{name}=(): give at least one data axis to chunk over, or None for every data axis")
+    return _data_axes(name, value)
+
+
 def _axis_name(name, value):
     if value is None:
         return None
@@ -128,6 +138,13 @@ class Strategy:
         "(in a scan over layers, one layer at a time) and its gradient reduce-scattered",
         _choice(WEIGHT_UPDATES),
         choices=WEIGHT_UPDATES,
+    )
+    fsdp_axes: tuple[str, ...] | None = _field(
+        None,
+        "with fsdp, the data axes, by name, the weights, gradients and optimizer state are chunked over (default: "
+        "every data axis); the other data axes hold whole copies of the chunks and sum the gradients across them "
+        "(data x FSDP: FSDP within a slice or node, data parallelism across), e.g. --mesh 2x4 --fsdp-axes y",
+        _fsdp_axes,
     )
     min_shard_size: int = _field(
         DEFAULT_MIN_SHARD_SIZE,
@@ -235,6 +252,13 @@ class Strategy:
                 "axis_costs choose which axis the 2-D gradient sum goes along first, and grad_sum is "
                 f"{self.grad_sum!r}: they would be ignored; add grad_sum='2d', or leave axis_costs out"
             )
+        if self.fsdp_axes is not None and self.weight_update != "fsdp":
+            raise ValueError(
+                f"fsdp_axes={self.fsdp_axes} name the axes FSDP chunks over, and weight_update is "
+                f"{self.weight_update!r}: add weight_update='fsdp', or leave fsdp_axes out"
+            )
+        if self.fsdp_axes is not None and len(set(self.fsdp_axes)) != len(self.fsdp_axes):
+            raise ValueError(f"fsdp_axes={self.fsdp_axes}: name each axis once")
         if self.data_axes is not None and len(set(self.data_axes)) != len(self.data_axes):
             twice = sorted({a for a in self.data_axes if self.data_axes.count(a) > 1})
             raise ValueError(f"data_axes={self.data_axes}: {', '.join(map(repr, twice))} named twice; name each once")
@@ -352,6 +376,27 @@ class Strategy:
                 "leave data_axes out, or make the mesh of data axes only"
             )
         return tuple(a for a in mesh.axis_names if a in self.data_axes)  # mesh order: the batch's split order
+
+    def chunk_axes(self, mesh) -> tuple[str, ...]:
+        """The data axes a leaf stored in chunks along one of its dimensions is chunked over, in
+        mesh order: with ``fsdp_axes``, those (each a data axis of the mesh); else every data axis."""
+        data = self.axes(mesh)
+        if self.fsdp_axes is None:
+            return data
+        shape = dict(mesh.shape)
+        for name in self.fsdp_axes:
+            if name not in shape:
+                raise ValueError(
+                    f"fsdp_axes: {name!r} is not an axis of the mesh {shape}; name data axes of it ({', '.join(map(repr, data))})"
+                )
+            if name not in data:
+                raise ValueError(
+                    f"fsdp_axes: {name!r} is not a data axis of the mesh {shape} (the data axes: "
+                    f"{', '.join(map(repr, data))}); FSDP chunks over data axes only"
+                )
+            if name == BN_GROUP:
+                raise ValueError(f"fsdp_axes: {name!r} is the batch-norm group axis; chunk over the other data axes")
+        return tuple(a for a in data if a in self.fsdp_axes)
 
 
 def flag_name(field: str) -> str:

@@ -31,27 +31,33 @@ _REDUCTIONS = {"reduce_sum": None, "reduce_max": lax.pmax, "reduce_min": lax.pmi
 
 
 def gather(p: Partitioner, x, layout: Chunked):
-    """The whole tensor of the chunk ``x`` (an all-gather over the data axes along its dim)."""
+    """The whole tensor of the chunk ``x`` (an all-gather over the axes it is chunked over, along
+    its dim)."""
     if p.one:
         return x
     p.communications += 1
     if p.leaving:  # the update's (compiled.hlo's phases), with the relayouts XLA adds around it
-        p.record("all-gather", p.axes, x, "updated chunks gathered into the whole weight", update=True)
+        p.record("all-gather", p.chunk_axes, x, "updated chunks gathered into the whole weight", update=True)
         with jax.named_scope(UPDATE_SCOPE):
-            return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
-    p.record("all-gather", p.axes, x, "a stored chunk gathered for its use")
-    return all_gather_invariant(x, p.axes, axis=layout.dim, tiled=True)
+            return all_gather_invariant(x, p.chunk_axes, axis=layout.dim, tiled=True)
+    p.record("all-gather", p.chunk_axes, x, "a stored chunk gathered for its use")
+    return all_gather_invariant(x, p.chunk_axes, axis=layout.dim, tiled=True)
 
 
 def scatter(p: Partitioner, x, dim: int):
     """This replica's chunk along ``dim`` of the sum over the replicas of the partial sum ``x``
-    (a reduce-scatter), rounded as one device rounds the whole sum (:meth:`Partitioner.rounded`)."""
+    (a reduce-scatter; with data x FSDP, over the chunks' axes, then an all-reduce of the chunk
+    over the others), rounded as one device rounds the whole sum (:meth:`Partitioner.rounded`)."""
     if p.one:
         return p.rounded(one_replica_sum(x), x)
     p.communications += 1
-    p.record("reduce-scatter", p.axes, x, "a partial sum reduce-scattered into chunks", update=True)
+    p.record("reduce-scatter", p.chunk_axes, x, "a partial sum reduce-scattered into chunks", update=True)
     with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):  # a gradient sum (compiled.hlo)
-        return p.rounded(lax.psum_scatter(x, p.axes, scatter_dimension=dim, tiled=True), x)
+        chunk = lax.psum_scatter(x, p.chunk_axes, scatter_dimension=dim, tiled=True)
+        if p.outer_axes:  # the copies' partial chunks, summed across them
+            p.record("all-reduce", p.outer_axes, chunk, "chunks summed across their copies (data x FSDP)", update=True)
+            chunk = lax.psum(chunk, p.outer_axes)
+        return p.rounded(chunk, x)
 
 
 def convert(p: Partitioner, x, src: Layout, dst: Layout):
@@ -63,8 +69,8 @@ def convert(p: Partitioner, x, src: Layout, dst: Layout):
         return scatter(p, x, dst.dim)
     if src is not REPLICATED:  # a split value, or a batch-norm group's (averaged over the groups)
         x = p.whole(x, src)
-    size = x.shape[dst.dim] // p.n
-    return lax.dynamic_slice_in_dim(x, p.index() * size, size, dst.dim)
+    size = x.shape[dst.dim] // p.chunk_n
+    return lax.dynamic_slice_in_dim(x, p.chunk_index() * size, size, dst.dim)
 
 
 def chunk_of(p: Partitioner, shape) -> Chunked | None:
@@ -72,7 +78,7 @@ def chunk_of(p: Partitioner, shape) -> Chunked | None:
     dimension the replicas divide): as :mod:`~podscale.parallel.state_layout` stores such a leaf."""
     if not p.chunk_partials or math.prod(shape) < p.min_chunk:
         return None
-    dim = chunk_dim(shape, p.n)
+    dim = chunk_dim(shape, p.chunk_n)
     return None if dim is None else Chunked(dim)
 
 
@@ -153,13 +159,17 @@ def _reduce(p: Partitioner, eqn, arg):
     if lay.dim not in axes:  # along other dims: still this replica's chunk
         local = p.bind(eqn, [v], **changes)[0]
         return [(local, Chunked(lay.dim - sum(a < lay.dim for a in axes)))]
-    if name == "reduce_sum":
+    if name == "reduce_sum" and not p.outer_axes:
         if narrow_float(v.dtype):  # accumulated in float32, rounded after the sum over the replicas
             v = widen(v)
         return [(p.bind(eqn, [v], **changes)[0], PARTIAL)]
-    local = p.bind(eqn, [v], **changes)[0]
+    narrow = narrow_float(v.dtype) and name == "reduce_sum"
+    local = p.bind(eqn, [widen(v) if narrow else v], **changes)[0]
     if p.one:
-        return [(local, REPLICATED)]
-    p.record("all-reduce", p.axes, local, f"{name} over chunks")
+        return [(local.astype(v.dtype) if narrow else local, REPLICATED)]
+    # Over the chunks' axes only (data x FSDP: the other data axes hold the same chunks, so a
+    # partial sum over every replica would count each chunk once per copy).
+    p.record("all-reduce", p.chunk_axes, local, f"{name} over chunks")
     p.communications += 1
-    return [(_REDUCTIONS[name](local, p.axes), REPLICATED)]
+    total = (_REDUCTIONS[name] or lax.psum)(local, p.chunk_axes)
+    return [(total.astype(v.dtype) if narrow else total, REPLICATED)]

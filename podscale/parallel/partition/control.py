@@ -342,8 +342,12 @@ def _while(p: Partitioner, eqn, ins):
 
 
 def _vary_all(p: Partitioner, vals, layouts):
-    """Split and partial carries differ per replica: type them so from the start."""
-    return [p.vary(v) if lay is not REPLICATED else v for v, lay in zip(vals, layouts, strict=True)]
+    """Split and partial carries differ per replica: type them so from the start (a chunk over the
+    axes it is chunked over: with data x FSDP, its copies over the other axes are alike)."""
+    return [
+        v if lay is REPLICATED else p.vary_chunk(v) if isinstance(lay, Chunked) else p.vary(v)
+        for v, lay in zip(vals, layouts, strict=True)
+    ]
 
 
 def _cond(p: Partitioner, eqn, ins):

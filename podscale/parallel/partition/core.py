@@ -64,8 +64,14 @@ class Partitioner:
         fsdp: bool = False,
         min_chunk: int = 1,
         chunk_partials: bool | None = None,
+        chunk_axes: Sequence[str] | None = None,
+        chunk_size: int | None = None,
     ):
         self.axes, self.n = tuple(axes), n
+        self.chunk_axes = tuple(axes) if chunk_axes is None else tuple(chunk_axes)
+        self.chunk_n = n if chunk_size is None else chunk_size
+        """The data axes a :class:`Chunked` value is chunked over and their replicas: every data axis,
+        or (data x FSDP) some, the others holding whole copies of the chunks."""
         self.fsdp, self.min_chunk = fsdp, min_chunk
         """FSDP (``weight_update="fsdp"``): a loop's stacked partial sums (a scanned layer's
         gradient) are reduce-scattered into chunks inside the loop, so that no gradient is held
@@ -164,6 +170,16 @@ class Partitioner:
     def index(self):
         return jnp.zeros((), jnp.int32) if self.one else lax.axis_index(self.axes)
 
+    def chunk_index(self):
+        """This replica's chunk of a :class:`Chunked` value (its index over :attr:`chunk_axes`)."""
+        return jnp.zeros((), jnp.int32) if self.one else lax.axis_index(self.chunk_axes)
+
+    @property
+    def outer_axes(self) -> tuple[str, ...]:
+        """The data axes a chunk is not split over (data x FSDP): copies of it, whose partial sums
+        are summed across them."""
+        return tuple(a for a in self.axes if a not in self.chunk_axes)
+
     def vary(self, x):
         """``x`` typed as differing per replica (binding a primitive directly needs equal types)."""
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -171,6 +187,15 @@ class Partitioner:
             return x
         have = vma(x)
         missing = tuple(a for a in self.axes if a not in have)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    def vary_chunk(self, x):
+        """``x``, a :class:`Chunked` value, typed as differing over the axes it is chunked over."""
+        return x if self.one else self._vary_over(x, set(self.chunk_axes))
+
+    def _vary_over(self, x, axes: set):
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        missing = tuple(a for a in self.axes if a in axes and a not in vma(x))
         return lax.pcast(x, missing, to="varying") if missing else x
 
     def slice_rows(self, x, dim: int):
@@ -535,8 +560,10 @@ class Partitioner:
         """Binds ``eqn``'s primitive on ``vals``, with the params in ``changes`` that it has."""
         params = dict(eqn.params, **{k: v for k, v in changes.items() if k in eqn.params})
         params = eqn.primitive.get_bind_params(params)
-        if any(vma(v) for v in vals if isinstance(v, jax.Array)):
-            vals = [self.vary(v) for v in vals]
+        varying = set().union(*(vma(v) for v in vals if isinstance(v, jax.Array)))
+        if varying:  # every operand typed as varying over every data axis, but chunks over their own
+            target = varying if self.outer_axes and varying <= set(self.chunk_axes) else set(self.axes)
+            vals = [self._vary_over(v, target) for v in vals]
         conv = eqn.primitive.name == "conv_general_dilated" and self.conv_axes
         if conv and len(self.conv_axes) == 1:
             # One axis (the space axis alone), of at most MAX_SPLIT_CONV partitions: a convolution
