@@ -191,7 +191,7 @@ def _mlp():
     return _mlp_step(tx), (params, tx.init(params)), batch
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "sharded", "sharded-2d"])
+@pytest.mark.parametrize("strategy", ["replicated", "sharded", "sharded-2d", "data-x-fsdp"])
 def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(strategy):
     """XLA:CPU's module (XLA:TPU's: tests/test_tpu_project.py)."""
     step, state, batch = _mlp()
@@ -244,6 +244,32 @@ def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
     assert by["reduce-scatter"]["buffer_bytes"] == g and by["reduce-scatter"]["group_size"] == 16
     assert by["all-gather"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
     assert by["all-reduce"]["buffer_bytes"] == 64 and by["all-reduce"]["role"] == "model"
+
+
+def test_data_x_fsdp_compiled_on_fewer_copies_is_not_scaled_as_a_sharded_state():
+    """Data x FSDP's chunks are over ``y``; compiled with its copies' axis ``x`` halved, they are
+    the target's already: a reduce-scatter over ``y`` keeps its buffer (the sharded update's 1/N
+    chunks would shrink), and the chunks' all-reduce over ``x`` spans the target's copies."""
+    g = 1 << 20
+    scope = "jit/podscale_update/grad_sum"
+    module = hlo.Module(
+        [
+            hlo.Collective("reduce-scatter", "rs", ("y",), 4, "f32", g, 1, f"{scope}/reduce_scatter"),
+            hlo.Collective("all-reduce", "ar", ("x",), 2, "f32", g // 4, 1, f"{scope}/psum"),
+        ],
+        [],
+        {},
+    )
+    topo = Topology(systems.get("tpu-v5e"), 16)
+    target = {"x": 4, "y": 4}
+    hsdp, fsdp = (project_mesh.strategy_for(Strategy(), name) for name in ("data-x-fsdp", "fsdp"))
+    assert hsdp.fsdp_axes == ("y",) and fsdp.fsdp_axes is None
+    assert not hsdp.state_scales and fsdp.state_scales
+    for strategy, shrinks in ((hsdp, 1), (fsdp, 2)):
+        priced = project.price(topo, module, target, "x", 2, strategy, None, scheduled=False)
+        by = {r["kind"]: r for r in priced["collectives"]}
+        assert by["reduce-scatter"]["buffer_bytes"] == g / shrinks and by["reduce-scatter"]["group_size"] == 4
+        assert by["all-reduce"]["buffer_bytes"] == g // 4 and by["all-reduce"]["group_size"] == 4
 
 
 def test_overlap_hides_gradient_sums_but_the_last_behind_the_backward_pass():

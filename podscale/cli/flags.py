@@ -261,8 +261,9 @@ def project_parser(sub) -> None:
     p.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d, fsdp, fsdp-2d (weight update and "
-        f"gradient sum; default {','.join(project_strategies())}, or a workload's recipe's (llama3-*: sharded,fsdp), "
+        help="comma-separated: replicated, sharded, replicated-2d, sharded-2d, fsdp, fsdp-2d, data-x-fsdp (weight "
+        "update and gradient sum; data-x-fsdp: FSDP within the first torus dimension or a GPU node, data parallelism "
+        f"across the rest; default {','.join(project_strategies())}, or a workload's recipe's (llama3-*: sharded,fsdp), "
         "where one that does not apply at a chip count is a row saying why)",
     )
     p.add_argument(

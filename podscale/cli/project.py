@@ -162,7 +162,7 @@ def run_project(args) -> int:
     for dest, needed, kind in (
         ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
         ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
-        ("min_shard_size", sharded, "sharded or fsdp (sharded, sharded-2d, fsdp, fsdp-2d)"),
+        ("min_shard_size", sharded, "sharded or fsdp (sharded, sharded-2d, fsdp, fsdp-2d, data-x-fsdp)"),
     ):
         if dest in given and not needed:
             raise ValueError(

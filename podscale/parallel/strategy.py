@@ -274,8 +274,10 @@ class Strategy:
     @property
     def state_scales(self) -> bool:
         """Whether the state per device shrinks as 1/replicas (the sharded update, FSDP): a
-        projection compiled on fewer devices than its target scales the state and update to it."""
-        return self.weight_update in ("sharded", "fsdp")
+        projection compiled on fewer devices than its target (its outermost data axis smaller)
+        scales the state and update to it. Not data x FSDP's: its chunks are over named axes only,
+        whatever the outermost's size."""
+        return self.weight_update in ("sharded", "fsdp") and self.fsdp_axes is None
 
     def space_of(self, mesh) -> str | None:
         """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``

@@ -28,6 +28,9 @@ STRATEGIES = {
     "sharded-2d": {"weight_update": "sharded", "grad_sum": "2d"},
     "fsdp": {"weight_update": "fsdp", "grad_sum": "1d"},
     "fsdp-2d": {"weight_update": "fsdp", "grad_sum": "2d"},
+    # FSDP within the first torus dimension (a node of GPUs), data parallelism across the rest:
+    # MaxText's ici_fsdp x ici_data, PyTorch's hybrid sharding
+    "data-x-fsdp": {"weight_update": "fsdp", "grad_sum": "1d", "fsdp_axes": ("y",)},
 }
 
 
@@ -35,10 +38,16 @@ def strategy_for(base: Strategy, name: str) -> Strategy:
     """``base`` (spatial or tensor partitioning, the other fields) with the weight update and the
     gradient sum of ``STRATEGIES[name]``; the 2-D sum's own knobs (``grad_sum_chunks``,
     ``axis_costs``) apply to the 2-D strategies only."""
-    fields = dict(STRATEGIES[name])
+    fields = {"fsdp_axes": None, **STRATEGIES[name]}
     if fields["grad_sum"] != "2d":
         fields.update(grad_sum_chunks=None, axis_costs=None)
     return dataclasses.replace(base, **fields)
+
+
+def two_data_axes(strategy: Strategy) -> bool:
+    """Whether ``strategy`` runs on two data axes (``x``, ``y``: the first torus dimension's
+    devices, or a GPU node's, innermost): the 2-D sum's, and data x FSDP's (chunks over ``y``)."""
+    return strategy.grad_sum == "2d" or strategy.fsdp_axes is not None
 
 
 def _names(strategies, what: str) -> list[str]:
@@ -132,11 +141,12 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
             "partitions)"
         )
     replicas = n // k
-    if strategy.grad_sum == "2d":
+    if two_data_axes(strategy):
         inner = topology.shape[0] * s.devices_per_chip if s.kind == "tpu" else min(n, s.node_size)
+        what = "the 2-D gradient sum" if strategy.grad_sum == "2d" else "data x FSDP"
         if inner % k or inner // k < 2 or replicas // (inner // k) < 2:
             raise ValueError(
-                f"the 2-D gradient sum on {topology.describe()} with replicas of {k} device(s): needs two data axes "
+                f"{what} on {topology.describe()} with replicas of {k} device(s): needs two data axes "
                 f"of at least 2 (the first dimension's {inner} devices / {k}, and the rest)"
             )
         shape: tuple[int, ...] = (replicas // (inner // k), inner // k)
@@ -147,10 +157,11 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
         shape = (*shape, k)
     names = {1: ("data",), 2: ("x", "y"), 3: ("x", "y", "z")}[len(shape)]
     if bn_group_size > 1:
-        if strategy.grad_sum == "2d":
+        if two_data_axes(strategy):
+            what = "the 2-D gradient sum" if strategy.grad_sum == "2d" else "data x FSDP"
             raise ValueError(
-                f"the 2-D gradient sum with batch-norm groups of {bn_group_size} replicas: they do not combine yet "
-                "(a group would be a third data axis); project the 2-D strategies with --bn-group-size 1"
+                f"{what} with batch-norm groups of {bn_group_size} replicas: they do not combine yet "
+                "(a group would be a third data axis); project it with --bn-group-size 1"
             )
         last = shape[data - 1]
         if last % bn_group_size:

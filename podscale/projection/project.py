@@ -356,8 +356,10 @@ def price(topology, module, target, reduced, factor, strategy, partner, schedule
     for end in ("nominal", "fast", "slow"):
         system = topology.system if end == "nominal" else topology.system.at(end)
         where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis)
+        # data x FSDP's chunks are over the inner axis: its update's buffers are the target's already
+        buffers = factor if strategy.state_scales or strategy.fsdp_axes is None else 1
         phases, collectives, exposed, hidden = cost(
-            system, where, module, target, reduced=reduced, factor=factor, scheduled=scheduled
+            system, where, module, target, reduced=reduced, factor=buffers, scheduled=scheduled
         )
         if partner is not None:
             points = sorted([(n, phases["update"]), (partner[0], update_seconds(system, partner[1]))])
