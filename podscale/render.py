@@ -150,7 +150,13 @@ def plan(plan: Plan, console: Console | None = None) -> None:
         lines += [
             f"temporaries (activations, gradients, workspace) {size(m['temporaries'])}",
             f"peak {size(device_bytes(m))}"
-            + (f" live at once (all buffers together {size(m['peak'])})" if "allocated" in m else ""),
+            + (
+                " (the device's buffers together: with an offload, XLA's own peak counts host memory)"
+                if m.get("host_temporaries")
+                else f" live at once (all buffers together {size(m['peak'])})"
+                if "allocated" in m
+                else ""
+            ),
         ]
         if m.get("host_temporaries"):
             lines.append(f"offloaded to host memory {size(m['host_temporaries'])} (not in the peak)")

@@ -222,8 +222,9 @@ class Verification:
 
 def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
     """The strategies to check on ``mesh``, by name: each weight update, with the 2-D sum where two
-    data axes of at least 2 devices remain (and there data x FSDP, ``data-x-fsdp``: FSDP's chunks
-    over the last data axis, copies of them over the others), over no partition axis, the last axis as the space axis
+    data axes of at least 2 devices remain, data x FSDP (``data-x-fsdp``: FSDP's chunks over the
+    last data axis, copies of them over the others) where two or more data axes of at least 2
+    devices make the whole mesh, over no partition axis, the last axis as the space axis
     (spatial partitioning; refused, and so reported as not applying, for a step without images) and,
     with ``rules``, as the model axis, and with three axes or more the last two as space and model."""
     _check_mesh(mesh)

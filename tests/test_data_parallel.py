@@ -199,6 +199,28 @@ def test_microbatches_scanned_over_stay_split(microbatches, rows):
     assert len(exchanged) == (2 if microbatches == 8 else 0), plan.collectives  # x and y
 
 
+def test_a_map_over_examples_is_not_exchanged_as_microbatches():
+    """``lax.map`` over the batch's rows scans its dimension 0, which is no microbatch: it is run
+    on the gathered rows as before (no all-to-all splitting the features, which would sum every
+    example's products over the replicas, one all-reduce per example), equal to one device."""
+
+    def step(params, batch):
+        def loss(w):
+            per = jax.lax.map(lambda x: jnp.sum(jnp.tanh(x @ w) ** 2), batch["x"])
+            return jnp.mean(per)
+
+        return {"w": params["w"] - 0.1 * jax.grad(loss)(params["w"])}, {}
+
+    params = {"w": jax.random.normal(jax.random.key(3), (16, 8))}
+    batches = [{"x": jax.random.normal(jax.random.key(4 + i), (32, 16))} for i in range(2)]
+    dp = data_parallel(step, make_mesh())
+    ref, _ = run_single(step, params, batches)
+    par, _ = run_parallel(dp, params, batches)
+    assert max_abs_diff(ref, par) == 0.0
+    plan = dp.plan(params, batches[0])
+    assert not [c for c in plan.collectives if c["kind"] == "all-to-all" or c["runs"] > 1], plan.collectives
+
+
 def test_optax_multisteps_accumulates_like_one_device():
     tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
 

@@ -247,3 +247,22 @@ def test_fsdp_axes_are_checked_before_anything_runs(fields, message):
     mesh = jax.make_mesh((2, 4), ("fsdp", "model") if "model_axis" in fields else ("data", "fsdp"))
     with pytest.raises(ValueError, match=message):
         data_parallel(_step, mesh, Strategy(**fields))
+
+
+def test_data_x_fsdp_evaluates_the_chunks_where_they_are_stored(scanned):
+    """Evaluation on a data x FSDP placement gathers each chunk over its own axis, as the step
+    does, and gives one device's metrics."""
+    from podscale import distributed_eval
+
+    state, batches = scanned
+    dp = _data_x_fsdp()
+    stored = dp.place_state(state, batches[0])
+
+    def eval_fn(state, batch):
+        logits = _NET.apply({"params": state[0]}, batch["x"])
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])}
+
+    batch = {**batches[1], "mask": jnp.ones((ROWS,))}
+    got = distributed_eval(eval_fn, dp)(stored, [batch])
+    want = float(jnp.mean(eval_fn(state, batches[1])["loss"]))
+    assert abs(float(got["loss"]) - want) <= 1e-6 * abs(want)

@@ -264,7 +264,7 @@ def test_data_x_fsdp_compiled_on_fewer_copies_is_not_scaled_as_a_sharded_state()
     target = {"x": 4, "y": 4}
     hsdp, fsdp = (project_mesh.strategy_for(Strategy(), name) for name in ("data-x-fsdp", "fsdp"))
     assert hsdp.fsdp_axes == ("y",) and fsdp.fsdp_axes is None
-    assert not hsdp.state_scales and fsdp.state_scales
+    assert not hsdp.state_scales("x") and fsdp.state_scales("x") and hsdp.state_scales("y")
     for strategy, shrinks in ((hsdp, 1), (fsdp, 2)):
         priced = project.price(topo, module, target, "x", 2, strategy, None, scheduled=False)
         by = {r["kind"]: r for r in priced["collectives"]}

@@ -134,7 +134,8 @@ class Strategy:
     weight_update: str = _field(
         "replicated",
         "sharded: each replica updates 1/N of the weights and keeps 1/N of the optimizer state; fsdp: weights, "
-        "gradients and optimizer state are all stored 1/N per replica, each weight gathered where it is used "
+        "gradients and optimizer state are all stored 1/N per replica (N: the fsdp_axes' replicas), each weight "
+        "gathered where it is used "
         "(in a scan over layers, one layer at a time) and its gradient reduce-scattered",
         _choice(WEIGHT_UPDATES),
         choices=WEIGHT_UPDATES,
@@ -271,13 +272,11 @@ class Strategy:
     def fsdp(self) -> bool:
         return self.weight_update == "fsdp"
 
-    @property
-    def state_scales(self) -> bool:
-        """Whether the state per device shrinks as 1/replicas (the sharded update, FSDP): a
-        projection compiled on fewer devices than its target (its outermost data axis smaller)
-        scales the state and update to it. Not data x FSDP's: its chunks are over named axes only,
-        whatever the outermost's size."""
-        return self.weight_update in ("sharded", "fsdp") and self.fsdp_axes is None
+    def state_scales(self, axis: str) -> bool:
+        """Whether the state per device shrinks as the data axis ``axis`` grows (the sharded update,
+        FSDP): a projection compiled with ``axis`` smaller than its target's scales the state and
+        the update to it. Not data x FSDP's where ``axis`` holds the chunks' copies."""
+        return self.weight_update in ("sharded", "fsdp") and (self.fsdp_axes is None or axis in self.fsdp_axes)
 
     def space_of(self, mesh) -> str | None:
         """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``

@@ -330,7 +330,12 @@ def _project_one(
     compile_ = functools.partial(_compile, data_parallel, step, shapes, make_batch, replica_batch, k, strategy)
     dp, module = compile_(compiled_shape)
     partner = None
-    if factor > 1 and strategy.state_scales and compiled_shape[reduced] >= 4 and compiled_shape[reduced] % 2 == 0:
+    if (
+        factor > 1
+        and strategy.state_scales(reduced)
+        and compiled_shape[reduced] >= 4
+        and compiled_shape[reduced] % 2 == 0
+    ):
         # The sharded update costs a + b / n on n devices (whole small leaves, shards): a and b
         # from this compile and one on a mesh half as large, then evaluated at the target.
         smaller = dict(compiled_shape)
@@ -357,7 +362,7 @@ def price(topology, module, target, reduced, factor, strategy, partner, schedule
         system = topology.system if end == "nominal" else topology.system.at(end)
         where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis)
         # data x FSDP's chunks are over the inner axis: its update's buffers are the target's already
-        buffers = factor if strategy.state_scales or strategy.fsdp_axes is None else 1
+        buffers = factor if reduced is None or strategy.fsdp_axes is None or reduced in strategy.fsdp_axes else 1
         phases, collectives, exposed, hidden = cost(
             system, where, module, target, reduced=reduced, factor=buffers, scheduled=scheduled
         )
@@ -481,7 +486,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
     def partner_of(shape: dict[str, int], strategy: Strategy, factor: int) -> dict[str, int] | None:
         """The second mesh of a row whose sharded update is scaled (``a + b / n``): its first
         axis halved (or, where it cannot be, doubled)."""
-        if factor == 1 or not strategy.state_scales:
+        if factor == 1 or not strategy.state_scales(next(iter(shape))):
             return None
         other = dict(shape)
         first = next(iter(other))

@@ -131,7 +131,7 @@ class _Draft(dict):
         # the compiler's peak of its buffer assignment where it gives one (what is live at once),
         # less what a remat policy offloads to host memory
         per_device = hlo.device_bytes(module.memory)
-        if factor > 1 and self["strategy"].state_scales:
+        if factor > 1 and self["strategy"].state_scales(next(iter(self["target"]))):
             # the sharded (or FSDP-chunked) state's shards are ``factor`` times smaller at the target
             shards = sum(leaf.bytes_per_device() for leaf in dp.placement.state.leaves if leaf.sharded or leaf.chunked)
             per_device -= shards * (1 - 1 / factor)

@@ -1,5 +1,6 @@
 """The rules for :class:`~.layouts.Chunked` values: a tensor stored 1/N per replica (FSDP), its
-gradient and its optimizer state.
+gradient and its optimizer state; N the replicas of the chunks' axes (``Partitioner.chunk_axes``:
+every data axis, or with data x FSDP some, whole copies of the chunks over the others).
 
 A chunk is computed on where that is its own piece of the result: elementwise ops (the update:
 Adam's moments, the new weight) and reductions (a norm: a partial sum over the chunks). Anything

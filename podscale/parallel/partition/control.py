@@ -272,20 +272,21 @@ def _scan(p: Partitioner, eqn, ins):
 
 
 def _unscanned(p: Partitioner, v, lay, var):
-    """A scanned input ``v`` (``var`` in the program) in a layout the scan can run on locally: one
-    split along the scanned dimension 0 (microbatches of split rows) is exchanged into its split
-    along dimension 1 where the replicas divide both (an all-to-all: each replica keeps its rows
-    of every microbatch), else gathered and cut along dimension 1 where they divide that, else
-    made whole."""
+    """A scanned input ``v`` (``var`` in the program) in a layout the scan can run on locally. One
+    split along the scanned dimension 0 is made whole, but microbatches (the batch's rows cut
+    into ``[k, rows / k, ...]``, each replica holding whole microbatches:
+    ``Partitioner.microbatches``), which are exchanged into their split along dimension 1 where
+    the replicas divide both (an all-to-all: each replica keeps its rows of every microbatch).
+    Any other dimension 1 is no rows: split, each iteration would sum its contractions over the
+    replicas (a ``lax.map`` over examples: one all-reduce per example)."""
     if _along(lay) != 0:
         return v, lay
     shape = tuple(var.aval.shape)
-    if p.divides(shape, 0) and p.divides(shape, 1) and not p.one:
+    if p.microbatches.get(id(v)) is v and p.divides(shape, 1) and not p.one:
         p.communications += 1
         p.record("all-to-all", p.axes, v, "scanned rows exchanged for each iteration's rows")
         return lax.all_to_all(v, p.axes, 1, 0, tiled=True), Split(1)
-    whole = p.whole(v, lay)
-    return (p.slice_rows(whole, 1), Split(1)) if p.divides(shape, 1) else (whole, REPLICATED)
+    return p.whole(v, lay), REPLICATED
 
 
 def _along(layout) -> int | None:

@@ -95,9 +95,8 @@ class Partitioner:
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
         where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
         self.ctx: tuple = ()
-        """The ids of the call equations whose jaxpr is running (``control._inline``, and a remat's,
-        ``control._remat``): how
-        :func:`~podscale.parallel.interpret.kin` names a variable inside a call."""
+        """The ids of the call, remat, loop and branch equations whose jaxpr is running: how
+        :func:`~podscale.parallel.interpret.kin` names a variable inside them."""
         self._table_kin = None
         self.region_axes = dict(region_axes or {})
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
@@ -126,6 +125,9 @@ class Partitioner:
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
         self.feeds_group_sum: set = set()
+        self.microbatches: dict[int, Any] = {}
+        """Rows a reshape cut into microbatches (``[k, rows / k, ...]``, each replica's whole ones),
+        by id: a scan over them exchanges them (``control._unscanned``)."""
         self._zeros: set = set()
         """Variables that are a broadcast zero (``jnp.zeros``): already a partial sum of zeros."""
         self._group_values: set[int] = set()

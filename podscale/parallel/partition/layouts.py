@@ -26,7 +26,8 @@ class Split:
 @dataclasses.dataclass(frozen=True)
 class Chunked:
     """This replica's contiguous block of dimension ``dim`` of a tensor the placement *stores* split
-    (FSDP: a weight, its gradient, its optimizer state, 1/N per replica between uses). The same
+    (FSDP: a weight, its gradient, its optimizer state, 1/N per replica between uses; N the
+    replicas of ``Partitioner.chunk_axes``, copies over the other data axes). The same
     pieces as :class:`Split`, with another rule for what to do with them: a split value (the
     batch's rows) is computed on row by row wherever a rule can, whereas a chunk is computed on only
     by elementwise ops and reductions (the update, on 1/N of the weights) and is all-gathered for

@@ -90,6 +90,8 @@ def reshape(p: Partitioner, eqn, ins):
         out_shape[out_dim] == in_shape[lay.dim] or (p.divides(in_shape, lay.dim) and p.divides(out_shape, out_dim))
     ):  # (a dimension split in padded blocks, a table's rows, keeps its blocks only whole)
         out = p.bind(eqn, [v], new_sizes=_local_shape(p, out_shape, out_dim), sharding=None)
+        if lay.dim == 0 and out_dim == 0 and len(out_shape) > 1 and out_shape[0] * out_shape[1] == in_shape[0]:
+            p.microbatches[id(out[0])] = out[0]  # rows cut into microbatches, each replica's whole ones
         return [(out[0], Split(out_dim))]
     return regrouped(p, eqn, v, lay, out_shape)
 

@@ -226,7 +226,8 @@ class Rewriter:
             # Control flow that resolves a partial sum inside (a value that each iteration needs
             # whole): those sums stay all-reduces in the loop, the results are full values.
             why = f"sum inside {eqn.primitive.name}"
-            for runs, (nbytes, tensors) in sorted(_sums_inside(eqn, self.layout.axes).items()):
+            found = _sums_inside(eqn, self.layout.axes) or {1: (0, 0)}  # a group's sum: the model's own
+            for runs, (nbytes, tensors) in sorted(found.items()):
                 self.trace.collectives.append(
                     Collective("all-reduce", self.layout.axes, nbytes, tensors, why, runs=runs, update=True)
                 )
@@ -283,21 +284,32 @@ class Rewriter:
         return None
 
 
-def _sums_inside(eqn, axes, runs: int = 1, found: dict | None = None) -> dict[int, tuple[int, int]]:
+def _sums_inside(eqn, axes, runs: int = 1) -> dict[int, tuple[int, int]]:
     """The gradient sums (``GRAD_SUM`` over ``axes``) inside ``eqn``'s sub-jaxprs, as ``{runs per
     step: (bytes per device, tensors)}``: a scan's body runs once per iteration (a while loop's
-    count is not known here: once)."""
-    found = {} if found is None else found
+    count is not known here: once), and of a ``cond``'s branches the one that sums most."""
     inner_runs = runs * eqn.params["length"] if eqn.primitive.name == "scan" else runs
+    each = []
     for sub in interpret.sub_jaxprs(eqn):
+        found: dict[int, tuple[int, int]] = {}
         for inner in sub.eqns:
             if is_grad_sum(inner, axes):
-                nbytes, tensors = found.get(inner_runs, (0, 0))
                 size = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in inner.invars)
-                found[inner_runs] = (nbytes + size, tensors + len(inner.invars))
+                parts = {inner_runs: (size, len(inner.invars))}
             else:
-                _sums_inside(inner, axes, inner_runs, found)
-    return found
+                parts = _sums_inside(inner, axes, inner_runs)
+            for r, (nbytes, tensors) in parts.items():
+                have = found.get(r, (0, 0))
+                found[r] = (have[0] + nbytes, have[1] + tensors)
+        each.append(found)
+    if eqn.primitive.name == "cond":  # one branch runs
+        return max(each, key=lambda f: sum(b * r for r, (b, _) in f.items()), default={})
+    out: dict[int, tuple[int, int]] = {}
+    for found in each:
+        for r, (nbytes, tensors) in found.items():
+            have = out.get(r, (0, 0))
+            out[r] = (have[0] + nbytes, have[1] + tensors)
+    return out
 
 
 def _ordered(eqn) -> bool:
