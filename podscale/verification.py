@@ -1,9 +1,9 @@
 """``podscale.verify``: a user's own step, under every strategy the mesh allows, against one device.
 
 The specification is the single-device step on the whole global batch. :func:`verify` runs ``steps``
-steps of it on one device, then the same steps under each strategy (replicated and sharded update,
-the 2-D sum on two data axes, spatial partitioning, tensor partitioning with sharding rules, and the
-compositions the mesh allows), and compares every state leaf and metric after every step.
+steps of it on one device, then the same steps under each strategy (each weight update, the 2-D sum
+and data x FSDP on two data axes, spatial and tensor partitioning, the compositions the mesh
+allows), and compares every state leaf and metric after every step.
 
 What "equal" means is measured, not assumed. The **noise floor** of a leaf is how far one device's
 own result moves under rounding-level changes of its inputs: :data:`RUNS` more single-device runs,
@@ -32,9 +32,8 @@ that leaf: a strategy that differs there by more than ``MULTIPLE`` x ``ULPS`` ul
 A leaf's relative error is ``max |x - y| / max(max |y|, SCALE_FLOOR)`` (``y`` the specification's;
 a leaf near zero compares absolutely), PRNG keys by their key data, integer leaves exactly.
 
-Dropout and batch norm are the single device's (podscale's definition): each replica draws its
-rows of the one-device mask, and statistics are over the whole batch.
-"""
+Dropout and batch norm are the single device's (podscale's definition): each replica draws its rows
+of the one-device mask, and statistics are over the whole batch."""
 
 from __future__ import annotations
 
@@ -66,12 +65,11 @@ SCALE_FLOOR = 1e-3
 RUNS = 3
 """Single-device runs with their batch (or state) moved by an ulp that measure the floor."""
 MAX_FLOOR = 1e-2
-"""A leaf whose floor is wider than this relative error has no honest floor: within ten times it
-a gradient off by a tenth would pass. A strategy that differs there beyond ``ULPS`` x ``MULTIPLE``
-ulps is not judged."""
+"""A leaf whose floor is wider than this relative error has no honest floor (within ten times it
+a gradient off by a tenth would pass): a strategy beyond ``ULPS`` x ``MULTIPLE`` ulps there is not judged."""
 EXIT_CANNOT_JUDGE = 4
-"""``podscale verify``'s exit code when no strategy failed but one could not be judged (0: every
-strategy passed, 1: one failed, 2: a bad input)."""
+"""``podscale verify``'s exit code when no strategy failed but one could not be judged (0: every strategy
+passed, 1: one failed, 2: a bad input)."""
 _FLOATS = tuple(np.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 
 
@@ -93,8 +91,7 @@ class StrategyResult:
     left_floor: dict[str, Any] | None = None
     """The first step and leaf beyond ``MULTIPLE`` times its floor: ``{"step", "leaf", "error", "floor"}``."""
     unjudged: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """Leaves it differs on where the floor is beyond ``MAX_FLOOR``: ``{"step", "leaf", "error", "floor"}``,
-    the first step of each."""
+    """Leaves whose floor is beyond ``MAX_FLOOR`` it differs on, first step each: ``{"step", "leaf", "error", "floor"}``."""
     whole_ops: list[str] = dataclasses.field(default_factory=list)
     gathered_ops: list[str] = dataclasses.field(default_factory=list)
 
@@ -222,11 +219,10 @@ class Verification:
 
 def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
     """The strategies to check on ``mesh``, by name: each weight update, with the 2-D sum where two
-    data axes of at least 2 devices remain, data x FSDP (``data-x-fsdp``: FSDP's chunks over the
-    last data axis, copies of them over the others) where two or more data axes of at least 2
-    devices make the whole mesh, over no partition axis, the last axis as the space axis
-    (spatial partitioning; refused, and so reported as not applying, for a step without images) and,
-    with ``rules``, as the model axis, and with three axes or more the last two as space and model."""
+    data axes of at least 2 devices remain, over no partition axis, the last axis as the space axis
+    (spatial partitioning; refused, so not applying, for a step without images) and, with ``rules``,
+    as the model axis, with three axes or more the last two as space and model; data x FSDP
+    (``data-x-fsdp``: chunks over the last data axis, copies over the others) on 2+ data axes."""
     _check_mesh(mesh)
     names, shape = tuple(mesh.axis_names), dict(mesh.shape)
     parts: list[tuple[str, dict, tuple[str, ...]]] = [("", {}, ())]
@@ -245,7 +241,6 @@ def strategies_for(mesh, rules=None) -> dict[str, Strategy]:
                 name = "+".join(x for x in (update, "2d" if grad_sum == "2d" else "", part) if x)
                 out[name] = Strategy(weight_update=update, grad_sum=grad_sum, **fields)
         if not taken and len(data) >= 2 and all(shape[a] > 1 for a in data):
-            # data x FSDP: chunks over the last data axis (within a slice or node), copies over the rest
             out["data-x-fsdp"] = Strategy(weight_update="fsdp", fsdp_axes=tuple(data[-1:]))
     return out
 
