@@ -234,16 +234,22 @@ def test_a_compile_mesh_smaller_than_the_target_scales_the_update():
             hlo.Collective("reduce-scatter", "rs", ("data",), 8, "f32", g, 1, "jit/podscale_update/reduce_scatter"),
             hlo.Collective("all-gather", "ag", ("data",), 8, "f32", g // 8, 1, "jit/podscale_update/all_gather"),
             hlo.Collective("all-reduce", "bn", ("data",), 8, "f32", 64, 1, "jit/jvp(Net)/BatchNorm/psum"),
+            # FSDP's per-layer gather of a stored chunk for its use, 3 layers
+            hlo.Collective("all-gather", "cg", ("data",), 8, "f32", g // 8, 3, "jit/podscale_chunk_gather/all_gather"),
+            hlo.Collective("all-gather", "rows", ("data",), 8, "f32", 256, 1, "jit/jvp(Net)/all_gather"),
         ],
         [],
         {},
     )
     topo = Topology(systems.get("tpu-v5e"), 16)
     _, rows, _, _ = project_cost.cost(topo.system, topo, module, {"data": 16}, reduced="data", factor=2)
-    by = {r["kind"]: r for r in rows}
-    assert by["reduce-scatter"]["buffer_bytes"] == g and by["reduce-scatter"]["group_size"] == 16
-    assert by["all-gather"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
-    assert by["all-reduce"]["buffer_bytes"] == 64 and by["all-reduce"]["role"] == "model"
+    by = {(r["kind"], r["role"]): r for r in rows}
+    assert by["reduce-scatter", "update"]["buffer_bytes"] == g and by["reduce-scatter", "update"]["group_size"] == 16
+    assert by["all-gather", "update"]["buffer_bytes"] == g // 16  # each device's shard at 16 devices
+    assert by["all-reduce", "model"]["buffer_bytes"] == 64
+    # the chunks are 1/16 at the target (3 runs), the batch rows' gather keeps its buffer (a replica's rows)
+    assert by["all-gather", "model"]["buffer_bytes"] == 3 * g // 16 + 256
+    assert by["all-gather", "model"]["group_size"] == 16
 
 
 def test_data_x_fsdp_compiled_on_fewer_copies_is_not_scaled_as_a_sharded_state():

@@ -193,8 +193,24 @@ GRAD_SUM_SCOPE = "grad_sum"
 """Nested in ``UPDATE_SCOPE``: the gradient sums themselves (not the norms' partial sums, not the
 weight gather), the collectives that may overlap the backward pass."""
 
+CHUNK_GATHER_SCOPE = "podscale_chunk_gather"
+"""The name scope of a stored chunk's all-gather for its use (FSDP's per-layer gathers): its
+buffer is the chunk, smaller at a target with more replicas of the chunks' axes."""
+
 _SCOPES = frozenset(
-    {"shard_map", "while", "body", "cond", "closed_call", "checkpoint", "remat", "pjit", UPDATE_SCOPE, GRAD_SUM_SCOPE}
+    {
+        "shard_map",
+        "while",
+        "body",
+        "cond",
+        "closed_call",
+        "checkpoint",
+        "remat",
+        "pjit",
+        UPDATE_SCOPE,
+        GRAD_SUM_SCOPE,
+        CHUNK_GATHER_SCOPE,
+    }
 )
 _METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
 

@@ -141,7 +141,8 @@ def cost(
     ``shape`` is the target mesh. When the module was compiled on a mesh whose axis ``reduced`` is
     ``factor`` times smaller (past this machine's CPU devices), the update scope's collective
     buffers are scaled to the target: each shrinks ``factor`` times except a sum over the reduced
-    axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient). The update's
+    axis (the 2-D sum's first phase, the 1-D sum: their input is the whole gradient); so does a
+    stored chunk's gather for its use over the reduced axis (FSDP's: its buffer is the chunk). The update's
     ops are scaled by :func:`podscale.projection.project.project` (from two compiled sizes).
 
     ``scheduled``: overlap is read from the module's schedule (:func:`timeline`; XLA:TPU's
@@ -160,7 +161,8 @@ def cost(
         size, nbytes = c.group_size, c.buffer_bytes
         if reduced in c.axes:
             size = math.prod(shape[a] for a in c.axes)
-        if factor > 1 and update and not (reduced in c.axes and c.kind in ("reduce-scatter", "all-reduce")):
+        chunk = hlo.CHUNK_GATHER_SCOPE in c.op_name and reduced in c.axes  # FSDP's gather of a smaller chunk there
+        if factor > 1 and (update or chunk) and not (reduced in c.axes and c.kind in ("reduce-scatter", "all-reduce")):
             nbytes = nbytes / factor
         if c.kind == "collective-permute":  # neighbours along its axes (the space axis: innermost)
             groups = _groups(shape, c.axes, math.prod(shape[a] for a in c.axes)) if c.axes else [[0, 1]]

@@ -19,7 +19,7 @@ import jax
 from jax import lax
 
 from podscale._jax import all_gather_invariant
-from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
+from podscale.compiled.hlo import CHUNK_GATHER_SCOPE, GRAD_SUM_SCOPE, UPDATE_SCOPE
 from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition.jaxprs import global_shape
 from podscale.parallel.partition.layouts import PARTIAL, REPLICATED, Chunked, Layout, chunk_dim
@@ -42,7 +42,8 @@ def gather(p: Partitioner, x, layout: Chunked):
         with jax.named_scope(UPDATE_SCOPE):
             return all_gather_invariant(x, p.chunk_axes, axis=layout.dim, tiled=True)
     p.record("all-gather", p.chunk_axes, x, "a stored chunk gathered for its use")
-    return all_gather_invariant(x, p.chunk_axes, axis=layout.dim, tiled=True)
+    with jax.named_scope(CHUNK_GATHER_SCOPE):  # its buffer is the chunk (projection.cost scales it)
+        return all_gather_invariant(x, p.chunk_axes, axis=layout.dim, tiled=True)
 
 
 def scatter(p: Partitioner, x, dim: int):
