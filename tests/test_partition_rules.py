@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from podscale import make_mesh
-from podscale.parallel.partition import PARTIAL, REPLICATED, Partitioner, Split
+from podscale.parallel.partition import PARTIAL, REPLICATED, Partitioner, Setup, Split
 
 N = 8
 
@@ -21,7 +21,7 @@ def _partitioned(f, args, layouts):
     found = {}
 
     def body(*local):
-        p = Partitioner(("data",), N)
+        p = Partitioner(Setup(("data",), N))
         outs = p.run(closed.jaxpr, closed.consts, list(zip(local, layouts, strict=True)))
         found["layouts"] = [lay for _, lay in outs]
         found["whole_ops"] = list(p.whole_ops)
@@ -118,7 +118,7 @@ def test_a_whole_mask_broadcast_against_the_rows_is_made_at_the_rows_size():
     closed = jax.make_jaxpr(f)(logits)
 
     def body(x):
-        p = Partitioner(("data",), N)
+        p = Partitioner(Setup(("data",), N))
         return p.run(closed.jaxpr, closed.consts, [(x, ROWS)])[0][0]
 
     text = (

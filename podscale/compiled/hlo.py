@@ -198,19 +198,8 @@ CHUNK_GATHER_SCOPE = "podscale_chunk_gather"
 buffer is the chunk, smaller at a target with more replicas of the chunks' axes."""
 
 _SCOPES = frozenset(
-    {
-        "shard_map",
-        "while",
-        "body",
-        "cond",
-        "closed_call",
-        "checkpoint",
-        "remat",
-        "pjit",
-        UPDATE_SCOPE,
-        GRAD_SUM_SCOPE,
-        CHUNK_GATHER_SCOPE,
-    }
+    "shard_map while body cond closed_call checkpoint remat pjit".split()
+    + [UPDATE_SCOPE, GRAD_SUM_SCOPE, CHUNK_GATHER_SCOPE]
 )
 _METHOD = re.compile(r"^[A-Z]\w*\.\w+$|:")  # a module's method scope (``Transformer.decode``)
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from podscale.parallel import checks, spatial, state_layout, tables, tensor
 from podscale.parallel.gradsum import GradSum
-from podscale.parallel.partition import REPLICATED, Partitioner, Split
+from podscale.parallel.partition import REPLICATED, Partitioner, Setup, Split
 from podscale.parallel.placement import BatchPlacement, Placement, Roles
 from podscale.parallel.program import (
     GlobalTrace,
@@ -224,13 +224,14 @@ def partitioner(
     the step partitions them. The step's and the evaluation's replay
     (:mod:`podscale.train.evaluate`) are made here, alike."""
     group, space, model, partitions = roles.group, roles.space, roles.model, roles.partitions
-    return Partitioner(
-        roles.data,
-        roles.replicas(mesh),
-        group,
-        mesh.shape[group] if group else 1,
-        batch_rows,
-        independent_rng=independent_rng,
+    setup = Setup(
+        axes=roles.data,
+        n=roles.replicas(mesh),
+        chunk_axes=roles.chunk_axes,
+        chunk_size=math.prod(mesh.shape[a] for a in roles.chunk_axes),
+        group_axis=group,
+        group_size=mesh.shape[group] if group else 1,
+        batch_rows=batch_rows,
         platform=mesh.devices.flat[0].platform,
         conv_axes=partitions if len(partitions) > 1 else ((space,) if space else ()),
         conv_size=mesh.shape[space] if space else 1,
@@ -241,9 +242,9 @@ def partitioner(
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,
-        chunk_axes=roles.chunk_axes,
-        chunk_size=math.prod(mesh.shape[a] for a in roles.chunk_axes),
+        independent_rng=independent_rng,
     )
+    return Partitioner(setup)
 
 
 def local_program(

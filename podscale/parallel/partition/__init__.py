@@ -32,6 +32,7 @@ step is skipped) exactly where one device's does, not where one replica's share 
 from podscale.parallel.interpret import ELEMENTWISE
 from podscale.parallel.partition.core import Partitioner
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Layout, Split, join
+from podscale.parallel.partition.setup import Setup
 from podscale.parallel.partition.sums import WIDE, one_replica_sum
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "WIDE",
     "Layout",
     "Partitioner",
+    "Setup",
     "Split",
     "join",
     "one_replica_sum",

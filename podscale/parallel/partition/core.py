@@ -26,6 +26,7 @@ from podscale.parallel.partition.draws import random_bits_rows
 from podscale.parallel.partition.jaxprs import global_shape, is_zero, source_at, var_dtype, vma
 from podscale.parallel.partition.layouts import GROUP, PARTIAL, REPLICATED, Chunked, Layout, Split
 from podscale.parallel.partition.rules import RULES, elementwise
+from podscale.parallel.partition.setup import Setup
 from podscale.parallel.partition.sums import (
     IDENTITY,
     WIDE,
@@ -48,35 +49,19 @@ ResNet-50 at 2 and 4, Mask R-CNN on 2x4)."""
 class Partitioner:
     """Evaluates a global-shape jaxpr on local pieces; see the package docstring."""
 
-    def __init__(
-        self,
-        axes: Sequence[str],
-        n: int,
-        group_axis: str | None = None,
-        group_size: int = 1,
-        batch_rows: int | None = None,
-        independent_rng: bool = False,
-        platform: str = "cpu",
-        conv_axes: Sequence[str] = (),
-        region_axes: dict[str, tuple[str, int]] | None = None,
-        conv_size: int = 1,
-        table_leaves: dict[int, int] | None = None,
-        fsdp: bool = False,
-        min_chunk: int = 1,
-        chunk_partials: bool | None = None,
-        chunk_axes: Sequence[str] | None = None,
-        chunk_size: int | None = None,
-    ):
+    def __init__(self, setup: Setup):
+        axes, n, fsdp = setup.axes, setup.n, setup.fsdp
+        self.setup = setup
         self.axes, self.n = tuple(axes), n
-        self.chunk_axes = tuple(axes) if chunk_axes is None else tuple(chunk_axes)
-        self.chunk_n = n if chunk_size is None else chunk_size
+        self.chunk_axes = tuple(axes) if setup.chunk_axes is None else tuple(setup.chunk_axes)
+        self.chunk_n = n if setup.chunk_size is None else setup.chunk_size
         """The data axes a :class:`Chunked` value is chunked over and their replicas: every data axis,
         or (data x FSDP) some, the others holding whole copies of the chunks."""
-        self.fsdp, self.min_chunk = fsdp, min_chunk
+        self.fsdp, self.min_chunk = fsdp, setup.min_chunk
         """FSDP (``weight_update="fsdp"``): a loop's stacked partial sums (a scanned layer's
         gradient) are reduce-scattered into chunks inside the loop, so that no gradient is held
         whole. Chunked values (:class:`Chunked`) are computed on by their rules whatever this says."""
-        self.chunk_partials = fsdp if chunk_partials is None else chunk_partials
+        self.chunk_partials = fsdp if setup.chunk_partials is None else setup.chunk_partials
         """A partial sum of at least ``min_chunk`` elements that the update reads elementwise is
         reduce-scattered into chunks (:func:`.chunked.settle`): FSDP, and the sharded update's
         chunks along a dimension (``state_layout.decide``)."""
@@ -90,7 +75,7 @@ class Partitioner:
         self.runs = 1
         """How many times the equations being replayed run per step: a loop body's, its trip count
         (a collective recorded there runs that many times)."""
-        self.table_leaves = dict(table_leaves or {})
+        self.table_leaves = dict(setup.table_leaves)
         """``{input index: rows per replica}``: the step's inputs that are tables split by rows
         (and their optimizer state). A gradient scattered into a zero table stays split by rows
         where it is kin to them (:meth:`table_rows_of`), not where it has a table's shape."""
@@ -98,7 +83,7 @@ class Partitioner:
         """The ids of the call, remat, loop and branch equations whose jaxpr is running: how
         :func:`~podscale.parallel.interpret.kin` names a variable inside them."""
         self._table_kin = None
-        self.region_axes = dict(region_axes or {})
+        self.region_axes = dict(setup.region_axes)
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
         self.communications = 0
@@ -106,22 +91,22 @@ class Partitioner:
         run by hand must need none: :func:`~podscale.parallel.partition.control._region`)."""
         self.regions: list[dict] = []
         """Each region of the step met, how it was partitioned (by hand, or why not), for the plan."""
-        self.conv_axes = tuple(conv_axes)
+        self.conv_axes = tuple(setup.conv_axes)
         """The mesh axes left to XLA that every convolution's operands and result are split over, by
         their spatial dimensions (``contract_rules.split_spatially``): with two of them (data x
         space x model), where XLA's partitioner is otherwise off by an axis's size; with the space
         axis alone, the image layers' inputs and results by height (see :meth:`bind`)."""
-        self.conv_size = conv_size
+        self.conv_size = setup.conv_size
         """With one of ``conv_axes``: its size (the partitions of each image)."""
-        self.upcast_dots = platform == "cpu"
+        self.upcast_dots = setup.platform == "cpu"
         """How a 16-bit ``dot_general`` or convolution accumulates in float32: on GPUs and TPUs, as
         the op itself (``preferred_element_type=float32``); XLA:CPU has no such kernel for every
         shape, so there its operands are widened first (exact: every 16-bit float is a float32)."""
-        self.independent_rng = independent_rng
+        self.independent_rng = setup.independent_rng
         """Opt-in: batch-shaped draws come from per-replica streams instead of one device's."""
-        self.batch_rows = batch_rows
+        self.batch_rows = setup.batch_rows
         """The global batch size: a random draw with this many leading rows is drawn row-split."""
-        self.group_axis, self.group_size = group_axis, group_size
+        self.group_axis, self.group_size = setup.group_axis, setup.group_size
         """``group_axis``: the mesh axis of batch-norm groups (``make_mesh(bn_group_size=k)``); the
         step was traced with it bound to size 1, so a ``psum`` over it is the model's group sum."""
         self.feeds_group_sum: set = set()
