@@ -100,3 +100,36 @@ ENTRY %main (w: f32[64,256], u: f32[64,256]) -> f32[64,256] {
     assert module.copy_bytes(["forward"]) == 2 * tensor
     assert module.op_bytes(["update"]) == module.copy_bytes(["update"]) + 3 * tensor
     assert module.to_dict()["copy_bytes"] == {"forward": 2 * tensor, "backward": 0, "update": 4 * tensor}
+
+
+MULTISLICE = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,8,128]) -> f32[4,8,128] {
+  %x = f32[4,8,128]{2,1,0} parameter(0)
+  %ar = f32[4,8,128]{2,1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add, metadata={op_name="jit(body)/podscale_update/grad_sum/psum_invariant"}
+  %bc = f32[4,8,128]{2,1,0} bitcast(%ar)
+  %tok = token[] after-all(), frontend_attributes={MegascaleRendezvousKeyName="psum_invariant.14_0"}
+  %send = (f32[4,8,128]{2,1,0}, u32[], token[]) send(%bc, %tok), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="psum_invariant.14_0"}
+  %recv = (f32[4,8,128]{2,1,0}, u32[], token[]) recv(%tok), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="psum_invariant.14_0"}
+  %sd = token[] send-done(%send), channel_id=2, is_host_transfer=true
+  %rd = (f32[4,8,128]{2,1,0}, token[]) recv-done(%recv), channel_id=1, is_host_transfer=true
+  ROOT %out = f32[4,8,128]{2,1,0} get-tuple-element(%rd), index=0
+}
+"""
+
+
+def test_a_multislice_module_s_sends_to_the_megascale_runtime_are_collectives_across_slices():
+    """XLA:TPU's module for two slices sums a buffer within each slice (its own all-reduce) and
+    sends it to the megascale runtime for the sum across the slices: that send is read as an
+    all-reduce over the slices (axes ``(DCN,)``), of the buffer sent, in the phase of what it sends."""
+    module = hlo.read_text(MULTISLICE, {"data": 8}, platform="tpu", slices=2)
+    within, across = module.collectives
+    assert within.kind == "all-reduce" and within.group_size == 4
+    assert across.kind == "all-reduce" and across.axes == (hlo.DCN,) and across.group_size == 2
+    assert across.buffer_bytes == 4 * 8 * 128 * 4 and hlo.UPDATE_SCOPE in across.op_name

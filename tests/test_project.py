@@ -94,6 +94,32 @@ def test_2d_torus_groups_by_hand():
     assert t == pytest.approx(on_chip + 2 * (1023 / 1024 * mb / (2 * W) + 512 * A))
 
 
+def test_slices_joined_by_the_data_centre_network_by_hand():
+    """Past a system's largest slice, chips are slices joined by DCN: a group with one device per
+    slice is a ring over DCN at each chip's share of it; a group within a slice is the slice's own
+    torus, as for a slice alone; one over both runs in two levels."""
+    v5e = systems.get("tpu-v5e")
+    two = Topology(v5e, 8, slices=2)
+    assert (two.slices, two.slice_devices, two.shape) == (2, 4, (2, 2))
+    across, path = two.time("all-reduce", [[0, 4], [1, 5], [2, 6], [3, 7]], 1e6)
+    assert across == pytest.approx(network.ring_time("all-reduce", 2, 1e6, v5e.dcn_bandwidth, v5e.dcn_latency, False))
+    assert path.where == "DCN (2 slices)"
+    assert two.time("all-reduce", [[4, 5, 6, 7]], 1e6)[0] == Topology(v5e, 4).time("all-reduce", [[0, 1, 2, 3]], 1e6)[0]
+    both, path = two.time("all-reduce", [list(range(8))], 1e6)
+    dcn = network.ring_time("all-reduce", 2, 1e6 / 4, v5e.dcn_bandwidth, v5e.dcn_latency, False)
+    assert both == pytest.approx(Topology(v5e, 4).time("all-reduce", [[0, 1, 2, 3]], 1e6)[0] + dcn)
+    assert Topology(v5e, 512).slices == 2 and Topology(systems.get("tpu-v5p"), 8192).slices == 2  # past 6144
+    with pytest.raises(ValueError, match="no data-centre network bandwidth is published for joining tpu-v6e"):
+        Topology(systems.get("tpu-v6e"), 512)
+    with pytest.raises(ValueError, match="do not divide into 3 slices"):
+        Topology(v5e, 8, slices=3)
+    with pytest.raises(ValueError, match="is no TPU"):
+        Topology(systems.get("h100"), 16, slices=2)
+    hsdp = project_mesh.strategy_for(Strategy(), "data-x-fsdp")
+    assert project_mesh.target_shape(two, hsdp) == {"x": 2, "y": 4}  # FSDP within each slice
+    assert project_mesh.target_shape(Topology(v5e, 8), hsdp) == {"x": 4, "y": 2}  # one slice: its first dim
+
+
 def test_gpu_groups_by_hand():
     h100 = systems.get("h100")
     nodes = Topology(h100, 64)
@@ -338,7 +364,7 @@ def test_cli_projects_a_model_and_plots_it(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     bad = [
         (("--system", "tpu-v9"), "unknown system"),
-        (("--system", "tpu-v5e", "--chips", "1024"), "holds at most 256 chips"),
+        (("--system", "tpu-v6e", "--chips", "1024"), "no data-centre network bandwidth is published"),
         (("--chips", "16", "--global-batch", "100"), "do not divide it"),
         (("--chips", "sixteen"), "comma-separated whole numbers"),
         (("--chips", "1", "--strategies", "sharded-2d"), "the 2-D gradient sum on 1 chips"),
@@ -400,7 +426,7 @@ def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_
         (dict(chips=[0, 4]), "chips \\[0\\]: chip counts are whole numbers of at least 1"),
         (dict(chips=[4, 4]), "4 given twice"),
         (dict(chips=[2.5]), "whole numbers"),
-        (dict(chips=[512]), "holds at most 256 chips"),
+        (dict(chips=[640]), "320 chips a slice, past tpu-v5e's 256"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from podscale import Strategy, cli, data_parallel
-from podscale.compiled import hlo, hlo_cost, hlo_groups, systems, tpu
+from podscale.compiled import hlo, hlo_cost, hlo_groups, network, systems, tpu
 from podscale.projection import cost as project_cost
 from podscale.projection import mesh as project_mesh
 from podscale.projection import project
@@ -623,3 +623,26 @@ def test_memory_offloaded_to_host_is_not_counted_in_the_chip_s_memory():
     assert (
         hlo.device_bytes(memory) * s.devices_per_chip == moved.memory_per_chip == memory["peak"] < memory["allocated"]
     )
+
+
+@needs_libtpu
+def test_two_slices_are_compiled_as_xla_tpu_s_multislice_module_and_their_dcn_parts_costed():
+    """8 v5e chips as 2 slices of 2x2: each row is compiled for both slices at once (libtpu's
+    multislice devices), whose module sums within a slice itself and sends each sum across the
+    slices to the megascale runtime. Data x FSDP's copies are across the slices: each chunk's sum
+    over the copies is a send, costed over DCN; FSDP over all 8 gathers across them too."""
+    rows = project.project(
+        _step, _state(), _batch(2), system="tpu-v5e", chips=[8], slices=2, strategies=["fsdp", "data-x-fsdp"]
+    )
+    by = {r.strategy: r for r in rows}
+    assert all(r.compiler == "XLA:TPU v5e:2x2 x 2 slices" and "2 slices" in r.topology for r in rows)
+    assert by["data-x-fsdp"].mesh == {"x": 2, "y": 4}
+    s = systems.get("tpu-v5e")
+    for r in rows:
+        dcn = [c for c in r.collectives if c["axes"] == [hlo.DCN]]
+        assert dcn and all(c["path"] == "DCN (2 slices)" and c["group_size"] == 2 for c in dcn), r.collectives
+        for c in dcn:  # a ring of 2 over each chip's share of the data-centre network
+            one = network.ring_time(c["kind"], 2, c["buffer_bytes"] / c["runs"], s.dcn_bandwidth, s.dcn_latency, False)
+            assert c["seconds"] == pytest.approx(one * c["runs"])
+    within = [c for c in by["data-x-fsdp"].collectives if c["axes"] == ["y"]]
+    assert {c["kind"] for c in within} >= {"all-gather", "reduce-scatter"}  # the chunks' own, within a slice

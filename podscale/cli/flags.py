@@ -283,6 +283,14 @@ def project_parser(sub) -> None:
         "system where its compiler is installed, else cpu)",
     )
     p.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        help="TPU slices the chips are split into, joined by the data-centre network (MaxText's num_slices); "
+        "default: one up to the system's largest slice, past it the fewest of a power-of-two size. Needs the "
+        "system's DCN bandwidth (tpu-v5p, tpu-v5e); data-x-fsdp is then FSDP within each slice",
+    )
+    p.add_argument(
         "--bn-group-size",
         type=int,
         default=None,

@@ -181,7 +181,7 @@ def run_project(args) -> int:
     # Every mesh, strategy and chip count: refused, or a strategy that does not apply at a chip
     # count noted (a row saying why), before anything is built or compiled.
     reasons = project_mesh.applicability(
-        system, chips, names, strategy, args.multi_axis, what="--strategies", bn_group_size=groups
+        system, chips, names, strategy, args.multi_axis, what="--strategies", bn_group_size=groups, slices=args.slices
     )
     live = [c for c in chips if any(reasons[c, s] is None for s in effective)]
     import jax
@@ -250,6 +250,7 @@ def run_project(args) -> int:
                 progress=progress,
                 compiler=chosen,
                 bn_group_size=group,
+                slices=args.slices,
                 tokens_per_example=(
                     task.workload.tokens_per_example(task.config)
                     if task.workload and task.workload.tokens_per_example
@@ -259,7 +260,7 @@ def run_project(args) -> int:
         for c in these:
             for s in effective:
                 if s not in applies:  # applies at none of this group's chip counts: its row says why
-                    topology = Topology(system, c, args.multi_axis)
+                    topology = Topology(system, c, args.multi_axis, args.slices)
                     row = project_rows.not_applicable_row(
                         topology, s, project_mesh.strategy_for(strategy, s), replica_batches[c], reasons[c, s]
                     )

@@ -42,6 +42,8 @@ from podscale.compiled.hlo_cost import (
 )
 from podscale.compiled.hlo_groups import group_axes, pair_axes, replica_groups
 from podscale.compiled.hlo_loops import trip_count
+from podscale.compiled.hlo_memory import device_bytes as device_bytes
+from podscale.compiled.hlo_memory import memory_of as memory_of
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 PHASES = ("forward", "backward", "update")
@@ -53,6 +55,21 @@ _CALLED = re.compile(
     r"(\{[^}]*\}|%?[\w.\-]+)"
 )
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MEGASCALE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]*)"')
+DCN = "dcn"
+"""The axes of a collective across slices: XLA:TPU's multislice module sends each buffer a
+collective sums (or gathers) across slices to the megascale runtime (a ``send`` to the host),
+which runs it over the data-centre network; the module's own collective is the slice's part."""
+
+
+def _megascale_kind(key: str) -> str:
+    key = key.lower()
+    if "gather" in key:
+        return "all-gather"
+    if "scatter" in key:
+        return "reduce-scatter"
+    return "all-to-all" if "all_to_all" in key or "all-to-all" in key else "all-reduce"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,11 +310,17 @@ def _split_operands(rest: str) -> tuple[list[str], str]:
 
 
 def read_text(
-    text: str, mesh_shape: dict[str, int] | None = None, memory: dict | None = None, platform: str = "cpu"
+    text: str,
+    mesh_shape: dict[str, int] | None = None,
+    memory: dict | None = None,
+    platform: str = "cpu",
+    slices: int = 1,
 ) -> Module:
     """Parses optimized HLO text. ``mesh_shape`` (axis -> size, in the mesh's order) names the axes.
     ``platform``: the compiler's (``tpu``: an all-reduce of which each device keeps one share is
-    the reduce-scatter XLA:TPU runs it as, see :func:`_scattered`; XLA:CPU emits reduce-scatters)."""
+    the reduce-scatter XLA:TPU runs it as, see :func:`_scattered`; XLA:CPU emits reduce-scatters).
+    ``slices``: the TPU slices the module spans; each buffer it sends to the megascale runtime is a
+    collective over them (axes ``(DCN,)``)."""
     comps: dict[str, list[tuple]] = {}
     roots: dict[str, str] = {}
     entry, current = None, None
@@ -377,10 +400,25 @@ def read_text(
                 readers[o].append((ins, pos))
             if ins[2].endswith("-done") and ins[3]:
                 done_of[ins[3][0]] = ins[0]
+        by_name = {ins[0]: ins for ins in instrs}
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
             op_name = op.group(1) if op else ""
+            if opcode == "send" and _MEGASCALE.search(rest):  # a collective's part across slices
+                key = _RENDEZVOUS.search(rest)
+                _, dtype, sizes = type_bytes(type_text)
+                source = operands[0] if operands else None
+                for _ in range(6):  # the collective it sends: its name scope (the phase)
+                    if source not in by_name or op_name:
+                        break
+                    found = _OP_NAME.search(by_name[source][5])
+                    op_name = found.group(1) if found else ""
+                    source = by_name[source][3][0] if by_name[source][3] else None
+                kind = _megascale_kind(key.group(1) if key else "")
+                out.append(Collective(kind, name, (DCN,), slices, dtype, int(sizes[0]), runs[comp], op_name))
+                events.append(("sync", (len(out) - 1,)))
+                continue
             if not op_name and opcode not in NO_COST:
                 op_name = _UNNAMED[unnamed(comp, name)]
             if opcode == "async-start":
@@ -548,43 +586,9 @@ def _collective(name, kind, opcode, type_text, rest, mesh_shape, devices, count,
     return Collective(kind, name, axes, size, dtype, int(total), count, op_name)
 
 
-def memory_of(compiled) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    fields = {
-        "arguments": m.argument_size_in_bytes,
-        "outputs": m.output_size_in_bytes,
-        "aliased": m.alias_size_in_bytes,
-        "temporaries": m.temp_size_in_bytes,
-    }
-    fields["peak"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
-    # The compiler's own peak of its buffer assignment (what is live at once; XLA:TPU checks this
-    # against the chip's memory); the sum above counts every temporary as live at once.
-    allocated = getattr(m, "peak_memory_in_bytes", 0)
-    if allocated:
-        fields["allocated"] = allocated
-    host = getattr(m, "host_temp_size_in_bytes", 0)
-    if host:  # buffers a remat policy offloads to host memory (pinned_host), not in the chip's HBM
-        fields["host_temporaries"] = host
-    return {k: int(v) for k, v in fields.items()}
-
-
-def device_bytes(memory: dict[str, int]) -> int:
-    """The chip memory per device of a program with :func:`memory_of`'s ``memory``: the
-    compiler's peak (``allocated``, else the sum ``peak``). Where a remat policy offloads buffers
-    to host memory, XLA:TPU's peak is no longer the device's: it is the arguments, the outputs and
-    the host buffers, without the device's temporaries (a scanned toy on v6e at 4, 16 and 32
-    layers, and Llama 3.1 70B at 5 per chip on v6e-256: so, within a few KB). There the device's buffers
-    are summed instead, every temporary counted live (``peak``): an upper bound of what the chip
-    holds at once."""
-    if memory.get("host_temporaries"):
-        return memory.get("peak", 0)
-    return memory.get("allocated") or memory.get("peak", 0)
-
-
 def read(compiled, mesh=None) -> Module:
     """The collectives and memory of ``jax.jit(...).lower(...).compile()`` (one device's program)."""
     shape = dict(mesh.shape) if mesh is not None else None
     platform = mesh.devices.flat[0].platform if mesh is not None else "cpu"
-    return read_text(compiled.as_text(), shape, memory_of(compiled), platform)
+    slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}) if mesh is not None else 1
+    return read_text(compiled.as_text(), shape, memory_of(compiled), platform, slices)

@@ -97,6 +97,32 @@ class Path:
         return dataclasses.asdict(self)
 
 
+def slices_of(system: System, chips: int, slices: int | None = None) -> int:
+    """How many slices ``chips`` chips of a TPU ``system`` are: ``slices`` where given, else one up
+    to the largest slice (``System.slice_chips``) and past it the fewest of a power-of-two size.
+    Several need the system's data-centre network bandwidth (refused, naming it, where none is
+    published)."""
+    largest = system.slice_chips or system.max_chips
+    if slices is None:
+        size = 1 << (largest.bit_length() - 1)  # the largest power-of-two slice
+        slices = 1 if chips <= largest else max(1, chips // size)
+    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+        raise ValueError(f"--slices {slices!r}: a whole number of at least 1")
+    if chips % slices:
+        raise ValueError(f"--chips {chips} do not divide into {slices} slices; give a multiple of {slices}")
+    if chips // slices > largest:
+        raise ValueError(
+            f"--chips {chips} as {slices} slices: {chips // slices} chips a slice, past {system.name}'s {largest}"
+        )
+    if slices > 1 and not system.dcn_bandwidth:
+        raise ValueError(
+            f"--chips {chips}: {system.name} slices hold at most {largest} chips, and no data-centre network "
+            f"bandwidth is published for joining {system.name} slices (podscale project --list-systems); "
+            f"project at most {largest} chips"
+        )
+    return slices
+
+
 def _positions(coords: np.ndarray, length: int) -> tuple[int, int]:
     """(distinct positions, stride) of a group's coordinates along one dimension."""
     values = sorted(set(coords.tolist()))
@@ -107,13 +133,17 @@ def _positions(coords: np.ndarray, length: int) -> tuple[int, int]:
 class Topology:
     """The devices of ``chips`` chips of ``system``, placed as described in the module docstring."""
 
-    def __init__(self, system: System, chips: int, multi_axis: str = "torus"):
+    def __init__(self, system: System, chips: int, multi_axis: str = "torus", slices: int | None = None):
         if multi_axis not in MULTI_AXIS:
             raise ValueError(f"multi_axis {multi_axis!r}: one of {MULTI_AXIS}")
         self.system, self.chips, self.multi_axis = system, chips, multi_axis
         self.devices = chips * system.devices_per_chip
+        self.slices = 1
+        if system.kind != "tpu" and slices not in (None, 1):
+            raise ValueError(f"--slices {slices}: {system.name!r} is no TPU; several slices are TPU pods joined by DCN")
         if system.kind == "tpu":
-            self.shape, self.wraps = system.torus(chips)
+            self.slices = slices_of(system, chips, slices)
+            self.shape, self.wraps = system.torus(chips // self.slices)
         elif system.kind == "gpu":
             if chips > system.max_chips:
                 raise ValueError(f"--chips {chips}: system {system.name!r} is modelled up to {system.max_chips} GPUs")
@@ -124,12 +154,18 @@ class Topology:
             self.shape, self.wraps = (min(chips, system.node_size), max(1, chips // system.node_size)), (True, False)
         else:
             raise ValueError(f"system {system.name!r} has no modelled topology (kind {system.kind!r})")
+        self.slice_devices = self.devices // self.slices
 
     def describe(self) -> str:
         s = self.system
         if s.kind == "tpu":
             dims = "x".join(map(str, self.shape))
             wraps = ", ".join(f"{d}{' (wraps)' if w else ''}" for d, w in zip(self.shape, self.wraps, strict=True))
+            if self.slices > 1:
+                return (
+                    f"{self.chips} chips as {self.slices} slices of a {dims} torus ({wraps}) joined by the data-centre "
+                    f"network, {s.devices_per_chip} devices per chip"
+                )
             return f"{self.chips} chips as a {dims} torus slice ({wraps}), {s.devices_per_chip} devices per chip"
         return f"{self.shape[1]} node(s) of {self.shape[0]} GPUs"
 
@@ -178,7 +214,36 @@ class Topology:
 
     def time(self, kind: str, groups: list[list[int]], nbytes: float) -> tuple[float, Path]:
         """Seconds for one run of a collective whose groups are ``groups`` (all its groups: they
-        run at once), each device contributing ``nbytes``."""
+        run at once), each device contributing ``nbytes``. A group over several slices runs in two
+        levels: within each slice over ICI, and across the slices over the data-centre network,
+        each of its ``k`` devices in a slice carrying ``1/k`` of the data there (an all-reduce: a
+        slice's all-reduce, then one of ``nbytes / k`` across the slices; an all-gather: across
+        the slices, then within each of ``nbytes`` times the slices; a reduce-scatter: within,
+        then across of ``nbytes / k``)."""
+        per = self.slice_devices
+        spanned = sorted({d // per for d in groups[0]}) if kind != "collective-permute" else [0]
+        if len(spanned) > 1:
+            return self._across_slices(kind, groups, nbytes, len(spanned))
+        return self._in_slice(kind, [[d % per for d in g] for g in groups], nbytes)
+
+    def _across_slices(self, kind: str, groups: list[list[int]], nbytes: float, slices: int) -> tuple[float, Path]:
+        per, s = self.slice_devices, self.system
+        local = [[d % per for d in g if d // per == g[0] // per] for g in groups]
+        k = len(local[0])
+        bandwidth = s.dcn_bandwidth / s.devices_per_chip  # each device's share of its chip's network
+        within, across = {
+            "all-reduce": (nbytes, nbytes / k),
+            "all-gather": (nbytes * slices, nbytes),
+            "reduce-scatter": (nbytes, nbytes / k),
+        }.get(kind, (nbytes, nbytes))
+        t = ring_time(kind, slices, across, bandwidth, s.dcn_latency, False)
+        where = f"DCN ({slices} slices)"
+        if k > 1:
+            t += self._in_slice(kind, local, within)[0]
+            where += f" and within each, {k} devices"
+        return t, Path(slices, bandwidth, s.dcn_latency, False, where=where)
+
+    def _in_slice(self, kind: str, groups: list[list[int]], nbytes: float) -> tuple[float, Path]:
         group = groups[0]
         if kind == "collective-permute":  # a halo exchange between neighbours of ``group``
             s = self.system

@@ -31,6 +31,11 @@ Sources, cited per figure below:
   The clock is not in that table: it follows from the chip's bf16 peak, its MXUs and their size
   (``peak / (cores x MXUs x side^2 x 2)``: v3 0.94 GHz, v4 1.05 GHz, v5e 1.5 GHz, as the page
   states for v5e, v5p and v6e 1.75 GHz).
+* [GC-V5P], [GC-V5E]: Google Cloud TPU documentation, "TPU v5p" and "TPU v5e" (cloud.google.com/
+  tpu/docs/v5p, /v5e): v5p's data-centre network (DCN) bandwidth per chip, 50 Gbps, and its largest
+  slice, 6144 chips; v5e's DCN bandwidth per 256-chip pod, 6.4 Tbps (2 x 100 Gbps NICs per host of 8
+  chips). The v6e page gives no DCN figure: v6e is projected to one slice (256 chips) only. The
+  Gbps are taken one way.
 * [NV-MM] NVIDIA, "Matrix Multiplication Background User's Guide" (docs.nvidia.com/deeplearning/
   performance): Tensor Cores are used most efficiently when M, N and K are multiples of 8 for
   16-bit operands (tile quantization below that).
@@ -85,6 +90,14 @@ class System:
     """GPU: one-way network bytes/s per GPU (its own NIC)."""
     network_latency: float = 5e-6
     """GPU: seconds per step of a ring over the network (assumed)."""
+    slice_chips: int = 0
+    """TPU: the most chips one slice holds (ICI); more are several slices joined by the
+    data-centre network (multislice). 0: ``max_chips``."""
+    dcn_bandwidth: float = 0.0
+    """TPU: one-way bytes/s per chip over the data-centre network between slices; 0: no public
+    figure (several slices are not projected)."""
+    dcn_latency: float = 10e-6
+    """TPU: seconds per step of a ring over the data-centre network (assumed)."""
     overlaps: bool = True
     """Whether a collective can run while compute continues (async collectives)."""
     sources: tuple[str, ...] = ()
@@ -134,7 +147,13 @@ class System:
         makes a step quicker) or ``slow``."""
         if end not in ("fast", "slow"):
             raise ValueError(f"end {end!r}: choose fast or slow")
-        slower_when_larger = {"kernel_overhead", "half_bandwidth_bytes", "hop_latency", "network_latency"}
+        slower_when_larger = {
+            "kernel_overhead",
+            "half_bandwidth_bytes",
+            "hop_latency",
+            "network_latency",
+            "dcn_latency",
+        }
         values = {}
         for field, low, high in self.assumed:
             values[field] = (
@@ -239,6 +258,16 @@ def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_sour
     )
 
 
+def _dcn(chip: dict, source: str) -> dict:
+    """A TPU chip's figures with its data-centre network's: the bandwidth cited, the latency of a
+    step over it assumed (5 to 50 us; no public figure)."""
+    return {
+        **chip,
+        "cited": (*chip["cited"], ("dcn_bandwidth", source)),
+        "assumed": (*chip["assumed"], ("dcn_latency", 5e-6, 50e-6)),
+    }
+
+
 def _gpu_chip(sms: int, fp32_per_sm: int, clock: float, source: str) -> dict:
     """The per-op figures of an NVIDIA GPU: Tensor Core granularity [NV-MM], CUDA cores and SFUs
     per SM [NV-CUDA] at the boost clock, and the assumed HBM efficiency and fixed costs."""
@@ -326,8 +355,13 @@ SYSTEMS: dict[str, System] = {
             max_chips=8960,
             link_bandwidth=9e10,
             torus_dims=3,
+            slice_chips=6144,
+            dcn_bandwidth=50e9 / 8,
             sources=("[SB-TPU] 4.59e14 FLOP/s, 96 GB at 2.8e12 B/s, ICI 9e10 B/s one way", "[SB-SHARD] 1 us per hop"),
-            **_tpu_chip(2, 4, 128, 4, 459e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
+            **_dcn(
+                _tpu_chip(2, 4, 128, 4, 459e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
+                "[GC-V5P] 50 Gbps of DCN bandwidth per chip; the largest slice 6144 chips (96 cubes)",
+            ),
         ),
         System(
             "tpu-v5e",
@@ -340,8 +374,13 @@ SYSTEMS: dict[str, System] = {
             max_chips=256,
             link_bandwidth=4.5e10,
             torus_dims=2,
+            slice_chips=256,
+            dcn_bandwidth=6.4e12 / 8 / 256,
             sources=("[SB-TPU] 1.97e14 FLOP/s, 16 GB at 8.1e11 B/s, ICI 4.5e10 B/s one way", "[SB-SHARD] 1 us per hop"),
-            **_tpu_chip(1, 4, 128, 4, 197e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
+            **_dcn(
+                _tpu_chip(1, 4, 128, 4, 197e12, "[SB-TPU-C]", "[SB-TPU-C] v5: 4 ALUs per lane"),
+                "[GC-V5E] 6.4 Tbps of DCN bandwidth per 256-chip pod (2 x 100 Gbps NICs per 8-chip host): 25 Gbps per chip",
+            ),
         ),
         System(
             "tpu-v6e",
@@ -433,6 +472,8 @@ _PER_OP = (
     "kernel_overhead",
     "hop_latency",
     "network_latency",
+    "dcn_bandwidth",
+    "dcn_latency",
 )
 
 
@@ -444,6 +485,8 @@ def figures(system: System) -> list[tuple[str, str, str]]:
     out = []
     for field in _PER_OP:
         if field == "network_latency" and system.kind != "gpu":
+            continue
+        if field.startswith("dcn_") and not system.dcn_bandwidth:
             continue
         value = getattr(system, field)
         if field in assumed:

@@ -151,10 +151,11 @@ def topology_name(system: System, chips: int) -> str:
 
 
 @functools.cache
-def devices(system_name: str, name: str) -> tuple:
+def devices(system_name: str, name: str, slices: int = 1) -> tuple:
     """The compile-only devices of the slice ``name`` (``topology_name``), in id order: a chip's
     cores fastest, then the first torus dimension (the order :mod:`podscale.compiled.network`
-    places a mesh in)."""
+    places a mesh in); with ``slices``, of that many such slices joined by the data-centre network
+    (libtpu's multislice devices, slice by slice)."""
     if not available():
         raise ValueError(NEEDED)
     _quiet_libtpu()
@@ -165,6 +166,8 @@ def devices(system_name: str, name: str) -> tuple:
     if shape[0] < 2 or shape[1] < 2:  # smaller than a host (2x2x1 chips): the slice is the host
         options["chips_per_host_bounds"] = tuple(min(d, h) for d, h in zip(shape[:3], (2, 2, 1), strict=True))
     with _own_sigterm():
+        if slices > 1:
+            options["num_slices"] = slices
         found = topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices
     return tuple(sorted(found, key=lambda d: d.id))
 

@@ -164,7 +164,10 @@ def cost(
         chunk = hlo.CHUNK_GATHER_SCOPE in c.op_name and reduced in c.axes  # FSDP's gather of a smaller chunk there
         if factor > 1 and (update or chunk) and not (reduced in c.axes and c.kind in ("reduce-scatter", "all-reduce")):
             nbytes = nbytes / factor
-        if c.kind == "collective-permute":  # neighbours along its axes (the space axis: innermost)
+        if c.axes == (hlo.DCN,):  # a collective's part across slices (XLA:TPU's multislice module)
+            size = topology.slices
+            groups = [[i * topology.slice_devices for i in range(topology.slices)]]
+        elif c.kind == "collective-permute":  # neighbours along its axes (the space axis: innermost)
             groups = _groups(shape, c.axes, math.prod(shape[a] for a in c.axes)) if c.axes else [[0, 1]]
         else:
             groups = _groups(shape, c.axes, size)

@@ -29,7 +29,8 @@ STRATEGIES = {
     "fsdp": {"weight_update": "fsdp", "grad_sum": "1d"},
     "fsdp-2d": {"weight_update": "fsdp", "grad_sum": "2d"},
     # FSDP within the first torus dimension (a node of GPUs), data parallelism across the rest:
-    # MaxText's ici_fsdp x ici_data, PyTorch's hybrid sharding
+    # MaxText's ici_fsdp x ici_data, PyTorch's hybrid sharding; over several slices, FSDP within
+    # each slice and data parallelism across them (ici_fsdp x dcn_data)
     "data-x-fsdp": {"weight_update": "fsdp", "grad_sum": "1d", "fsdp_axes": ("y",)},
 }
 
@@ -62,6 +63,7 @@ def applicability(
     multi_axis: str = "torus",
     what: str = "strategies",
     bn_group_size: int | Mapping[int, int] = 1,
+    slices: int | None = None,
 ) -> dict[tuple[int, str], str | None]:
     """Checks a projection's request before anything is compiled, and says which strategies apply
     at which chip counts: ``{(chips, name): None, or why the strategy does not apply there}`` (its
@@ -97,7 +99,7 @@ def applicability(
         raise ValueError(f"chips: {', '.join(map(str, twice))} given twice; give each chip count once")
     reasons: dict[tuple[int, str], str | None] = {}
     for n_chips in chips:
-        topology = Topology(system, n_chips, multi_axis)  # a size the system cannot hold: refused
+        topology = Topology(system, n_chips, multi_axis, slices)  # a size the system cannot hold: refused
         for name, strategy in resolved.items():
             try:
                 group = bn_group_size.get(n_chips, 1) if isinstance(bn_group_size, Mapping) else bn_group_size
@@ -143,6 +145,8 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
     replicas = n // k
     if two_data_axes(strategy):
         inner = topology.shape[0] * s.devices_per_chip if s.kind == "tpu" else min(n, s.node_size)
+        if strategy.fsdp_axes is not None and topology.slices > 1:
+            inner = topology.slice_devices  # FSDP within each slice, data parallelism across them (DCN)
         what = "the 2-D gradient sum" if strategy.grad_sum == "2d" else "data x FSDP"
         if inner % k or inner // k < 2 or replicas // (inner // k) < 2:
             raise ValueError(

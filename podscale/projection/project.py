@@ -86,6 +86,7 @@ def project(
     compiler: str = "auto",
     bn_group_size: int = 1,
     tokens_per_example: int | None = None,
+    slices: int | None = None,
 ) -> list[Row]:
     """Projects ``step(state, batch)`` (the single-device step, as for ``podscale.data_parallel``)
     to each of ``chips`` chips of ``system``, for each strategy.
@@ -111,6 +112,8 @@ def project(
     ``make_mesh(bn_group_size=...)``), and ``step``'s batch norm must average over it (a workload
     built with ``bn_axis=BN_GROUP``); a strategy whose mesh cannot take the groups is a row saying
     why.
+    ``slices``: TPU slices each chip count is split into, joined by the data-centre network
+    (default: one up to the system's largest slice; :func:`~podscale.compiled.network.slices_of`).
     ``tokens_per_example``: for a language model, the tokens one example predicts; rows then give
     ``tokens_per_s_per_chip``.
     """
@@ -143,7 +146,7 @@ def project(
         )
 
     target_of = functools.partial(target_shape, bn_group_size=bn_group_size)
-    reasons = applicability(system, chips, strategies, base, multi_axis, bn_group_size=bn_group_size)
+    reasons = applicability(system, chips, strategies, base, multi_axis, bn_group_size=bn_group_size, slices=slices)
     if isinstance(strategies, dict):
         resolved = dict(strategies)
     else:
@@ -181,7 +184,7 @@ def project(
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype), example)
 
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
-    topologies = [Topology(system, n_chips, multi_axis) for n_chips in chips]
+    topologies = [Topology(system, n_chips, multi_axis, slices) for n_chips in chips]
     say = progress or (lambda message: None)
     started = time.perf_counter()
     chosen = compiler_for(system, compiler, say)
@@ -360,7 +363,7 @@ def price(topology, module, target, reduced, factor, strategy, partner, schedule
     out: dict[str, Any] = {}
     for end in ("nominal", "fast", "slow"):
         system = topology.system if end == "nominal" else topology.system.at(end)
-        where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis)
+        where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis, topology.slices)
         # data x FSDP's chunks are over the inner axis: its update's buffers are the target's already
         buffers = factor if reduced is None or strategy.fsdp_axes is None or reduced in strategy.fsdp_axes else 1
         phases, collectives, exposed, hidden = cost(
@@ -446,12 +449,16 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
     system, say = job.system, job.say
     cache: dict[tuple, _Compiled] = {}
 
-    def compiled(name: str, strategy: Strategy, shape: dict[str, int], replica_batch: int) -> _Compiled:
-        key = (name, tuple(shape.items()), replica_batch)
+    def compiled(
+        name: str, strategy: Strategy, shape: dict[str, int], replica_batch: int, slices: int = 1
+    ) -> _Compiled:
+        key = (name, tuple(shape.items()), replica_batch, slices)
         if key in cache:
             return cache[key]
         k = strategy.spatial or strategy.model_parallel or 1
-        slice_name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip)
+        slice_name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip // slices)
+        devices = tpu.devices(system.name, slice_name, slices) if slices > 1 else tpu.devices(system.name, slice_name)
+        slice_name += f" x {slices} slices" if slices > 1 else ""
         what = f"{system.name} {name}, mesh {'x'.join(map(str, shape.values()))} ({slice_name})"
         say(f"{what}: compiling with {tpu.LABEL} ({elapsed(job.started)} since the start)")
         one = time.perf_counter()
@@ -466,7 +473,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                     k,
                     strategy,
                     shape,
-                    devices=tpu.devices(system.name, slice_name),
+                    devices=devices,
                 )
             entry = _Compiled(dp, module, time.perf_counter() - one, slice_name)
         except Exception as e:
@@ -482,6 +489,11 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
     def compile_shape_of(topology, name, strategy) -> tuple[dict[str, int], str | None, int]:
         # the row's own target alone decides (one figure per row, whatever else is asked for)
         return shrink(job.target_of(topology, strategy), MAX_TPU_COMPILE_DEVICES)
+
+    def slices_for(topology, shape: dict[str, int]) -> int:
+        """The slices a compile mesh spans: the target's, compiled whole (the program the pod
+        runs, its collectives across slices as XLA:TPU makes them for several); else one."""
+        return topology.slices if math.prod(shape.values()) == topology.devices else 1
 
     def partner_of(shape: dict[str, int], strategy: Strategy, factor: int) -> dict[str, int] | None:
         """The second mesh of a row whose sharded update is scaled (``a + b / n``): its first
@@ -503,11 +515,13 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 replica_batch = job.per_chips[topology.chips]
                 for mesh in (shape, partner_of(shape, strategy, factor)):
                     if mesh is not None:
+                        n = slices_for(topology, mesh)
                         wanted.setdefault(
-                            (name, tuple(mesh.items()), replica_batch), (name, strategy, mesh, replica_batch)
+                            (name, tuple(mesh.items()), replica_batch, n), (name, strategy, mesh, replica_batch, n)
                         )
-    for _, _, shape, _ in wanted.values():  # libtpu (or the CUDA plugin) loads here, in this thread, once
-        tpu.devices(system.name, tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip))
+    for _, _, shape, _, n in wanted.values():  # libtpu (or the CUDA plugin) loads here, in this thread, once
+        name_ = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip // n)
+        tpu.devices(system.name, name_, n) if n > 1 else tpu.devices(system.name, name_)
     workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
@@ -530,7 +544,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                 continue
             target = job.target_of(topology, strategy)
             shape, reduced, factor = compile_shape_of(topology, name, strategy)
-            entry = compiled(name, strategy, shape, replica_batch)
+            entry = compiled(name, strategy, shape, replica_batch, slices_for(topology, shape))
             common = dict(compiler=f"{tpu.LABEL} {entry.slice_name}", compile_s=None if entry.used else entry.seconds)
             checked = tpu.CHECKS_MEMORY  # a program XLA:TPU compiled fits the chip by its own count
             entry.used = True
