@@ -426,7 +426,7 @@ def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_
         (dict(chips=[0, 4]), "chips \\[0\\]: chip counts are whole numbers of at least 1"),
         (dict(chips=[4, 4]), "4 given twice"),
         (dict(chips=[2.5]), "whole numbers"),
-        (dict(chips=[640]), "320 chips a slice, past tpu-v5e's 256"),
+        (dict(chips=[640]), "give a multiple of 256 \\(slices of 256 chips\\)"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):

@@ -417,7 +417,8 @@ def read_text(
                     source = by_name[source][3][0] if by_name[source][3] else None
                 kind = _megascale_kind(key.group(1) if key else "")
                 out.append(Collective(kind, name, (DCN,), slices, dtype, int(sizes[0]), runs[comp], op_name))
-                events.append(("sync", (len(out) - 1,)))
+                started[name] = (len(out) - 1,)  # runs while the ops up to its send-done run
+                events.append(("start", started[name]))
                 continue
             if not op_name and opcode not in NO_COST:
                 op_name = _UNNAMED[unnamed(comp, name)]

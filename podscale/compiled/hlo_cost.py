@@ -95,6 +95,10 @@ NO_COST = frozenset(
         "add-dependency",
         "async-update",
         "iota",
+        "send",
+        "recv",
+        "send-done",
+        "recv-done",
     }
 )
 _FLOP_PER_ELEMENT = frozenset(

@@ -103,9 +103,15 @@ def slices_of(system: System, chips: int, slices: int | None = None) -> int:
     Several need the system's data-centre network bandwidth (refused, naming it, where none is
     published)."""
     largest = system.slice_chips or system.max_chips
-    if slices is None:
+    given = slices is not None
+    if not given:
         size = 1 << (largest.bit_length() - 1)  # the largest power-of-two slice
-        slices = 1 if chips <= largest else max(1, chips // size)
+        if chips > largest and chips % size:
+            raise ValueError(
+                f"--chips {chips}: more than a {system.name} slice holds ({largest}); give a multiple of {size} "
+                f"(slices of {size} chips), or --slices"
+            )
+        slices = 1 if chips <= largest else chips // size
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise ValueError(f"--slices {slices!r}: a whole number of at least 1")
     if chips % slices:
@@ -115,10 +121,11 @@ def slices_of(system: System, chips: int, slices: int | None = None) -> int:
             f"--chips {chips} as {slices} slices: {chips // slices} chips a slice, past {system.name}'s {largest}"
         )
     if slices > 1 and not system.dcn_bandwidth:
+        instead = "give --slices 1" if given and chips <= largest else f"project at most {largest} chips"
         raise ValueError(
-            f"--chips {chips}: {system.name} slices hold at most {largest} chips, and no data-centre network "
-            f"bandwidth is published for joining {system.name} slices (podscale project --list-systems); "
-            f"project at most {largest} chips"
+            f"--chips {chips}{f' as --slices {slices}' if given else ''}: {system.name} slices hold at most {largest} "
+            f"chips, and no data-centre network bandwidth is published for joining {system.name} slices "
+            f"(podscale project --list-systems); {instead}"
         )
     return slices
 

@@ -149,9 +149,10 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
             inner = topology.slice_devices  # FSDP within each slice, data parallelism across them (DCN)
         what = "the 2-D gradient sum" if strategy.grad_sum == "2d" else "data x FSDP"
         if inner % k or inner // k < 2 or replicas // (inner // k) < 2:
+            where = "a slice's" if strategy.fsdp_axes is not None and topology.slices > 1 else "the first dimension's"
             raise ValueError(
                 f"{what} on {topology.describe()} with replicas of {k} device(s): needs two data axes "
-                f"of at least 2 (the first dimension's {inner} devices / {k}, and the rest)"
+                f"of at least 2 ({where} {inner} devices / {k}, and the rest)"
             )
         shape: tuple[int, ...] = (replicas // (inner // k), inner // k)
     else:

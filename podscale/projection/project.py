@@ -491,9 +491,11 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
         return shrink(job.target_of(topology, strategy), MAX_TPU_COMPILE_DEVICES)
 
     def slices_for(topology, shape: dict[str, int]) -> int:
-        """The slices a compile mesh spans: the target's, compiled whole (the program the pod
-        runs, its collectives across slices as XLA:TPU makes them for several); else one."""
-        return topology.slices if math.prod(shape.values()) == topology.devices else 1
+        """The slices a compile mesh spans (the target's first ones, slice-major): XLA:TPU compiles
+        for that many at once, its collectives across them as it makes them for several; one where
+        the mesh fits a slice."""
+        n = math.prod(shape.values())
+        return n // topology.slice_devices if n > topology.slice_devices and n % topology.slice_devices == 0 else 1
 
     def partner_of(shape: dict[str, int], strategy: Strategy, factor: int) -> dict[str, int] | None:
         """The second mesh of a row whose sharded update is scaled (``a + b / n``): its first
@@ -564,7 +566,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
             other = partner_of(shape, strategy, factor)
             partner = None
             if other is not None:
-                partner_entry = compiled(name, strategy, other, replica_batch)
+                partner_entry = compiled(name, strategy, other, replica_batch, slices_for(topology, other))
                 if partner_entry.module is not None:
                     partner = (math.prod(other.values()), partner_entry.module)
             priced = price(topology, entry.module, target, reduced, factor, strategy, partner, scheduled=True)
