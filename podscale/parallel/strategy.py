@@ -276,7 +276,12 @@ class Strategy:
         """Whether the state per device shrinks as the data axis ``axis`` grows (the sharded update,
         FSDP): a projection compiled with ``axis`` smaller than its target's scales the state and
         the update to it. Not data x FSDP's where ``axis`` holds the chunks' copies."""
-        return self.weight_update in ("sharded", "fsdp") and (self.fsdp_axes is None or axis in self.fsdp_axes)
+        return self.weight_update in ("sharded", "fsdp") and self.chunked_over(axis)
+
+    def chunked_over(self, axis: str) -> bool:
+        """Whether a chunked leaf's chunks span the data axis ``axis``: every data axis, but with
+        ``fsdp_axes`` (data x FSDP) those only, the others holding the chunks' copies."""
+        return self.fsdp_axes is None or axis in self.fsdp_axes
 
     def space_of(self, mesh) -> str | None:
         """The mesh axis each image's height is split over (``space_axis``, or with ``spatial=k``

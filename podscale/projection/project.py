@@ -365,7 +365,7 @@ def price(topology, module, target, reduced, factor, strategy, partner, schedule
         system = topology.system if end == "nominal" else topology.system.at(end)
         where = topology if end == "nominal" else Topology(system, topology.chips, topology.multi_axis, topology.slices)
         # data x FSDP's chunks are over the inner axis: its update's buffers are the target's already
-        buffers = factor if reduced is None or strategy.fsdp_axes is None or reduced in strategy.fsdp_axes else 1
+        buffers = factor if reduced is None or strategy.chunked_over(reduced) else 1
         phases, collectives, exposed, hidden = cost(
             system, where, module, target, reduced=reduced, factor=buffers, scheduled=scheduled
         )
@@ -449,6 +449,13 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
     system, say = job.system, job.say
     cache: dict[tuple, _Compiled] = {}
 
+    def devices_for(shape: dict[str, int], slices: int) -> tuple[str, tuple]:
+        """The compile-only devices of a compile mesh over ``slices`` slices, and their name."""
+        name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip // slices)
+        if slices == 1:  # (XLA:GPU's targets have no slices)
+            return name, tpu.devices(system.name, name)
+        return f"{name} x {slices} slices", tpu.devices(system.name, name, slices)
+
     def compiled(
         name: str, strategy: Strategy, shape: dict[str, int], replica_batch: int, slices: int = 1
     ) -> _Compiled:
@@ -456,9 +463,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
         if key in cache:
             return cache[key]
         k = strategy.spatial or strategy.model_parallel or 1
-        slice_name = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip // slices)
-        devices = tpu.devices(system.name, slice_name, slices) if slices > 1 else tpu.devices(system.name, slice_name)
-        slice_name += f" x {slices} slices" if slices > 1 else ""
+        slice_name, devices = devices_for(shape, slices)
         what = f"{system.name} {name}, mesh {'x'.join(map(str, shape.values()))} ({slice_name})"
         say(f"{what}: compiling with {tpu.LABEL} ({elapsed(job.started)} since the start)")
         one = time.perf_counter()
@@ -522,8 +527,7 @@ def _project_tpu(job: _Job, topologies, resolved, reasons) -> list[Row]:
                             (name, tuple(mesh.items()), replica_batch, n), (name, strategy, mesh, replica_batch, n)
                         )
     for _, _, shape, _, n in wanted.values():  # libtpu (or the CUDA plugin) loads here, in this thread, once
-        name_ = tpu.topology_name(system, math.prod(shape.values()) // system.devices_per_chip // n)
-        tpu.devices(system.name, name_, n) if n > 1 else tpu.devices(system.name, name_)
+        devices_for(shape, n)
     workers = max(1, min(len(wanted), os.cpu_count() or 1, MAX_PARALLEL_COMPILES))
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:

@@ -295,21 +295,23 @@ def _sums_inside(eqn, axes, runs: int = 1) -> dict[int, tuple[int, int]]:
         for inner in sub.eqns:
             if is_grad_sum(inner, axes):
                 size = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in inner.invars)
-                parts = {inner_runs: (size, len(inner.invars))}
+                _add(found, {inner_runs: (size, len(inner.invars))})
             else:
-                parts = _sums_inside(inner, axes, inner_runs)
-            for r, (nbytes, tensors) in parts.items():
-                have = found.get(r, (0, 0))
-                found[r] = (have[0] + nbytes, have[1] + tensors)
+                _add(found, _sums_inside(inner, axes, inner_runs))
         each.append(found)
     if eqn.primitive.name == "cond":  # one branch runs
         return max(each, key=lambda f: sum(b * r for r, (b, _) in f.items()), default={})
     out: dict[int, tuple[int, int]] = {}
     for found in each:
-        for r, (nbytes, tensors) in found.items():
-            have = out.get(r, (0, 0))
-            out[r] = (have[0] + nbytes, have[1] + tensors)
+        _add(out, found)
     return out
+
+
+def _add(into: dict[int, tuple[int, int]], parts: dict[int, tuple[int, int]]) -> None:
+    """``parts`` (``{runs: (bytes, tensors)}``) added into ``into``, key by key."""
+    for r, (nbytes, tensors) in parts.items():
+        have = into.get(r, (0, 0))
+        into[r] = (have[0] + nbytes, have[1] + tensors)
 
 
 def _ordered(eqn) -> bool:
