@@ -457,10 +457,15 @@ def _bn_model_step(bn_axis):
             x = nn.BatchNorm(use_running_average=False, axis_name=bn_axis)(x)
             return nn.Dense(8)(jnp.tanh(x))
 
-    net = Net()
-    variables = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((2, 64))))
+    return _batch_norm_step(Net(), TX, 64)
+
+
+def _batch_norm_step(net, tx, features: int):
+    """The training step of the flax module ``net`` (with batch statistics) under ``tx``, and its
+    state's shapes."""
+    variables = jax.eval_shape(lambda: net.init(jax.random.key(0), jnp.zeros((2, features))))
     state = {"params": variables["params"], "stats": variables["batch_stats"]}
-    state["opt"] = jax.eval_shape(TX.init, state["params"])
+    state["opt"] = jax.eval_shape(tx.init, state["params"])
 
     def step(state, batch):
         def loss(params):
@@ -468,7 +473,7 @@ def _bn_model_step(bn_axis):
             return jnp.mean((out - batch["y"]) ** 2), new["batch_stats"]
 
         grads, stats = jax.grad(loss, has_aux=True)(state["params"])
-        updates, opt = TX.update(grads, state["opt"], state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "stats": stats, "opt": opt}, {}
 
     return step, state
@@ -522,6 +527,17 @@ def _lars_step(layers: int):
     return step, jax.eval_shape(init)
 
 
+def _sharded_on_v3_2x2(step, state):
+    """The step (16 rows of 128 features) under the sharded update, compiled by XLA:TPU for
+    ``v3:2x2``: ``(dp, the module read)``."""
+    devices = tpu.devices("tpu-v3", tpu.topology_name(systems.get("tpu-v3"), 4))
+    mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
+    dp = data_parallel(step, mesh, Strategy(weight_update="sharded"), donate_state=False)
+    batch = {k: jax.ShapeDtypeStruct((16, 128), jnp.float32) for k in ("x", "y")}
+    dp.prepare(state, batch)
+    return dp, hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+
+
 @needs_libtpu
 def test_lars_norms_are_fused_whatever_the_layer_count_in_xla_tpus_module():
     """LARS's trust ratios read a norm of each weight and of its update: on chunks, partial sums
@@ -531,13 +547,7 @@ def test_lars_norms_are_fused_whatever_the_layer_count_in_xla_tpus_module():
     second norm that reads the first."""
     counts = {}
     for layers in (3, 6):
-        step, state = _lars_step(layers)
-        devices = tpu.devices("tpu-v3", tpu.topology_name(systems.get("tpu-v3"), 4))
-        mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
-        dp = data_parallel(step, mesh, Strategy(weight_update="sharded"), donate_state=False)
-        batch = {k: jax.ShapeDtypeStruct((16, 128), jnp.float32) for k in ("x", "y")}
-        dp.prepare(state, batch)
-        module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+        dp, module = _sharded_on_v3_2x2(*_lars_step(layers))
         counts[layers] = sum(c.count for c in module.collectives if c.kind == "all-reduce")
         norms = [c for c in dp.trace.collectives if "norms" in c.why]  # podscale's own program
         assert [c.tensors for c in norms] == [layers, layers], dp.trace.collectives
@@ -646,3 +656,40 @@ def test_two_slices_are_compiled_as_xla_tpu_s_multislice_module_and_their_dcn_pa
             assert c["seconds"] == pytest.approx(one * c["runs"])
     within = [c for c in by["data-x-fsdp"].collectives if c["axes"] == ["y"]]
     assert {c["kind"] for c in within} >= {"all-gather", "reduce-scatter"}  # the chunks' own, within a slice
+
+
+def _bn_layers_step(layers: int):
+    """``layers`` blocks of a 128-wide dense layer in bfloat16 and batch norm over the whole batch,
+    under LARS (as ResNet-50): the backward pass all-reduces each block's batch statistics between
+    the layers' gradients."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(layers):
+                x = nn.Dense(128, use_bias=False, dtype=jnp.bfloat16)(x)
+                x = jnp.tanh(nn.BatchNorm(use_running_average=False)(x))
+            return x
+
+    return _batch_norm_step(Net(), optax.lars(0.1), 128)
+
+
+@needs_libtpu
+def test_the_chunks_gradient_sums_are_fused_whatever_the_layer_count_in_xla_tpus_module():
+    """The sharded update reduce-scatters each kernel's gradient along one of its dims into its
+    stored chunk. Sent where the update first reads each gradient, between the backward pass's
+    batch-statistic all-reduces, XLA:TPU sent them one per layer (issue 45: ResNet-50's module had
+    53, each a whole pod's latency at 1024 chips); deferred and sent together, XLA:TPU combines
+    them: as many collectives carry the kernels' gradients for 6 layers as for 3."""
+    kernel = 128 * 128 * 2  # a bfloat16 gradient
+    counts = {}
+    for layers in (3, 6):
+        dp, module = _sharded_on_v3_2x2(*_bn_layers_step(layers))
+        assert sum(leaf.chunked for leaf in dp.layout.leaves) == layers  # each kernel's momentum
+        sums = [
+            c for c in module.collectives if c.kind in ("all-reduce", "reduce-scatter") and c.buffer_bytes >= kernel
+        ]
+        counts[layers] = sum(c.count for c in sums)
+        assert sum(c.buffer_bytes * c.count for c in sums) >= layers * kernel  # every kernel's gradient summed
+    assert counts[3] == counts[6] <= 2, counts

@@ -247,6 +247,8 @@ class Pending:
         self.fuser, self.value, self.shard, self.kind, self.result = fuser, value, shard, kind, None
         self.scatter = True
         self.chunking = chunking
+        self.dim: int | None = None
+        """A chunk's gradient sum (:meth:`Fuser.add_dim`): the dimension it is reduce-scattered along."""
 
     @property
     def by(self):
@@ -285,6 +287,19 @@ class Fuser:
         self.pending.append(p)
         return p
 
+    def add_dim(self, value, dim: int) -> Pending:
+        """A gradient sum the partitioner reduce-scatters along the tensor's own dimension ``dim``
+        (a chunk of a per-dimension chunked state leaf, :mod:`podscale.parallel.partition.chunked`).
+        Deferred as the other gradient sums are, so that a bucket's reduce-scatters are sent
+        together, after the backward pass (:func:`_dim_sums`)."""
+        p = Pending(self, value, False, "grad")
+        p.dim = dim
+        same = [q for q in self.pending if q.dim is not None and q.value.dtype == value.dtype]
+        if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
+            self.flush(same)
+        self.pending.append(p)
+        return p
+
     def move(self, old: Pending, value, chunking: Chunking) -> Pending:
         """``old``'s sum is deferred past a shape-only op: sum ``value`` (the op applied to the
         local gradient, chunked as ``chunking`` says) instead. Exact, since the op moves no value
@@ -302,11 +317,14 @@ class Fuser:
         groups: dict[tuple, list[Pending]] = {}
         for p in pending:
             alone = p.kind == "grad" and not p.shard and p.chunking.split
-            key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None)
+            key = (p.kind, p.shard, p.value.dtype, p.scatter, _k(p.by), id(p) if alone else None, p.dim is not None)
             groups.setdefault(key, []).append(p)
-        for (kind, shard, _, scatter, _, _), members in groups.items():
+        for (kind, shard, _, scatter, _, _, by_dim), members in groups.items():
             values = [p.value for p in members]
-            if kind == "grad" and shard:
+            if by_dim:
+                with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
+                    results = _dim_sums(self.layout, values, [p.dim for p in members])
+            elif kind == "grad" and shard:
                 with jax.named_scope(UPDATE_SCOPE), jax.named_scope(GRAD_SUM_SCOPE):
                     results = _fuse_reduce_scatter(self.layout, values, self.trace, [p.by for p in members])
             elif kind == "grad" and scatter:
@@ -322,6 +340,17 @@ class Fuser:
                     results = _fuse_partials(self.layout, values, kind, self.trace)
             for p, r in zip(members, results, strict=True):
                 p.result = r
+
+
+def _dim_sums(layout: Layout, values: list, dims: list[int]) -> list:
+    """This replica's chunk of each gradient sum, along its dim: the reduce-scatters of one bucket,
+    sent one after another, which XLA's combiners fuse into a few collectives (XLA:TPU, ResNet-50 on
+    ``v3:4x4``: 53 reduce-scatters, each where the partitioner first read its gradient, became 6).
+    Nothing holds the bucket's gradients until the last is ready (an optimization barrier there
+    kept the backward pass's buffers alive and cost the update 1.7 ms a step)."""
+    return [
+        lax.psum_scatter(v, layout.axes, scatter_dimension=d, tiled=True) for v, d in zip(values, dims, strict=True)
+    ]
 
 
 def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> list:

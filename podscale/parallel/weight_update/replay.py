@@ -1,6 +1,7 @@
 """The replay of a traced per-replica step with values in the sharded update's layouts.
 
-:class:`Rewriter` interprets the step's jaxpr equation by equation: a gradient sum (``psum``) is
+:class:`Rewriter` interprets the step's jaxpr equation by equation: a gradient sum (``psum``, or
+the partitioner's ``psum_scatter`` of a gradient into a chunk along one of its dims) is
 deferred to the fuser (:mod:`~podscale.parallel.weight_update.fusion`), a shape-only op on one is
 moved before it so that all sums stay fusable, an op that meets a shard runs on the shards where
 that is exact (elementwise ops, reshapes, reductions over a whole tensor) and on all-gathered
@@ -141,10 +142,13 @@ class Rewriter:
 
     def _waits(self, eqn, invals) -> bool:
         unresolved = any(isinstance(v, Pending) and v.result is None for v in invals)
-        return unresolved and not self._movable(eqn, invals) and not is_grad_sum(eqn, self.layout.axes)
+        a_sum = is_grad_sum(eqn, self.layout.axes) or _chunk_sum(eqn, self.layout.axes)
+        return unresolved and not self._movable(eqn, invals) and not a_sum
 
     def equation(self, eqn, invals, ctx: tuple = ()) -> list:
         name = eqn.primitive.name
+        if _chunk_sum(eqn, self.layout.axes):
+            return [self.fuser.add_dim(self.resolve(invals[0]), eqn.params["scatter_dimension"])]
         if is_grad_sum(eqn, self.layout.axes):
             # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
             scatter = not any(v in self.forward for v in eqn.outvars)
@@ -312,6 +316,18 @@ def _add(into: dict[int, tuple[int, int]], parts: dict[int, tuple[int, int]]) ->
     for r, (nbytes, tensors) in parts.items():
         have = into.get(r, (0, 0))
         into[r] = (have[0] + nbytes, have[1] + tensors)
+
+
+def _chunk_sum(eqn, axes) -> bool:
+    """A gradient sum into chunks along one of its dims (``psum_scatter``, tiled, over every data
+    axis), as :func:`podscale.parallel.partition.chunked.scatter` writes one outside loops."""
+    p = eqn.params
+    return (
+        eqn.primitive.name == "reduce_scatter"
+        and p.get("tiled")
+        and p.get("axis_index_groups") is None
+        and tuple(p["axis_name"]) == tuple(axes)
+    )
 
 
 def _ordered(eqn) -> bool:
