@@ -447,3 +447,26 @@ def test_the_sharded_update_donates_the_state_but_the_weights_it_gathers():
             assert params["bias"].is_deleted()  # 8 elements: updated whole, in place
             assert all(x.is_deleted() for x in jax.tree.leaves(opt[0].mu))  # chunks, updated in place
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got[True], got[False]))
+
+
+@pytest.mark.parametrize("name", ["adam", "lars"])
+def test_gradient_sums_in_each_gradient_s_own_shape_equal_the_fused_buffers(mlp, monkeypatch, name):
+    """On a TPU the replicated update sums each gradient in its own shape, one collective each that
+    XLA:TPU combines (a fused flat buffer costs it a relayout of every gradient there and back).
+    Forced here on the CPU: the same sums, so the same step as the fused buffers', bit for bit (and
+    as the sharded update's chunks along a dim, where the update sums no norms over chunks), and no
+    gradient is flattened into a buffer."""
+    from podscale.parallel.weight_update import chunks
+
+    tx = ELEMENTWISE.get(name) or NORM_BASED[name]
+    fused, dp_fused, _ = _run(mlp, tx(), "replicated", steps=4)
+    sharded, _, _ = _run(mlp, tx(), "sharded", steps=4)
+    monkeypatch.setattr(chunks, "UNFLATTENED_PLATFORMS", ("cpu",))
+    apart, dp, _ = _run(mlp, tx(), "replicated", steps=4)
+    for other in (fused, sharded) if name == "adam" else (fused,):
+        assert max_abs_diff(apart.params, other.params) <= EXACT
+        assert max_abs_diff(apart.opt_state, other.opt_state) <= EXACT
+    sums = [c for c in dp.trace.collectives if c.why.startswith("gradient sum")]
+    weights = len(jax.tree.leaves(apart.params))
+    assert len(sums) >= weights and {c.tensors for c in sums} == {1}, dp.trace.collectives  # and scalars
+    assert sum(c.why.startswith("gradient sum") for c in dp_fused.trace.collectives) < weights

@@ -309,6 +309,7 @@ def build(
         split=roles.split(mesh),  # as layout.leaves' chunks
         model_split=mesh.shape[model] if model else 1,
         model_axis=model if roles.partitions == (model,) else None,
+        platform=mesh.devices.flat[0].platform,
     )
     abstract_state = layout_shapes(layout)
     model_dims = placement.model_dims or (None,) * len(layout.leaves)  # a rule's, sharded leaves' too

@@ -166,6 +166,11 @@ def unpadded(rows, shape, by: ByPartition | None = None) -> jax.Array:
     return rows.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
+UNFLATTENED_PLATFORMS = ("tpu",)
+"""The platforms on which the replicated update's 1-D gradient sums keep each gradient's shape
+(:attr:`Layout.unflattened`)."""
+
+
 class Layout:
     """The chunking of tensors over the replicas, and how gradients are summed (``grad_sum``).
 
@@ -181,8 +186,14 @@ class Layout:
         split: int = 1,
         model_split: int = 1,
         model_axis: str | None = None,
+        platform: str = "cpu",
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
+        self.unflattened = platform in UNFLATTENED_PLATFORMS and grad_sum.mode == "1d"
+        """Whether the replicated update's gradient sums keep each gradient's own shape (one
+        collective each, sent together, which XLA:TPU's combiner fuses): on a TPU, whose tiled
+        layouts make flattening a tensor into a fused buffer a relayout copy of it, and back
+        another. Elsewhere they are flattened into fused buffers (:mod:`.fusion`)."""
         self.min_shard_size, self.scatter, self.bucket_bytes = min_shard_size, scatter, bucket_bytes
         self.split = split
         """Devices each replica's chunk is split over (the space or model axis): chunk lengths are
