@@ -369,6 +369,38 @@ ENTRY %main (p: f32[8]) -> (s32[], f32[8]) {
 """
 
 
+_TILED_SHARE = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%take (q: f32[4,65536], j: u32[]) -> f32[1,65536] {
+  %q = f32[4,65536]{1,0:T(4,128)} parameter(0)
+  %j = u32[]{:T(256)} parameter(1)
+  %z = u32[]{:T(256)} constant(0)
+  ROOT %row = f32[1,65536]{1,0:T(2,128)} dynamic-slice(%q, %j, %z), dynamic_slice_sizes={1,65536}
+}
+
+ENTRY %main (p: f32[4,65536], i: u32[]) -> f32[1,65536] {
+  %p = f32[4,65536]{1,0:T(4,128)} parameter(0)
+  %i = u32[]{:T(256)} parameter(1)
+  %rows = f32[4,65536]{1,0:T(4,128)} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %mine = f32[1,65536]{1,0:T(2,128)} fusion(%rows, %i), kind=kLoop, calls=%take
+}
+"""
+
+
+def test_a_share_read_through_a_fusion_is_a_reduce_scatter_whatever_its_tiles():
+    """The 2-D sum's first phase as XLA:TPU writes it: an all-reduce over ``x`` of ``[x, w]`` rows
+    and a fusion that keeps one row. The row's tiles hold 2 rows (``T(2,128)``): as the chip stores
+    it, twice its share, but the device keeps a quarter of the sum, a reduce-scatter."""
+    (c,) = hlo.read_text(_TILED_SHARE, platform="tpu").collectives
+    assert (c.kind, c.buffer_bytes) == ("reduce-scatter", 4 * 65536 * 4)
+
+
 def test_a_loop_without_a_recorded_trip_count_is_read_with_its_step():
     module = hlo.read_text(_STRIDED)  # i = 0, 2, ..., 8: five trips (the ROOT is not the last line)
     (exp,) = [o for o in module.ops if o.opcode == "exponential"]
@@ -693,3 +725,23 @@ def test_the_chunks_gradient_sums_are_fused_whatever_the_layer_count_in_xla_tpus
         counts[layers] = sum(c.count for c in sums)
         assert sum(c.buffer_bytes * c.count for c in sums) >= layers * kernel  # every kernel's gradient summed
     assert counts[3] == counts[6] <= 2, counts
+
+
+@needs_libtpu
+def test_the_2d_sum_is_one_collective_per_phase_in_xla_tpus_module():
+    """On a TPU the 2-D sum sends each fused buffer whole (one chunk): XLA:TPU combined the
+    chunks' reduce-scatters and all-reduces back into one per phase anyway and sent their
+    all-gathers one by one (4 chunks: 1, 1 and 4 collectives). Each phase is one collective, and
+    the first, an all-reduce of which each device keeps its row, is read as the reduce-scatter."""
+    devices = tpu.devices("tpu-v3", "v3:4x4")
+    mesh = project_mesh.compile_mesh({"x": 4, "y": 8}, devices)
+    step, state = _lars_step(4)
+    dp = data_parallel(step, mesh, Strategy(grad_sum="2d"), donate_state=False)
+    assert dp.grad_sum.chunks == 1 and "one chunk per phase" in dp.grad_sum.reason
+    batch = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
+    dp.prepare(state, batch)
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+    phases = sorted(
+        (c.kind, c.axes) for c in module.collectives if hlo.GRAD_SUM_SCOPE in c.op_name or "(unnamed)" in c.op_name
+    )
+    assert phases == [("all-gather", ("x",)), ("all-reduce", ("y",)), ("reduce-scatter", ("x",))], module.collectives

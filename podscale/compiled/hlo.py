@@ -540,7 +540,8 @@ def _read_of(comps, types, readers, name: str, full: float, depth: int = 0) -> f
             m = re.search(r"calls=%?([\w.\-]+)", ins[4])
             inner = comps.get(m.group(1), []) if m else []
             params = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
-            read = fusion_reader(comps, types, m.group(1))(params[0][0], 0) if params else full
+            logical = lambda t: type_bytes(t)[0]  # noqa: E731  (a share, not its tiles' padding)
+            read = fusion_reader(comps, types, m.group(1), logical)(params[0][0], 0) if params else full
         else:
             return full
         most = max(most, read)

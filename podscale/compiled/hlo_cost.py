@@ -501,8 +501,9 @@ def _fusion_bytes(comps, types, body_name: str, type_text: str, operand_types: l
     return nbytes
 
 
-def fusion_reader(comps, types, body_name: str):
-    """The ``read`` of :func:`_fusion_bytes` for a nested fusion's body."""
+def fusion_reader(comps, types, body_name: str, measure=memory_bytes):
+    """The ``read`` of :func:`_fusion_bytes` for a nested fusion's body: bytes as ``measure``
+    counts a type's (default: as the chip stores them, tiles and all)."""
     body = comps.get(body_name, [])
     by_name = {ins[0]: ins for ins in body}
     readers: dict[str, list[tuple[tuple, int]]] = defaultdict(list)
@@ -511,11 +512,11 @@ def fusion_reader(comps, types, body_name: str):
             readers[o].append((ins, pos))
 
     def read(name: str, level: int) -> float:
-        full = float(memory_bytes(by_name[name][1]))
+        full = float(measure(by_name[name][1]))
         total = 0.0
         for ins, pos in readers.get(name, []):
             if ins[2] in ("slice", "dynamic-slice") and pos == 0:
-                total += memory_bytes(ins[1])
+                total += measure(ins[1])
             elif ins[2] == "dynamic-update-slice" and pos == 0:
                 continue  # updated in place: its update is counted with the result
             elif ins[2] in _SHAPE:
@@ -524,7 +525,7 @@ def fusion_reader(comps, types, body_name: str):
                 m = re.search(r"calls=%?([\w.\-]+)", ins[4])
                 inner = comps.get(m.group(1) if m else "", [])
                 names = [i for i in inner if i[2] == "parameter" and re.match(rf"{pos}\)", i[5])]
-                total += fusion_reader(comps, types, m.group(1))(names[0][0], level + 1) if names else full
+                total += fusion_reader(comps, types, m.group(1), measure)(names[0][0], level + 1) if names else full
             else:
                 return full
         return min(full, total)

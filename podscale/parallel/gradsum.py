@@ -229,6 +229,10 @@ def make_grad_sum(
     Args:
       mode: ``"1d"`` (one collective over all axes) or ``"2d"`` (needs a mesh with two axes).
       chunks: pipelined chunks per buffer (default :data:`DEFAULT_CHUNKS` for 2-D, 1 for 1-D).
+        On a TPU the 2-D default is 1: XLA:TPU combines the chunks' reduce-scatters and
+        all-reduces back into one collective per phase, runs its collectives synchronously (no
+        phase overlaps another), and sends the chunks' all-gathers one by one, each paying the
+        links' latency: the chunks pipeline nothing there.
       dtype: sum gradients in this dtype, e.g. ``jnp.bfloat16`` (opt-in; default their own).
       axis_costs: ``{axis: AxisCost}`` from a topology, ``"calibrate"`` to measure, or ``None``
         (:class:`podscale.compiled.gradsum_cost.AxisCost`).
@@ -300,6 +304,9 @@ def make_grad_sum(
     order, reason = choose_order(mesh, costs, nbytes, axes)
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
+    if chunks is None and mesh.devices.flat[0].platform == "tpu":
+        chunks = 1
+        reason += "; one chunk per phase (XLA:TPU combines a buffer's chunks back into one collective per phase)"
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
 
 

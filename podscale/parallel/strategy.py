@@ -169,7 +169,9 @@ class Strategy:
         choices=MODES,
     )
     grad_sum_chunks: int | None = _field(
-        None, "pipelined chunks per fused buffer with grad_sum 2d (default 4)", _count(optional=True)
+        None,
+        "pipelined chunks per fused buffer with grad_sum 2d (default 4; 1 on a TPU, whose compiler combines them)",
+        _count(optional=True),
     )
     grad_sum_dtype: Any = _field(
         None, "sum gradients in this dtype (opt-in; default theirs)", _sum_dtype, choices=SUM_DTYPES
