@@ -147,7 +147,8 @@ class Rewriter:
 
     def equation(self, eqn, invals, ctx: tuple = ()) -> list:
         name = eqn.primitive.name
-        if _chunk_sum(eqn, self.layout.axes):
+        if _chunk_sum(eqn, self.layout.axes) and not any(v in self.forward for v in eqn.outvars):
+            # (one the forward pass reads, a table's looked-up rows returned to their examples, is sent as it is)
             return [self.fuser.add_dim(self.resolve(invals[0]), eqn.params["scatter_dimension"])]
         if is_grad_sum(eqn, self.layout.axes):
             # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
@@ -211,6 +212,8 @@ class Rewriter:
         """A shape-only op on a deferred gradient sum (the bias gradient's reshape and unit-axis
         reduce_sum in the backward pass): moving it before the sum keeps all sums fusable."""
         if not invals or not isinstance(invals[0], Pending) or invals[0].result is not None:
+            return False
+        if invals[0].dim is not None:  # a sum into chunks along a dim: the op would move that dim
             return False
         name, p = eqn.primitive.name, eqn.params
         if name == "pad":  # the transpose of a slice: zeros sum to zeros
