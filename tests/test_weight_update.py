@@ -470,3 +470,28 @@ def test_gradient_sums_in_each_gradient_s_own_shape_equal_the_fused_buffers(mlp,
     weights = len(jax.tree.leaves(apart.params))
     assert len(sums) >= weights and {c.tensors for c in sums} == {1}, dp.trace.collectives  # and scalars
     assert sum(c.why.startswith("gradient sum") for c in dp_fused.trace.collectives) < weights
+
+
+def test_the_chunks_gradient_sums_are_deferred_and_sent_together(monkeypatch):
+    """The sharded update's gradient sums into chunks along a dim (the partitioner's
+    ``psum_scatter``) are deferred by the replay like the other gradient sums, each kernel's, and
+    sent together after the backward pass, where XLA can combine them (tests/test_tpu_project.py
+    checks XLA:TPU does); a table's looked-up rows, returned to their examples by a reduce-scatter
+    the forward pass reads, are not (tests/test_tables.py)."""
+    from test_tpu_project import _bn_layers_step
+
+    from podscale.parallel.weight_update import fusion
+
+    deferred = []
+    add_dim = fusion.Fuser.add_dim
+    monkeypatch.setattr(fusion.Fuser, "add_dim", lambda self, v, dim: deferred.append(dim) or add_dim(self, v, dim))
+    step, state = _bn_layers_step(3)
+    dp = data_parallel(step, make_mesh((8,)), weight_update="sharded", donate_state=False)
+    batch = {k: jax.ShapeDtypeStruct((16, 128), jnp.float32) for k in ("x", "y")}
+    dp.prepare(state, batch)
+    text = dp.lower(dp.layout.stored_shapes(), batch).as_text()
+    assert deferred == [1, 1, 1]  # each kernel's gradient, along its output features
+    kinds = [k for line in text.splitlines() for k in ("all_reduce", "reduce_scatter") if f"stablehlo.{k}" in line]
+    first = kinds.index("reduce_scatter")
+    assert kinds[first : first + 3] == ["reduce_scatter"] * 3 and kinds.count("reduce_scatter") == 3  # together
+    assert kinds[:first].count("all_reduce") >= 6  # after the statistics of the forward and backward passes

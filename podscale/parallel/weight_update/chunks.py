@@ -190,7 +190,8 @@ class Layout:
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
         self.unflattened = platform in UNFLATTENED_PLATFORMS and grad_sum.mode == "1d"
-        """Whether the replicated update's gradient sums keep each gradient's own shape (one
+        """Whether the 1-D all-reduces of gradients (the replicated update's, the sharded update's
+        small tensors) keep each gradient's own shape (one
         collective each, sent together, which XLA:TPU's combiner fuses): on a TPU, whose tiled
         layouts make flattening a tensor into a fused buffer a relayout copy of it, and back
         another. Elsewhere they are flattened into fused buffers (:mod:`.fusion`)."""

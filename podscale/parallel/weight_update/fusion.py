@@ -291,7 +291,7 @@ class Fuser:
             # until the next gradient sum arrives, so that the shape-only ops following the last
             # one (a transpose, a reshape) have been moved before its collective.
             key = (kind, p.shard, p.value.dtype, _k(p.by))
-            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype, _k(q.by)) == key]
+            same = [q for q in self.pending if (q.kind, q.shard, q.value.dtype, _k(q.by)) == key and q.dim is None]
             if sum(q.value.size * q.value.dtype.itemsize for q in same) >= self.layout.bucket_bytes:
                 self.flush(same)
         self.pending.append(p)

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core
 
-from podscale.compiled.hlo import UPDATE_SCOPE
+from podscale.compiled.hlo import GRAD_SUM_SCOPE, UPDATE_SCOPE
 from podscale.parallel import interpret
 from podscale.parallel.interpret import CALLS, GRAD_SUM, SHAPE_KEEPING, is_grad_sum
 from podscale.parallel.weight_update.chunks import ByPartition, Chunking, Layout, Sharded, agreed_dim
@@ -147,9 +147,12 @@ class Rewriter:
 
     def equation(self, eqn, invals, ctx: tuple = ()) -> list:
         name = eqn.primitive.name
-        if _chunk_sum(eqn, self.layout.axes) and not any(v in self.forward for v in eqn.outvars):
-            # (one the forward pass reads, a table's looked-up rows returned to their examples, is sent as it is)
-            return [self.fuser.add_dim(self.resolve(invals[0]), eqn.params["scatter_dimension"])]
+        if _chunk_sum(eqn, self.layout.axes):
+            return [
+                self.fuser.add_dim(
+                    self.full(invals[0], "a gradient summed into chunks"), eqn.params["scatter_dimension"]
+                )
+            ]
         if is_grad_sum(eqn, self.layout.axes):
             # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
             scatter = not any(v in self.forward for v in eqn.outvars)
@@ -323,13 +326,16 @@ def _add(into: dict[int, tuple[int, int]], parts: dict[int, tuple[int, int]]) ->
 
 def _chunk_sum(eqn, axes) -> bool:
     """A gradient sum into chunks along one of its dims (``psum_scatter``, tiled, over every data
-    axis), as :func:`podscale.parallel.partition.chunked.scatter` writes one outside loops."""
+    axis), as :func:`podscale.parallel.partition.chunked.scatter` writes one outside loops: in the
+    gradient sum's scope. Another reduce-scatter (a table's looked-up rows returned to the
+    examples that looked them up, which the forward pass reads) is sent where it is."""
     p = eqn.params
     return (
         eqn.primitive.name == "reduce_scatter"
         and p.get("tiled")
         and p.get("axis_index_groups") is None
         and tuple(p["axis_name"]) == tuple(axes)
+        and GRAD_SUM_SCOPE in str(eqn.source_info.name_stack).split("/")
     )
 
 
