@@ -690,6 +690,32 @@ def test_two_slices_are_compiled_as_xla_tpu_s_multislice_module_and_their_dcn_pa
     assert {c["kind"] for c in within} >= {"all-gather", "reduce-scatter"}  # the chunks' own, within a slice
 
 
+@needs_libtpu
+def test_a_shrunk_compile_mesh_spans_the_slices_it_covers_and_so_does_its_half(monkeypatch):
+    """32 v5e chips as 8 slices of 2x2, compiled on at most 16 devices: the sharded update's row is
+    compiled on the first 4 slices, and its second size (the first axis halved, for ``a + b / n``)
+    on the first 2, each by XLA:TPU for those slices at once (not as one oversized slice)."""
+    monkeypatch.setattr(project, "MAX_TPU_COMPILE_DEVICES", 16)
+    lines = []
+    (row,) = project.project(
+        _step,
+        _state(),
+        _batch(2),
+        system="tpu-v5e",
+        chips=[32],
+        slices=8,
+        strategies=["sharded"],
+        progress=lines.append,
+    )
+    compiles = sorted(line.split(": compiling")[0] for line in lines if "compiling with XLA:TPU" in line)
+    assert compiles == [
+        "tpu-v5e sharded, mesh 16 (v5e:2x2 x 4 slices)",
+        "tpu-v5e sharded, mesh 8 (v5e:2x2 x 2 slices)",
+    ], lines
+    assert row.compiler == "XLA:TPU v5e:2x2 x 4 slices" and "8 slices" in row.topology
+    assert any(c["axes"] == [hlo.DCN] for c in row.collectives)  # its sums across slices, over DCN
+
+
 def _bn_layers_step(layers: int):
     """``layers`` blocks of a 128-wide dense layer in bfloat16 and batch norm over the whole batch,
     under LARS (as ResNet-50): the backward pass all-reduces each block's batch statistics between
