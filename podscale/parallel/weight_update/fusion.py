@@ -100,9 +100,7 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> lis
     if layout.scatter and layout.model_axis is not None:
         return _reduce_scatter_flat(layout, values, trace, phases)
     if not layout.scatter and layout.unflattened:
-        total = [layout.grad_sum.all_reduce(v, phases) for v in values]
-        _record(trace, phases, 1, "gradient sum", update=True)
-        return total
+        return _sums_apart(layout.grad_sum, values, trace, "gradient sum", update=True)
     rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
     buffer = _pack(rows)
@@ -163,11 +161,20 @@ def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, updat
     apart = layout.unflattened and grad_sum is None
     grad_sum = grad_sum or layout.grad_sum
     if (len(values) == 1 or apart) and grad_sum.mode == "1d":  # as they are: no flattening
-        out = [grad_sum.all_reduce(v, phases) for v in values]
-        _record(trace, phases, 1, why, update)
-    else:
-        out = _fused_flat(values, lambda buffer: grad_sum.all_reduce(buffer, phases))
-        _record(trace, phases, len(values), why, update)
+        return _sums_apart(grad_sum, values, trace, why, update)
+    out = _fused_flat(values, lambda buffer: grad_sum.all_reduce(buffer, phases))
+    _record(trace, phases, len(values), why, update)
+    return out
+
+
+def _sums_apart(grad_sum, values: list, trace: Trace, why: str, update: bool) -> list:
+    """Each of ``values`` all-reduced (1-D) in its own shape, one after another: recorded as one
+    collective of their bytes, as XLA combines them (:attr:`Layout.unflattened`)."""
+    phases: list[Collective] = []
+    out = [grad_sum.all_reduce(v, phases) for v in values]
+    if phases:  # none with one replica
+        together = dataclasses.replace(phases[0], bytes_per_device=sum(ph.bytes_per_device for ph in phases))
+        _record(trace, [together], len(values), why, update)
     return out
 
 
