@@ -771,3 +771,34 @@ def test_the_2d_sum_is_one_collective_per_phase_in_xla_tpus_module():
         (c.kind, c.axes) for c in module.collectives if hlo.GRAD_SUM_SCOPE in c.op_name or "(unnamed)" in c.op_name
     )
     assert phases == [("all-gather", ("x",)), ("all-reduce", ("y",)), ("reduce-scatter", ("x",))], module.collectives
+
+
+@needs_libtpu
+def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_module():
+    """The replicated update sums each gradient in its own shape on a TPU: no relayout copies of
+    gradients into fused flat buffers and back (issue 45: 27.5 ms of transformer-big's 42.1 ms
+    update at 16 chips). Attention-shaped kernels (heads x head dim) under Adam on ``v3:4x4``: the
+    update scope's copies are under 5% of the bytes it moves."""
+
+    def init():
+        params = {f"w{i}": jnp.zeros((256, 4, 64)) for i in range(3)}
+        return {"params": params, "opt": TX.init(params)}
+
+    def step(state, batch):
+        def loss(params):
+            h = batch["x"]
+            for i in range(3):
+                h = jnp.tanh(jnp.einsum("bd,dhk->bhk", h, params[f"w{i}"]).reshape(h.shape))
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        grads = jax.grad(loss)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
+
+    devices = tpu.devices("tpu-v3", "v3:4x4")
+    mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
+    dp = data_parallel(step, mesh, Strategy(weight_update="replicated"))
+    batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in ("x", "y")}
+    dp.prepare(jax.eval_shape(init), batch)
+    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+    assert module.copy_bytes(["update"]) < 0.05 * module.op_bytes(["update"]), module.to_dict()["copy_bytes"]
