@@ -25,10 +25,9 @@ def plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"weight update: [bold]{plan.weight_update}[/] on {plan.replicas} replicas, mesh {plan.mesh}")
     g = plan.grad_sum
-    how = " then ".join(g["order"]) if g["mode"] == "2d" else ",".join(g["order"])
-    extra = (f", {g['chunks']} chunks" if g["mode"] == "2d" else "") + (
-        f", summed in {g['dtype']}" if g["dtype"] else ""
-    )
+    explicit = g["mode"] == "2d" and g.get("phases") != "xla"
+    how = " then ".join(g["order"]) if explicit else ",".join(g["order"])
+    extra = (f", {g['chunks']} chunks" if explicit else "") + (f", summed in {g['dtype']}" if g["dtype"] else "")
     console.print(f"gradient sum: [bold]{g['mode']}[/] over {how}{extra}: {g['reason']}")
     leaves = Table(title="state layout (per device)")
     leaves.add_column("state leaf", overflow="fold", ratio=3)

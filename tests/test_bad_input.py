@@ -176,6 +176,11 @@ SWEEP_CASES = [
     (lambda t: ["--mesh", "8x1", "--grad-sum", "2d"], "has one device"),
     (lambda t: ["--mesh", "4x2", "--grad-sum", "2d", "--grad-sum-chunks", "100000"], "at most 64"),
     (lambda t: ["--axis-costs", "x=1:1,y=1:1"], "add --grad-sum 2d"),
+    (lambda t: ["--grad-sum-phases", "xla"], "--grad-sum-phases xla says how the 2-D gradient sum is sent"),
+    (
+        lambda t: ["--mesh", "4x2", "--grad-sum", "2d", "--grad-sum-phases", "xla", "--grad-sum-chunks", "2"],
+        "add --grad-sum-phases explicit",
+    ),
     (lambda t: ["--mesh", "4x2", "--grad-sum", "2d", "--axis-costs", "x=nan:1,y=1:1"], "finite"),
     (lambda t: ["--mesh", "3x3"], "for example --mesh 8 or --mesh 4x2"),
     (lambda t: ["--model", "resnet", "--data", "digits", "--bn-group-size", "3"], "--bn-group-size 3 must be"),

@@ -447,7 +447,7 @@ def test_2d_gradient_sum_trains_like_1d_and_the_plan_shows_both_axes(tmp_path):
     common = ["train", "--model", "mlp", "--mesh", "4x2", "--steps", "10", "--json", "--no-progress"]
     one = _summary(_run(*common, "--export", str(tmp_path / "1d.npz")))
     two = _summary(_run(*common, "--grad-sum", "2d", "--grad-sum-chunks", "2", "--export", str(tmp_path / "2d.npz")))
-    assert two["grad_sum"] == {"mode": "2d", "order": ["x", "y"], "chunks": 2, "dtype": None}
+    assert two["grad_sum"] == {"mode": "2d", "order": ["x", "y"], "chunks": 2, "dtype": None, "phases": "explicit"}
     np.testing.assert_allclose(two["final_train_loss"], one["final_train_loss"], rtol=1e-6)
     a, b = _params(tmp_path / "1d.npz"), _params(tmp_path / "2d.npz")
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6

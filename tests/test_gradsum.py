@@ -58,6 +58,25 @@ def test_2d_sum_equals_1d_and_the_single_device_step(setup, weight_update):
     assert _rel(single.params, outs[4].params) <= 1e-6
 
 
+@pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
+def test_the_2d_sum_sent_as_one_collective_is_the_1d_sum_over_both_axes(setup, weight_update):
+    # grad_sum_phases="xla" (a TPU's default): XLA lays the phases over the torus; podscale sends one
+    # collective over both axes, the 1-D sum's, in the 2-D order: the same arithmetic, bit for bit.
+    one_d, _ = _run(setup, weight_update, (4, 2))
+    two_d, dp = _run(setup, weight_update, (4, 2), grad_sum="2d", grad_sum_phases="xla")
+    assert (dp.grad_sum.mode, dp.grad_sum.phases, dp.grad_sum.one_collective) == ("2d", "xla", True)
+    sums = [c for c in dp.trace.collectives if c.why.startswith("gradient sum")]
+    assert sums and all(c.axes == ("x", "y") for c in sums)
+    assert max_abs_diff(one_d, two_d) == 0.0
+    # The axis order chosen by the costs orders the chunks' rows, not the result.
+    costs = {"x": AxisCost(bandwidth=1e9, latency=1e-5), "y": AxisCost(bandwidth=1e11, latency=1e-6)}
+    flipped, dp = _run(setup, weight_update, (4, 2), grad_sum="2d", grad_sum_phases="xla", axis_costs=costs)
+    assert dp.grad_sum.order == ("y", "x")
+    assert _rel(setup[3].params, flipped.params) <= 1e-6
+    plan = dp.plan(setup[1], setup[2][0])
+    assert plan.grad_sum["phases"] == "xla" and "one collective over y and x" in plan.grad_sum["reason"]
+
+
 def test_sharded_update_on_the_2d_mesh_gathers_along_y_then_x(setup):
     _, dp = _run(setup, "sharded", (4, 2), grad_sum="2d")
     gathers = [c.axes for c in dp.trace.collectives if c.kind == "all-gather" and c.why == "updated weights"]
@@ -130,6 +149,12 @@ def test_bad_grad_sum_settings_say_what_to_do():
         make_grad_sum(mesh8, "ring")
     with pytest.raises(ValueError, match="grad_sum_chunks=4 pipelines the 2-D sum"):
         make_grad_sum(mesh8, "1d", chunks=4)
+    with pytest.raises(ValueError, match="grad_sum_phases='xla' says how the 2-D sum's phases are sent"):
+        make_grad_sum(mesh8, "1d", phases="xla")
+    with pytest.raises(ValueError, match="grad_sum_chunks=4 pipelines podscale's own phases.*'explicit'"):
+        make_grad_sum(make_mesh((4, 2)), "2d", chunks=4, phases="xla")
+    with pytest.raises(ValueError, match="grad_sum_phases='ring': choose one of xla, explicit"):
+        make_grad_sum(make_mesh((4, 2)), "2d", phases="ring")
     with pytest.raises(ValueError, match="grad_sum_dtype must be a float type"):
         make_grad_sum(make_mesh((4, 2)), "2d", dtype=jnp.int32)
     with pytest.raises(ValueError, match="axis_costs has no entry for mesh axis 'y'"):

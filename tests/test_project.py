@@ -436,6 +436,14 @@ def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_
     assert project_mesh.strategy_for(base, "sharded").grad_sum_chunks is None
     assert project_mesh.strategy_for(base, "sharded-2d").grad_sum_chunks == 2
     assert project_mesh.strategy_for(base, "replicated").spatial == 2
+    # On paper 1's machine (--multi-axis ring) the 2-D sum sends podscale's phases; on a torus, the
+    # platform's default (XLA:TPU's collective over both dimensions), unless the base says how.
+    assert project_mesh.strategy_for(Strategy(), "sharded-2d", "ring").grad_sum_phases == "explicit"
+    assert project_mesh.strategy_for(Strategy(), "sharded-2d").grad_sum_phases is None
+    assert project_mesh.strategy_for(Strategy(), "sharded", "ring").grad_sum_phases is None
+    xla = Strategy(grad_sum="2d", grad_sum_phases="xla")
+    assert project_mesh.strategy_for(xla, "replicated-2d", "ring").grad_sum_phases == "xla"
+    assert project_mesh.strategy_for(xla, "replicated").grad_sum_phases is None
 
 
 def test_project_refuses_bad_replica_batches_before_compiling():
@@ -517,6 +525,7 @@ def _main(capsys, *args):
         (("--weight-update", "replicated"), "--weight-update replicated: podscale project sets the weight update"),
         (("--grad-sum", "2d"), "--grad-sum 2d: podscale project sets"),
         (("--grad-sum-chunks", "2", "--strategies", "replicated,sharded"), "--grad-sum-chunks applies to the 2-D"),
+        (("--grad-sum-phases", "xla", "--strategies", "sharded"), "--grad-sum-phases applies to the 2-D"),
         (("--min-shard-size", "64", "--strategies", "replicated"), "--min-shard-size applies to the sharded"),
         (("--axis-costs", "calibrate", "--strategies", "sharded-2d"), "--axis-costs calibrate measures this machine"),
         # strategies that apply nowhere (finding 1): still an error when asked for

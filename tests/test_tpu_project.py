@@ -759,18 +759,45 @@ def test_the_2d_sum_is_one_collective_per_phase_in_xla_tpus_module():
     chunks' reduce-scatters and all-reduces back into one per phase anyway and sent their
     all-gathers one by one (4 chunks: 1, 1 and 4 collectives). Each phase is one collective, and
     the first, an all-reduce of which each device keeps its row, is read as the reduce-scatter."""
-    devices = tpu.devices("tpu-v3", "v3:4x4")
-    mesh = project_mesh.compile_mesh({"x": 4, "y": 8}, devices)
-    step, state = _lars_step(4)
-    dp = data_parallel(step, mesh, Strategy(grad_sum="2d"), donate_state=False)
-    assert dp.grad_sum.chunks == 1 and "one chunk per phase" in dp.grad_sum.reason
-    batch = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
-    dp.prepare(state, batch)
-    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+    mesh, module = _lars_2d_on_v3_4x4(Strategy(grad_sum="2d", grad_sum_phases="explicit"))
     phases = sorted(
         (c.kind, c.axes) for c in module.collectives if hlo.GRAD_SUM_SCOPE in c.op_name or "(unnamed)" in c.op_name
     )
     assert phases == [("all-gather", ("x",)), ("all-reduce", ("y",)), ("reduce-scatter", ("x",))], module.collectives
+
+
+def _lars_2d_on_v3_4x4(strategy):
+    """XLA:TPU's module of a 4-layer LARS step on a ``4 x 8`` mesh of ``v3:4x4``'s 32 cores."""
+    devices = tpu.devices("tpu-v3", "v3:4x4")
+    mesh = project_mesh.compile_mesh({"x": 4, "y": 8}, devices)
+    step, state = _lars_step(4)
+    dp = data_parallel(step, mesh, strategy, donate_state=False)
+    if strategy.grad_sum == "2d" and strategy.grad_sum_phases == "explicit":
+        assert dp.grad_sum.chunks == 1 and "one chunk per phase" in dp.grad_sum.reason
+    batch = {k: jax.ShapeDtypeStruct((64, 128), jnp.float32) for k in ("x", "y")}
+    dp.prepare(state, batch)
+    return mesh, hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+
+
+@needs_libtpu
+def test_on_a_tpu_the_2d_sum_is_xla_tpus_collective_over_the_torus_and_the_1d_sum_s_module():
+    """Issue 45: XLA:TPU runs a collective over two torus dimensions over both dimensions' links
+    at once, the 2-D scheme's own decomposition without its synchronous phases and flat buffers.
+    On a TPU the 2-D sum is therefore sent as one collective over both axes by default, and its
+    module's collectives are the 1-D sum's: the 2-D strategies cannot lose to the 1-D ones."""
+
+    def sums(module):
+        return sorted((c.kind, c.axes, c.buffer_bytes, c.count) for c in module.collectives)
+
+    for update in ("replicated", "sharded"):
+        _, two_d = _lars_2d_on_v3_4x4(Strategy(weight_update=update, grad_sum="2d", min_shard_size=1024))
+        _, one_d = _lars_2d_on_v3_4x4(Strategy(weight_update=update, grad_sum="1d", min_shard_size=1024))
+        assert sums(two_d) == sums(one_d), update
+        assert all(c.axes == ("x", "y") for c in two_d.collectives), (update, two_d.collectives)
+        kinds = {c.kind for c in two_d.collectives}
+        assert {"all-reduce", "reduce-scatter", "all-gather"} & kinds >= (
+            {"all-reduce"} if update == "replicated" else {"reduce-scatter", "all-gather"}
+        ), (update, kinds)
 
 
 @needs_libtpu

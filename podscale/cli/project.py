@@ -151,7 +151,9 @@ def run_project(args) -> int:
     effective = names or list(project_mesh.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
 
-    if args.axis_costs is not None:  # the 2-D strategies' knob: each strategy sets grad_sum itself
+    if (
+        args.axis_costs is not None or args.grad_sum_phases is not None
+    ):  # the 2-D strategies' knobs: each strategy sets grad_sum itself
         args.grad_sum = "2d"
     strategy = with_model_rules(from_flags(args), args.model)
     unknown = [s for s in effective if s not in project_mesh.STRATEGIES]
@@ -161,6 +163,7 @@ def run_project(args) -> int:
     sharded = [s for s in effective if project_mesh.STRATEGIES[s]["weight_update"] in ("sharded", "fsdp")]
     for dest, needed, kind in (
         ("grad_sum_chunks", two_d, "2-D (replicated-2d, sharded-2d)"),
+        ("grad_sum_phases", two_d, "2-D (replicated-2d, sharded-2d)"),
         ("axis_costs", two_d, "2-D (replicated-2d, sharded-2d)"),
         ("min_shard_size", sharded, "sharded or fsdp (sharded, sharded-2d, fsdp, fsdp-2d, data-x-fsdp)"),
     ):
@@ -262,7 +265,11 @@ def run_project(args) -> int:
                 if s not in applies:  # applies at none of this group's chip counts: its row says why
                     topology = Topology(system, c, args.multi_axis, args.slices)
                     row = project_rows.not_applicable_row(
-                        topology, s, project_mesh.strategy_for(strategy, s), replica_batches[c], reasons[c, s]
+                        topology,
+                        s,
+                        project_mesh.strategy_for(strategy, s, args.multi_axis),
+                        replica_batches[c],
+                        reasons[c, s],
                     )
                     rows.append(dataclasses.replace(row, bn_group_size=group))
     order = {(c, s): i for i, (c, s) in enumerate((c, s) for c in chips for s in effective)}

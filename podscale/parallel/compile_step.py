@@ -155,7 +155,7 @@ def place(
         model_dims=model_dims,
         tables=found,
         fsdp=strategy.fsdp,
-        dims=grad_sum.mode == "1d",
+        dims=grad_sum.one_collective,
         partition_dims=state_layout.partition_dims(gt.closed.jaxpr, model_dims)
         if model_dims and gt is not None
         else None,

@@ -83,7 +83,14 @@ class DataParallelStep:
             )
         axes = self.roles.data
         self.grad_sum = make_grad_sum(
-            mesh, st.grad_sum, st.grad_sum_chunks, st.grad_sum_dtype, st.axis_costs, nbytes=st.bucket_bytes, axes=axes
+            mesh,
+            st.grad_sum,
+            st.grad_sum_chunks,
+            st.grad_sum_dtype,
+            st.axis_costs,
+            nbytes=st.bucket_bytes,
+            axes=axes,
+            phases=st.grad_sum_phases,
         )
         # Caches, by signature; none of them changes what a call computes.
         self._placement: Placement | None = None

@@ -16,6 +16,13 @@ The axis order's cost model (:class:`AxisCost`, :func:`choose_order`, :func:`par
 :mod:`podscale.compiled.gradsum_cost`; :func:`calibrate`, which measures the figures by running
 collectives on the mesh, stays here.
 
+On a TPU the 2-D sum is sent, by default, as one collective over both axes (``phases="xla"``):
+XLA:TPU runs a collective whose group spans several torus dimensions dimension by dimension, every
+dimension's links working at once (the scaling-book's multi-axis collectives), which is the 2-D
+scheme without its three synchronous phases, its fused flat buffers and their relayouts.
+``phases="explicit"`` sends podscale's own three phases (the default elsewhere: XLA:CPU and XLA:GPU
+run a collective over several axes as one ring or tree through all of them).
+
 Row convention: a buffer of ``n`` rows has its rows ordered by ``lax.axis_index(order)``, i.e.
 row ``i_first * |second| + i_second``; the sharded update's chunk layout uses the same order.
 """
@@ -46,6 +53,12 @@ from podscale.parallel.collectives import Collective
 from podscale.parallel.mesh import BN_GROUP
 
 MODES = ("1d", "2d")
+PHASES = ("xla", "explicit")
+"""How the 2-D sum's phases are sent: ``"xla"``, one collective over both axes whose phases over
+the torus XLA lays out; ``"explicit"``, podscale's reduce-scatter, all-reduce and all-gather."""
+PHASES_BY_XLA_PLATFORMS = ("tpu",)
+"""The platforms whose compiler runs a collective over two mesh axes as the 2-D sum would (over
+each torus dimension's links at once): the 2-D sum's phases default to ``"xla"`` there."""
 DEFAULT_CHUNKS = 4
 MAX_CHUNKS = 64
 """At most this many pipelined chunks per fused buffer: each chunk is a collective of its own that
@@ -71,10 +84,19 @@ class GradSum:
     dtype: Any = None
     """Gradients are summed in this dtype (``None``: their own); results come back in theirs."""
     reason: str = ""
+    phases: str = "explicit"
+    """With ``mode="2d"``: ``"xla"`` sends each sum as one collective over both axes
+    (:data:`PHASES`); ``"explicit"`` as podscale's phases."""
 
     @property
     def n(self) -> int:
         return math.prod(self.sizes[a] for a in self.order)
+
+    @property
+    def one_collective(self) -> bool:
+        """Whether each sum is one collective over every axis of ``order``: the 1-D sum, and the
+        2-D sum whose phases XLA lays out over the torus (``phases="xla"``)."""
+        return self.mode == "1d" or self.phases == "xla"
 
     # -- the three collectives, on values typed as differing per replica -------------------
     def all_reduce(self, x, phases: list[Collective]) -> jax.Array:
@@ -83,7 +105,7 @@ class GradSum:
             return x
         shape, dtype = x.shape, x.dtype
         x = self._to_sum_dtype(x)
-        if self.mode == "1d":
+        if self.one_collective:
             phases.append(Collective("all-reduce", self.order, _nbytes(x), chunks=1))
             return self._broken(lax.psum(x, self.order)).astype(dtype).reshape(shape)
         if x.size == 0:
@@ -113,7 +135,7 @@ class GradSum:
             return rows[0]
         dtype = rows.dtype
         rows = self._to_sum_dtype(rows)
-        if self.mode == "1d":
+        if self.one_collective:
             phases.append(Collective("reduce-scatter", self.order, _nbytes(rows), chunks=1))
             return self._broken(lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0]).astype(dtype)
         if rows.shape[1] == 0:
@@ -139,7 +161,7 @@ class GradSum:
         summation dtype: these are weights)."""
         if self.n == 1:
             return shard[None]
-        if self.mode == "1d":
+        if self.one_collective:
             phases.append(Collective("all-gather", self.order, _nbytes(shard), chunks=1))
             return all_gather_invariant(shard, self.order, axis=0, tiled=False)
         if shard.shape[0] == 0:
@@ -223,6 +245,7 @@ def make_grad_sum(
     axis_costs: Mapping[str, AxisCost] | str | None = None,
     nbytes: float = 2**24,
     axes: tuple[str, ...] | None = None,
+    phases: str | None = None,
 ) -> GradSum:
     """Checks the knobs against the mesh and picks the 2-D axis order.
 
@@ -239,6 +262,10 @@ def make_grad_sum(
       nbytes: the buffer size the order is chosen for (the fusion bucket size).
       axes: the data axes the sum runs over (default every mesh axis; a spatial strategy's space
         axis is not one).
+      phases: how the 2-D sum is sent (:data:`PHASES`): ``"xla"``, one collective over both axes,
+        which XLA:TPU runs over each torus dimension's links at once, the 2-D scheme's own
+        decomposition; ``"explicit"``, podscale's phases, in ``chunks``. Default ``"xla"`` on a
+        TPU unless ``chunks`` is given, ``"explicit"`` elsewhere.
     """
     data_only = axes is not None and tuple(axes) != tuple(mesh.axis_names)
     axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
@@ -256,9 +283,16 @@ def make_grad_sum(
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"grad_sum_dtype must be a float type such as bfloat16, got {dtype.name}")
+    if phases is not None and phases not in PHASES:
+        raise ValueError(f"grad_sum_phases={phases!r}: choose one of {', '.join(PHASES)}")
     if mode == "1d":
         if chunks not in (None, 1):
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
+        if phases is not None:
+            raise ValueError(
+                f"grad_sum_phases={phases!r} says how the 2-D sum's phases are sent, and grad_sum is '1d' (one "
+                "collective already): add grad_sum='2d', or leave grad_sum_phases out"
+            )
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     if data_only and len(axes) != 2:
         raise ValueError(
@@ -304,7 +338,25 @@ def make_grad_sum(
     order, reason = choose_order(mesh, costs, nbytes, axes)
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
-    if chunks is None and mesh.devices.flat[0].platform == "tpu":
+    if phases == "xla" and chunks not in (None, 1):
+        raise ValueError(
+            f"grad_sum_chunks={chunks} pipelines podscale's own phases, and grad_sum_phases='xla' sends each sum as "
+            "one collective: add grad_sum_phases='explicit', or leave grad_sum_chunks out"
+        )
+    platform = mesh.devices.flat[0].platform
+    if phases is None:
+        phases = "xla" if platform in PHASES_BY_XLA_PLATFORMS and chunks is None else "explicit"
+    if phases == "xla":
+        reason += (
+            f"; sent as one collective over {' and '.join(order)}, which XLA:TPU runs over each torus dimension's "
+            "links at once: the 2-D sum's own decomposition, without its three synchronous phases and flat buffers "
+            "(grad_sum_phases='explicit' sends podscale's phases)"
+            if platform in PHASES_BY_XLA_PLATFORMS
+            else f"; sent as one collective over {' and '.join(order)} (grad_sum_phases='xla'): its phases are "
+            f"XLA:{platform.upper()}'s"
+        )
+        return GradSum("2d", order, sizes, 1, dtype, reason, "xla")
+    if chunks is None and platform == "tpu":
         chunks = 1
         reason += "; one chunk per phase (XLA:TPU combines a buffer's chunks back into one collective per phase)"
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)

@@ -159,6 +159,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "mode": grad_sum.mode,
             "order": list(grad_sum.order),
             "chunks": grad_sum.chunks,
+            "phases": grad_sum.phases if grad_sum.mode == "2d" else None,
             "dtype": None if grad_sum.dtype is None else str(grad_sum.dtype),
             "reason": grad_sum.reason,
         },

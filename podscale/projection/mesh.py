@@ -35,13 +35,17 @@ STRATEGIES = {
 }
 
 
-def strategy_for(base: Strategy, name: str) -> Strategy:
+def strategy_for(base: Strategy, name: str, multi_axis: str = "torus") -> Strategy:
     """``base`` (spatial or tensor partitioning, the other fields) with the weight update and the
     gradient sum of ``STRATEGIES[name]``; the 2-D sum's own knobs (``grad_sum_chunks``,
-    ``axis_costs``) apply to the 2-D strategies only."""
+    ``grad_sum_phases``, ``axis_costs``) apply to the 2-D strategies only. With
+    ``multi_axis="ring"`` (a collective over several torus dimensions runs as one ring through
+    them: paper 1's machine) the 2-D sum sends podscale's own phases unless ``base`` says how."""
     fields = {"fsdp_axes": None, **STRATEGIES[name]}
     if fields["grad_sum"] != "2d":
-        fields.update(grad_sum_chunks=None, axis_costs=None)
+        fields.update(grad_sum_chunks=None, grad_sum_phases=None, axis_costs=None)
+    elif multi_axis == "ring" and base.grad_sum_phases is None:
+        fields.update(grad_sum_phases="explicit")
     return dataclasses.replace(base, **fields)
 
 

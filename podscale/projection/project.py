@@ -150,7 +150,9 @@ def project(
     if isinstance(strategies, dict):
         resolved = dict(strategies)
     else:
-        resolved = {s: strategy_for(base, s) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)}
+        resolved = {
+            s: strategy_for(base, s, multi_axis) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)
+        }
     for name, strategy in {"base": base, **resolved}.items():
         named = [
             f"{f}={getattr(strategy, f)!r}" for f in ("space_axis", "model_axis", "data_axes") if getattr(strategy, f)

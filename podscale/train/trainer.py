@@ -303,6 +303,7 @@ def _finish(
             "mode": dp.grad_sum.mode,
             "order": list(dp.grad_sum.order),
             "chunks": dp.grad_sum.chunks,
+            "phases": dp.grad_sum.phases if dp.grad_sum.mode == "2d" else None,
             "dtype": config.strategy.grad_sum_dtype,
         },
         model=config.model,

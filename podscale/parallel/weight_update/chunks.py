@@ -189,7 +189,7 @@ class Layout:
         platform: str = "cpu",
     ):
         self.grad_sum, self.axes, self.n = grad_sum, grad_sum.order, grad_sum.n
-        self.unflattened = platform in UNFLATTENED_PLATFORMS and grad_sum.mode == "1d"
+        self.unflattened = platform in UNFLATTENED_PLATFORMS and grad_sum.one_collective
         """Whether the 1-D all-reduces of gradients (the replicated update's, the sharded update's
         small tensors) keep each gradient's own shape (one
         collective each, sent together, which XLA:TPU's combiner fuses): on a TPU, whose tiled

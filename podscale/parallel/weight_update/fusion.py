@@ -160,7 +160,7 @@ def _fuse_all_reduce(layout: Layout, values: list, trace: Trace, why: str, updat
     phases: list[Collective] = []
     apart = layout.unflattened and grad_sum is None
     grad_sum = grad_sum or layout.grad_sum
-    if (len(values) == 1 or apart) and grad_sum.mode == "1d":  # as they are: no flattening
+    if (len(values) == 1 or apart) and grad_sum.one_collective:  # as they are: no flattening
         return _sums_apart(grad_sum, values, trace, why, update)
     out = _fused_flat(values, lambda buffer: grad_sum.all_reduce(buffer, phases))
     _record(trace, phases, len(values), why, update)
