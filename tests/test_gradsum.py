@@ -77,6 +77,24 @@ def test_the_2d_sum_sent_as_one_collective_is_the_1d_sum_over_both_axes(setup, w
     assert plan.grad_sum["phases"] == "xla" and "one collective over y and x" in plan.grad_sum["reason"]
 
 
+def test_small_sums_go_along_each_axis_in_turn_with_the_explicit_phases_and_as_one_collective_otherwise():
+    """Batch statistics and per-layer norms (GradSum.by_axis): with podscale's explicit 2-D phases,
+    an all-reduce along each axis (two short rings, where one collective over both axes would be
+    one ring through the pod on paper 1's machine); where the 2-D sum is one collective, one."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh((4, 2))
+    x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+    for phases, want in (("explicit", [("x",), ("y",)]), ("xla", [("x", "y")])):
+        small = make_grad_sum(mesh, "2d", phases=phases).by_axis()
+        records = []
+        total = jax.shard_map(
+            lambda v, s=small, r=records: s.all_reduce(v, r), mesh=mesh, in_specs=P(("x", "y")), out_specs=P()
+        )(x)
+        np.testing.assert_array_equal(total, x.sum(0, keepdims=True))
+        assert [(c.kind, c.axes, c.chunks) for c in records] == [("all-reduce", a, 1) for a in want], phases
+
+
 def test_sharded_update_on_the_2d_mesh_gathers_along_y_then_x(setup):
     _, dp = _run(setup, "sharded", (4, 2), grad_sum="2d")
     gathers = [c.axes for c in dp.trace.collectives if c.kind == "all-gather" and c.why == "updated weights"]

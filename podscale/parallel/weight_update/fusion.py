@@ -350,12 +350,10 @@ class Fuser:
             elif kind == "grad":  # read whole where it is computed: the model's own collective, not the gradients'
                 # A value differing per replica is computed from it: a batch statistic of the forward
                 # pass, or (a chunk's update reads it) a per-layer norm's partials.
-                # One collective over every data axis, with the 2-D sum too: these are small and
-                # latency-bound, so its phases and pipelined chunks would only multiply the latency
-                # (ResNet-50 on XLA:TPU: 98 batch statistics, 404 all-gathers of their chunks).
+                # Small and latency-bound: no 2-D phases or chunks (GradSum.by_axis).
                 why = "a sum read whole (batch statistics, per-layer norms of chunks)"
-                one = dataclasses.replace(self.layout.grad_sum, mode="1d", chunks=1)
-                results = _fuse_all_reduce(self.layout, values, self.trace, why, update=False, grad_sum=one)
+                small = self.layout.grad_sum.by_axis()
+                results = _fuse_all_reduce(self.layout, values, self.trace, why, update=False, grad_sum=small)
             else:
                 with jax.named_scope(UPDATE_SCOPE):
                     results = _fuse_partials(self.layout, values, kind, self.trace)
