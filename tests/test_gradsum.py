@@ -68,13 +68,13 @@ def test_the_2d_sum_sent_as_one_collective_is_the_1d_sum_over_both_axes(setup, w
     sums = [c for c in dp.trace.collectives if c.why.startswith("gradient sum")]
     assert sums and all(c.axes == ("x", "y") for c in sums)
     assert max_abs_diff(one_d, two_d) == 0.0
-    # The axis order chosen by the costs orders the chunks' rows, not the result.
-    costs = {"x": AxisCost(bandwidth=1e9, latency=1e-5), "y": AxisCost(bandwidth=1e11, latency=1e-6)}
-    flipped, dp = _run(setup, weight_update, (4, 2), grad_sum="2d", grad_sum_phases="xla", axis_costs=costs)
-    assert dp.grad_sum.order == ("y", "x")
-    assert _rel(setup[3].params, flipped.params) <= 1e-6
+    assert dp.grad_sum.order == ("x", "y")  # mesh order, as the 1-D sum's
     plan = dp.plan(setup[1], setup[2][0])
-    assert plan.grad_sum["phases"] == "xla" and "one collective over y and x" in plan.grad_sum["reason"]
+    assert plan.grad_sum["phases"] == "xla" and "one collective over x and y" in plan.grad_sum["reason"]
+    # The knobs of podscale's own phases ask for them where the platform's default is one collective.
+    costs = {"x": AxisCost(bandwidth=1e9, latency=1e-5), "y": AxisCost(bandwidth=1e11, latency=1e-6)}
+    with pytest.raises(ValueError, match="axis_costs choose which axis podscale's own phases"):
+        _run(setup, weight_update, (4, 2), grad_sum="2d", grad_sum_phases="xla", axis_costs=costs)
 
 
 def test_small_sums_go_along_each_axis_in_turn_with_the_explicit_phases_and_as_one_collective_otherwise():
@@ -93,6 +93,25 @@ def test_small_sums_go_along_each_axis_in_turn_with_the_explicit_phases_and_as_o
         )(x)
         np.testing.assert_array_equal(total, x.sum(0, keepdims=True))
         assert [(c.kind, c.axes, c.chunks) for c in records] == [("all-reduce", a, 1) for a in want], phases
+
+
+def test_lars_norms_of_chunks_go_along_each_axis_with_the_explicit_phases():
+    """The sharded update's per-layer norm partials (LARS) are small sums too: along each axis in
+    turn with the explicit 2-D phases, one collective over both axes with XLA's; both as one device."""
+    task = make_task("mlp", "synthetic")
+    tx = optax.lars(0.1)
+    state = task.init_state(jax.random.key(0), tx)
+    batches = [task.train_data.get(np.arange(i * 32, (i + 1) * 32)) for i in range(2)]
+    step = make_train_step(task, tx)
+    single = run_single(step, state, batches)[0]
+    for phases, want in (("explicit", {("x",), ("y",)}), ("xla", {("x", "y")})):
+        dp = data_parallel(
+            step, make_mesh((4, 2)), weight_update="sharded", min_shard_size=256, grad_sum="2d", grad_sum_phases=phases
+        )
+        out = run_parallel(dp, state, batches)[0]
+        norms = {c.axes for c in dp.trace.collectives if "norms" in c.why}
+        assert norms == want, (phases, dp.trace.collectives)
+        assert _rel(single.params, out.params) <= 1e-6
 
 
 def test_sharded_update_on_the_2d_mesh_gathers_along_y_then_x(setup):
@@ -171,6 +190,8 @@ def test_bad_grad_sum_settings_say_what_to_do():
         make_grad_sum(mesh8, "1d", phases="xla")
     with pytest.raises(ValueError, match="grad_sum_chunks=4 pipelines podscale's own phases.*'explicit'"):
         make_grad_sum(make_mesh((4, 2)), "2d", chunks=4, phases="xla")
+    with pytest.raises(ValueError, match="axis_costs choose which axis podscale's own phases"):
+        make_grad_sum(make_mesh((4, 2)), "2d", axis_costs="calibrate", phases="xla")  # refused before measuring
     with pytest.raises(ValueError, match="grad_sum_phases='ring': choose one of xla, explicit"):
         make_grad_sum(make_mesh((4, 2)), "2d", phases="ring")
     with pytest.raises(ValueError, match="grad_sum_dtype must be a float type"):

@@ -436,14 +436,18 @@ def test_applicability_refuses_what_cannot_be_projected_and_notes_what_does_not_
     assert project_mesh.strategy_for(base, "sharded").grad_sum_chunks is None
     assert project_mesh.strategy_for(base, "sharded-2d").grad_sum_chunks == 2
     assert project_mesh.strategy_for(base, "replicated").spatial == 2
-    # On paper 1's machine (--multi-axis ring) the 2-D sum sends podscale's phases; on a torus, the
-    # platform's default (XLA:TPU's collective over both dimensions), unless the base says how.
-    assert project_mesh.strategy_for(Strategy(), "sharded-2d", "ring").grad_sum_phases == "explicit"
-    assert project_mesh.strategy_for(Strategy(), "sharded-2d").grad_sum_phases is None
-    assert project_mesh.strategy_for(Strategy(), "sharded", "ring").grad_sum_phases is None
+    # A TPU system's 2-D sum is sent as a TPU sends it (XLA:TPU's collective over both torus
+    # dimensions), whichever compiler compiles the row; on paper 1's machine (--multi-axis ring),
+    # and where the base gives the knobs of podscale's own phases, as podscale's phases; on other
+    # systems, the compiling platform's default; the base's own choice wins.
+    assert project_mesh.strategy_for(Strategy(), "sharded-2d", "torus", "tpu").grad_sum_phases == "xla"
+    assert project_mesh.strategy_for(Strategy(), "sharded-2d", "ring", "tpu").grad_sum_phases == "explicit"
+    assert project_mesh.strategy_for(base, "sharded-2d", "torus", "tpu").grad_sum_phases == "explicit"  # chunks
+    assert project_mesh.strategy_for(Strategy(), "sharded-2d", "torus", "gpu").grad_sum_phases is None
+    assert project_mesh.strategy_for(Strategy(), "sharded", "ring", "tpu").grad_sum_phases is None
     xla = Strategy(grad_sum="2d", grad_sum_phases="xla")
-    assert project_mesh.strategy_for(xla, "replicated-2d", "ring").grad_sum_phases == "xla"
-    assert project_mesh.strategy_for(xla, "replicated").grad_sum_phases is None
+    assert project_mesh.strategy_for(xla, "replicated-2d", "ring", "tpu").grad_sum_phases == "xla"
+    assert project_mesh.strategy_for(xla, "replicated", "torus", "tpu").grad_sum_phases is None
 
 
 def test_project_refuses_bad_replica_batches_before_compiling():

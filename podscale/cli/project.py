@@ -267,7 +267,7 @@ def run_project(args) -> int:
                     row = project_rows.not_applicable_row(
                         topology,
                         s,
-                        project_mesh.strategy_for(strategy, s, args.multi_axis),
+                        project_mesh.strategy_for(strategy, s, args.multi_axis, system.kind),
                         replica_batches[c],
                         reasons[c, s],
                     )

@@ -81,17 +81,7 @@ class DataParallelStep:
                 f"the model axis {self.roles.model!r} needs sharding rules: pass rules=Rules(...) or a "
                 f"built-in's name ({', '.join(tensor.RULES)})"
             )
-        axes = self.roles.data
-        self.grad_sum = make_grad_sum(
-            mesh,
-            st.grad_sum,
-            st.grad_sum_chunks,
-            st.grad_sum_dtype,
-            st.axis_costs,
-            nbytes=st.bucket_bytes,
-            axes=axes,
-            phases=st.grad_sum_phases,
-        )
+        self.grad_sum = make_grad_sum(mesh, axes=self.roles.data, **st.grad_sum_options)
         # Caches, by signature; none of them changes what a call computes.
         self._placement: Placement | None = None
         """The placement: made once, by the first :meth:`prepare` (or placed state), never changed."""

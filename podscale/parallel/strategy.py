@@ -176,7 +176,8 @@ class Strategy:
     grad_sum_phases: str | None = _field(
         None,
         "how grad_sum 2d is sent: xla (one collective over both axes, which XLA:TPU runs over each torus "
-        "dimension's links at once) or explicit (podscale's phases, in chunks); default xla on a TPU, explicit elsewhere",
+        "dimension's links at once) or explicit (podscale's phases, in chunks); default xla on a TPU unless "
+        "grad_sum_chunks or axis_costs is given, explicit elsewhere",
         lambda name, value: None if value is None else checks.one_of(name, value, PHASES),
         choices=PHASES,
     )
@@ -268,6 +269,12 @@ class Strategy:
                 "grad_sum_phases='xla' sends each sum as one collective: add grad_sum_phases='explicit', or leave "
                 "grad_sum_chunks out"
             )
+        if self.grad_sum_phases == "xla" and self.axis_costs is not None:
+            raise ValueError(
+                "axis_costs choose which axis podscale's own phases of the 2-D sum go along first, and "
+                "grad_sum_phases='xla' sends each sum as one collective over both: add grad_sum_phases='explicit', "
+                "or leave axis_costs out"
+            )
         if self.axis_costs is not None and self.grad_sum != "2d":
             raise ValueError(
                 "axis_costs choose which axis the 2-D gradient sum goes along first, and grad_sum is "
@@ -283,6 +290,18 @@ class Strategy:
         if self.data_axes is not None and len(set(self.data_axes)) != len(self.data_axes):
             twice = sorted({a for a in self.data_axes if self.data_axes.count(a) > 1})
             raise ValueError(f"data_axes={self.data_axes}: {', '.join(map(repr, twice))} named twice; name each once")
+
+    @property
+    def grad_sum_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~podscale.parallel.gradsum.make_grad_sum` these fields give."""
+        return {
+            "mode": self.grad_sum,
+            "chunks": self.grad_sum_chunks,
+            "dtype": self.grad_sum_dtype,
+            "axis_costs": self.axis_costs,
+            "nbytes": self.bucket_bytes,
+            "phases": self.grad_sum_phases,
+        }
 
     @property
     def sharded(self) -> bool:

@@ -35,17 +35,25 @@ STRATEGIES = {
 }
 
 
-def strategy_for(base: Strategy, name: str, multi_axis: str = "torus") -> Strategy:
+def strategy_for(base: Strategy, name: str, multi_axis: str = "torus", kind: str | None = None) -> Strategy:
     """``base`` (spatial or tensor partitioning, the other fields) with the weight update and the
     gradient sum of ``STRATEGIES[name]``; the 2-D sum's own knobs (``grad_sum_chunks``,
-    ``grad_sum_phases``, ``axis_costs``) apply to the 2-D strategies only. With
-    ``multi_axis="ring"`` (a collective over several torus dimensions runs as one ring through
-    them: paper 1's machine) the 2-D sum sends podscale's own phases unless ``base`` says how."""
+    ``grad_sum_phases``, ``axis_costs``) apply to the 2-D strategies only.
+
+    How the 2-D sum is sent, unless ``base`` says: for a TPU system (``kind="tpu"``) as a TPU
+    sends it, whichever compiler compiles the row (one collective over both axes; podscale's own
+    phases where ``base`` gives their knobs, chunks or axis costs); with ``multi_axis="ring"`` (a
+    collective over several torus dimensions runs as one ring through them: paper 1's machine)
+    podscale's own phases; otherwise as the compiling platform's default."""
     fields = {"fsdp_axes": None, **STRATEGIES[name]}
     if fields["grad_sum"] != "2d":
         fields.update(grad_sum_chunks=None, grad_sum_phases=None, axis_costs=None)
-    elif multi_axis == "ring" and base.grad_sum_phases is None:
-        fields.update(grad_sum_phases="explicit")
+    elif base.grad_sum_phases is None:
+        knobs = base.grad_sum_chunks is not None or base.axis_costs is not None
+        if multi_axis == "ring" or (kind == "tpu" and knobs):
+            fields.update(grad_sum_phases="explicit")
+        elif kind == "tpu":
+            fields.update(grad_sum_phases="xla")
     return dataclasses.replace(base, **fields)
 
 

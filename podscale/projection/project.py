@@ -151,7 +151,8 @@ def project(
         resolved = dict(strategies)
     else:
         resolved = {
-            s: strategy_for(base, s, multi_axis) for s in (DEFAULT_STRATEGIES if strategies is None else strategies)
+            s: strategy_for(base, s, multi_axis, system.kind)
+            for s in (DEFAULT_STRATEGIES if strategies is None else strategies)
         }
     for name, strategy in {"base": base, **resolved}.items():
         named = [

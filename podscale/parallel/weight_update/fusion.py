@@ -378,9 +378,15 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
         return list(values)
     why = f"reduce_{kind} of whole sharded tensors (norms)"
 
+    # Small and latency-bound, as GradSum.by_axis: one collective, or along each axis in turn with
+    # podscale's explicit 2-D phases.
+    groups = [layout.axes] if layout.grad_sum.one_collective else [(a,) for a in layout.axes]
+
     def collective(buffer):
         nbytes = buffer.size * buffer.dtype.itemsize
-        trace.collectives.append(Collective("all-reduce", layout.axes, nbytes, len(values), why, update=True))
-        return reduce(buffer, layout.axes)
+        for axes in groups:
+            trace.collectives.append(Collective("all-reduce", axes, nbytes, len(values), why, update=True))
+            buffer = reduce(buffer, axes)
+        return buffer
 
     return _fused_flat(values, collective)
