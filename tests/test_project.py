@@ -226,7 +226,10 @@ def test_projection_for_eight_devices_uses_the_compiled_modules_collectives(stra
         Topology(systems.get("tpu-v5e"), 8), Strategy(**project_mesh.STRATEGIES[strategy])
     )
     assert row.mesh == row.compiled_mesh == target
-    dp = data_parallel(step, project_mesh.compile_mesh(target), Strategy(**project_mesh.STRATEGIES[strategy]))
+    # the row's own strategy: a TPU system's 2-D sum as a TPU sends it, one collective over both axes
+    dp = data_parallel(
+        step, project_mesh.compile_mesh(target), project_mesh.strategy_for(Strategy(), strategy, kind="tpu")
+    )
     global_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4 * 8, *x.shape[1:]), x.dtype), batch)
     plan = dp.plan(state, global_batch, compile=True)
     compiled = {(c["kind"], tuple(c["axes"])): (c["runs"], c["buffer_bytes"]) for c in plan.compiled["collectives"]}
