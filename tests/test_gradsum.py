@@ -186,7 +186,7 @@ def test_bad_grad_sum_settings_say_what_to_do():
         make_grad_sum(mesh8, "ring")
     with pytest.raises(ValueError, match="grad_sum_chunks=4 pipelines the 2-D sum"):
         make_grad_sum(mesh8, "1d", chunks=4)
-    with pytest.raises(ValueError, match="grad_sum_phases='xla' says how the 2-D sum's phases are sent"):
+    with pytest.raises(ValueError, match="grad_sum_phases='xla' says how the 2-D gradient sum is sent"):
         make_grad_sum(mesh8, "1d", phases="xla")
     with pytest.raises(ValueError, match="grad_sum_chunks=4 pipelines podscale's own phases.*'explicit'"):
         make_grad_sum(make_mesh((4, 2)), "2d", chunks=4, phases="xla")

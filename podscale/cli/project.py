@@ -151,9 +151,8 @@ def run_project(args) -> int:
     effective = names or list(project_mesh.DEFAULT_STRATEGIES)
     from podscale.parallel.tensor import with_model_rules
 
-    if (
-        args.axis_costs is not None or args.grad_sum_phases is not None
-    ):  # the 2-D strategies' knobs: each strategy sets grad_sum itself
+    # the 2-D strategies' knobs: each strategy sets grad_sum itself
+    if args.axis_costs is not None or args.grad_sum_phases is not None:
         args.grad_sum = "2d"
     strategy = with_model_rules(from_flags(args), args.model)
     unknown = [s for s in effective if s not in project_mesh.STRATEGIES]

@@ -105,6 +105,12 @@ class GradSum:
         return dataclasses.replace(self, phases="axes", chunks=1)
 
     @property
+    def small_sum_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The axes of each all-reduce of a small sum read whole (:meth:`by_axis`): every axis at
+        once where the sum is one collective, else each axis in turn."""
+        return (self.order,) if self.one_collective else tuple((a,) for a in self.order)
+
+    @property
     def one_collective(self) -> bool:
         """Whether each sum is one collective over every axis of ``order``: the 1-D sum, and the
         2-D sum whose phases XLA lays out over the torus (``phases="xla"``)."""
@@ -123,9 +129,9 @@ class GradSum:
         if x.size == 0:
             return x.astype(dtype)
         if self.phases == "axes":  # not a gradient sum: the test hook leaves it alone
-            for axis in self.order:
-                x = lax.psum(x, axis)
-                phases.append(Collective("all-reduce", (axis,), _nbytes(x), chunks=1))
+            for axes in self.small_sum_groups:
+                x = lax.psum(x, axes)
+                phases.append(Collective("all-reduce", axes, _nbytes(x), chunks=1))
             return x.astype(dtype).reshape(shape)
         first, second = self.order
         nx = self.sizes[first]
@@ -301,16 +307,10 @@ def make_grad_sum(
         dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"grad_sum_dtype must be a float type such as bfloat16, got {dtype.name}")
-    if phases is not None and phases not in PHASES:
-        raise ValueError(f"grad_sum_phases={phases!r}: choose one of {', '.join(PHASES)}")
+    check_phases(phases, mode, chunks, axis_costs)
     if mode == "1d":
         if chunks not in (None, 1):
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
-        if phases is not None:
-            raise ValueError(
-                f"grad_sum_phases={phases!r} says how the 2-D sum's phases are sent, and grad_sum is '1d' (one "
-                "collective already): add grad_sum='2d', or leave grad_sum_phases out"
-            )
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     if data_only and len(axes) != 2:
         raise ValueError(
@@ -350,16 +350,6 @@ def make_grad_sum(
                 else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
             )
         )
-    if phases == "xla" and chunks not in (None, 1):
-        raise ValueError(
-            f"grad_sum_chunks={chunks} pipelines podscale's own phases, and grad_sum_phases='xla' sends each sum as "
-            "one collective: add grad_sum_phases='explicit', or leave grad_sum_chunks out"
-        )
-    if phases == "xla" and axis_costs is not None:
-        raise ValueError(
-            "axis_costs choose which axis podscale's own phases go along first, and grad_sum_phases='xla' sends each "
-            "sum as one collective over both: add grad_sum_phases='explicit', or leave axis_costs out"
-        )
     platform = mesh.devices.flat[0].platform
     if phases is None:  # the knobs of podscale's own phases ask for them
         explicit = chunks is not None or axis_costs is not None
@@ -384,6 +374,31 @@ def make_grad_sum(
         chunks = 1
         reason += "; one chunk per phase (XLA:TPU combines a buffer's chunks back into one collective per phase)"
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
+
+
+def check_phases(phases: str | None, mode: str, chunks: int | None, axis_costs: Any) -> None:
+    """Refuses a ``grad_sum_phases`` that the other settings of the sum would contradict or ignore
+    (for :class:`~podscale.parallel.strategy.Strategy` and :func:`make_grad_sum`, before any work)."""
+    if phases is None:
+        return
+    if phases not in PHASES:
+        raise ValueError(f"grad_sum_phases={phases!r}: choose one of {', '.join(PHASES)}")
+    if mode != "2d":
+        raise ValueError(
+            f"grad_sum_phases={phases!r} says how the 2-D gradient sum is sent, and grad_sum is {mode!r}: it would "
+            "be ignored; add grad_sum='2d', or leave grad_sum_phases out"
+        )
+    if phases == "xla" and chunks not in (None, 1):
+        raise ValueError(
+            f"grad_sum_chunks={chunks} pipelines podscale's own phases of the 2-D sum, and grad_sum_phases='xla' "
+            "sends each sum as one collective: add grad_sum_phases='explicit', or leave grad_sum_chunks out"
+        )
+    if phases == "xla" and axis_costs is not None:
+        raise ValueError(
+            "axis_costs choose which axis podscale's own phases of the 2-D sum go along first, and "
+            "grad_sum_phases='xla' sends each sum as one collective over both: add grad_sum_phases='explicit', or "
+            "leave axis_costs out"
+        )
 
 
 def _three_axis_example(n: int, k: int) -> str:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from podscale.compiled.gradsum_cost import AxisCost, parse_axis_costs
 from podscale.parallel import checks
-from podscale.parallel.gradsum import MODES, PHASES
+from podscale.parallel.gradsum import MODES, PHASES, check_phases
 from podscale.parallel.mesh import BN_GROUP, mesh_advice
 from podscale.parallel.tensor import RULES, Rules
 from podscale.parallel.weight_update import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_SHARD_SIZE
@@ -258,23 +258,7 @@ class Strategy:
             )
         if self.spatial == 1 and self.space_axis is None:
             object.__setattr__(self, "spatial", None)  # one partition per image: plain data parallelism
-        if self.grad_sum_phases is not None and self.grad_sum != "2d":
-            raise ValueError(
-                f"grad_sum_phases={self.grad_sum_phases!r} says how the 2-D gradient sum is sent, and grad_sum is "
-                f"{self.grad_sum!r}: it would be ignored; add grad_sum='2d', or leave grad_sum_phases out"
-            )
-        if self.grad_sum_phases == "xla" and self.grad_sum_chunks not in (None, 1):
-            raise ValueError(
-                f"grad_sum_chunks={self.grad_sum_chunks} pipelines podscale's own phases of the 2-D sum, and "
-                "grad_sum_phases='xla' sends each sum as one collective: add grad_sum_phases='explicit', or leave "
-                "grad_sum_chunks out"
-            )
-        if self.grad_sum_phases == "xla" and self.axis_costs is not None:
-            raise ValueError(
-                "axis_costs choose which axis podscale's own phases of the 2-D sum go along first, and "
-                "grad_sum_phases='xla' sends each sum as one collective over both: add grad_sum_phases='explicit', "
-                "or leave axis_costs out"
-            )
+        check_phases(self.grad_sum_phases, self.grad_sum, self.grad_sum_chunks, self.axis_costs)
         if self.axis_costs is not None and self.grad_sum != "2d":
             raise ValueError(
                 "axis_costs choose which axis the 2-D gradient sum goes along first, and grad_sum is "

@@ -378,13 +378,9 @@ def _fuse_partials(layout: Layout, values: list, kind: str, trace: Trace) -> lis
         return list(values)
     why = f"reduce_{kind} of whole sharded tensors (norms)"
 
-    # Small and latency-bound, as GradSum.by_axis: one collective, or along each axis in turn with
-    # podscale's explicit 2-D phases.
-    groups = [layout.axes] if layout.grad_sum.one_collective else [(a,) for a in layout.axes]
-
-    def collective(buffer):
+    def collective(buffer):  # small and latency-bound: as GradSum.by_axis sends a small sum
         nbytes = buffer.size * buffer.dtype.itemsize
-        for axes in groups:
+        for axes in layout.grad_sum.small_sum_groups:
             trace.collectives.append(Collective("all-reduce", axes, nbytes, len(values), why, update=True))
             buffer = reduce(buffer, axes)
         return buffer
