@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from podscale.compiled import hlo_cost, systems
+from podscale.compiled import hlo, hlo_cost, systems
 from podscale.projection import cost
 
 
@@ -87,3 +87,34 @@ def test_the_range_brackets_the_nominal_step():
     # the roofline of old is the structure with its assumed figures at peak and no fixed costs
     peak = dataclasses.replace(v5e, hbm_efficiency=1.0, half_bandwidth_bytes=0.0, kernel_overhead=0.0, vector_rate=0.0)
     assert cost.op_time(peak, ops[0]) == pytest.approx(4e6 / v5e.hbm_bandwidth)
+
+
+def test_an_op_of_the_tpu_scalar_unit_is_cycles_not_a_kernel():
+    """XLA:TPU keeps the replica index and random keys in the core's scalar memory (``S(6)``): the
+    scalar unit computes them in a few cycles, where a kernel start (1 us) each made a 2-D mesh's
+    replica index (x * ny + y, per dropout layer) cost transformer-big 87 us a step (issue 45)."""
+    text = """HloModule m, num_partitions=2
+
+ENTRY %main (x: f32[1024,128]) -> f32[1024,128] {
+  %x = f32[1024,128]{1,0:T(8,128)} parameter(0)
+  %id = u32[]{:T(256)S(6)} partition-id(), metadata={op_name="jit(step)/Dropout_0/axis_index"}
+  %two = u32[]{:T(256)S(6)} constant(2)
+  %i = u32[]{:T(256)S(6)} multiply(%id, %two), metadata={op_name="jit(step)/Dropout_0/mul"}
+  %key = u32[1]{0:T(256)S(6)} bitcast(%i)
+  %k = u32[1]{0:T(256)S(6)} add(%key, %key), metadata={op_name="jit(step)/Dropout_0/add"}
+  ROOT %y = f32[1024,128]{1,0:T(8,128)} add(%x, %x), metadata={op_name="jit(step)/dense/add"}
+}
+"""
+    v3 = systems.get("tpu-v3")
+    ops = {op.name: op for op in hlo.read_text(text, {"data": 2}, platform="tpu").ops}
+    assert ops["i"].scalar and ops["k"].scalar and not ops["y"].scalar
+    cycle = 1 / v3.clock  # ~1.06 ns at 0.94 GHz
+    assert cost.op_time(v3, ops["i"]) == pytest.approx(cycle)
+    assert cost.op_terms(v3, ops["k"]) == {"mxu": 0.0, "vector": pytest.approx(cycle), "memory": 0.0, "fixed": 0.0}
+    assert cost.op_time(v3, ops["y"]) > v3.kernel_overhead  # a vector kernel: its start and its bytes
+    assert cost.op_time(v3.at("slow"), ops["i"]) == pytest.approx(20 * cycle)
+    # XLA:CPU's module has no scalar memory: the same text read as XLA:CPU's charges kernels
+    cpu = {op.name: op for op in hlo.read_text(text, {"data": 2}).ops}
+    assert not cpu["i"].scalar and cost.op_time(v3, cpu["i"]) > v3.kernel_overhead
+    # a GPU has no scalar unit figure: its scalar ops stay kernels
+    assert cost.op_time(systems.get("h100"), ops["i"]) >= systems.get("h100").kernel_overhead

@@ -248,6 +248,26 @@ def test_a_function_that_is_not_a_sum_over_blocks_is_refused_naming_the_region(f
     np.testing.assert_allclose(ok, jnp.sum(x * jnp.arange(8)[None, :, None], 1))
 
 
+def test_shapes_only_skips_the_contract_check_and_the_next_trace_that_computes_checks_it():
+    """Counting a model's parameters (``jax.eval_shape`` of its init) reads shapes only: no check's
+    program is compiled there (a full Mask R-CNN's took seconds), and the function is not taken as
+    checked, so its first use that computes still refuses it."""
+    from podscale.parallel.regions import shapes_only
+
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 8, 3)))
+
+    def bad(b, s):  # the region's own function (the check is kept per function)
+        return jnp.max(b[0], 1)
+
+    def call(x):
+        return sum_over_blocks(bad, [x], dim=1, name="counted")
+
+    with shapes_only():
+        assert jax.eval_shape(call, x).shape == (2, 3)
+    with pytest.raises(ValueError, match="region 'counted' is not a sum over blocks"):
+        jax.jit(lambda x: call(x))(x)  # a new trace (jax.jit(call) would reuse eval_shape's)
+
+
 def test_the_evaluation_runs_the_region_by_hand_on_the_steps_placement():
     """``distributed_eval`` on a 2x4 spatial step: the eval program is not replayed by the
     partitioner, so the region runs by hand as it is traced; the metrics equal one device's, and

@@ -235,6 +235,8 @@ def layer_of(op_name: str) -> str:
 _ALLOCATES = re.compile(r'custom_call_target="AllocateBuffer"')
 """XLA:TPU's buffer allocation: it moves no data (its result is written by the ops after it)."""
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_SCALAR_MEMORY = re.compile(r"^\w+\[1?\]\{[^}]*S\(6\)\}$")
+"""A result in XLA:TPU's scalar memory (memory space 6: only scalars and one-element arrays)."""
 
 
 def unnamed_phases(comps: dict[str, list[tuple]]):
@@ -471,6 +473,8 @@ def read_text(
             conv, channels = op_conv_flops(*args)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
             shapes = {"matmuls": op_matmuls(*args), "transcendentals": op_transcendentals(*args)}
+            if platform == "tpu" and _SCALAR_MEMORY.search(type_text):
+                shapes["scalar"] = True
             cycles = _CYCLES.search(attrs)
             if cycles:
                 shapes["estimated_cycles"] = float(cycles.group(1))

@@ -191,6 +191,10 @@ class Op:
     estimated_cycles: float = 0.0
     """XLA:TPU's own estimate of one run's cycles (its ``backend_config``'s ``estimated_cycles``);
     0 where the module gives none (XLA:CPU, XLA:GPU)."""
+    scalar: bool = False
+    """XLA:TPU put its result in the core's scalar memory (``S(6)`` in its layout: the scalars and
+    one-element arrays of control flow, replica indices and random keys): it runs on the scalar
+    unit, no kernel of the vector or matrix units."""
 
 
 def _elements(type_text: str) -> int:

@@ -118,6 +118,10 @@ class System:
     of ``b`` bytes streams at ``hbm_efficiency * hbm_bandwidth * b / (b + half_bandwidth_bytes)``."""
     kernel_overhead: float = 0.0
     """Seconds of fixed cost per fused kernel: its launch and pipeline fill (assumed)."""
+    scalar_op_cycles: float = 0.0
+    """TPU: clock cycles of an op of the core's scalar unit (a result XLA:TPU keeps in the scalar
+    memory: loop counters, replica indices, random keys), in place of a kernel's start and
+    bytes; 0: such ops are charged as kernels."""
     clock: float = 0.0
     """Hz of the chip's cores (TPU: from the bf16 peak, see [SB-TPU-C]); 0: not used."""
     cited: tuple[tuple[str, str], ...] = ()
@@ -149,6 +153,7 @@ class System:
             raise ValueError(f"end {end!r}: choose fast or slow")
         slower_when_larger = {
             "kernel_overhead",
+            "scalar_op_cycles",
             "half_bandwidth_bytes",
             "hop_latency",
             "network_latency",
@@ -232,7 +237,9 @@ _SLICES = {
 def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_source: str, alu_source: str) -> dict:
     """The per-op figures of a TPU chip (see [SB-TPU-C]): the clock from the bf16 peak, the VPU's
     ``(8, 128)`` lanes times ``alus`` per lane per core, the transcendental unit assumed at one
-    result per lane per cycle (1/8 to 2), and the assumed HBM efficiency and fixed costs."""
+    result per lane per cycle (1/8 to 2), the assumed HBM efficiency and fixed costs, and an op of
+    the scalar unit assumed at 1 to 20 cycles (its VLIW bundles issue scalar ops every cycle, as
+    Norrie et al., IEEE Micro 2021, describe TPU v2/v3's core)."""
     clock = peak / (cores * mxus * side * side * 2)
     lanes = cores * 8 * 128 * clock
     return dict(
@@ -243,6 +250,7 @@ def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_sour
         hbm_efficiency=0.85,
         half_bandwidth_bytes=128 * 2**10,
         kernel_overhead=1e-6,
+        scalar_op_cycles=1.0,
         cited=(
             ("matmul_tile", f"{mxu_source}: LHS tiles of 8 rows, a {side}x{side} systolic array"),
             ("vector_rate", f"{alu_source}: {cores} core(s) x 8x128 lanes x {alus} ALUs x {clock / 1e9:.3g} GHz"),
@@ -253,6 +261,7 @@ def _tpu_chip(cores: int, mxus: int, side: int, alus: int, peak: float, mxu_sour
             ("hbm_efficiency", 0.7, 0.95),
             ("half_bandwidth_bytes", 32 * 2**10, 512 * 2**10),
             ("kernel_overhead", 0.3e-6, 3e-6),
+            ("scalar_op_cycles", 1.0, 20.0),
             ("hop_latency", 0.5e-6, 2e-6),
         ),
     )
@@ -470,6 +479,7 @@ _PER_OP = (
     "hbm_efficiency",
     "half_bandwidth_bytes",
     "kernel_overhead",
+    "scalar_op_cycles",
     "hop_latency",
     "network_latency",
     "dcn_bandwidth",
@@ -487,6 +497,8 @@ def figures(system: System) -> list[tuple[str, str, str]]:
         if field == "network_latency" and system.kind != "gpu":
             continue
         if field.startswith("dcn_") and not system.dcn_bandwidth:
+            continue
+        if field == "scalar_op_cycles" and not system.scalar_op_cycles:
             continue
         value = getattr(system, field)
         if field in assumed:

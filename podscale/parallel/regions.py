@@ -146,6 +146,22 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
 _CHECKED: set = set()
 CHECK_MEMORY = 4 * 2**30
 """The most host memory the contract check of a region may take (its arguments at full shape)."""
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within it, regions are traced for their shapes alone (``jax.eval_shape`` of a model's init,
+    to count or label its parameters): nothing ``fn`` computes is used, so its contract is not
+    checked there (a full config's check compiles ``fn`` on the whole feature maps, seconds). The
+    first trace of the region whose result is used checks it (JAX reuses a trace of the same jitted
+    function for the same shapes: trace what computes in a function of its own, as
+    :meth:`~podscale.workloads.base.Workload.param_count` does)."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 def _last_rows(v, dim: int, rng) -> tuple[np.ndarray, int]:
@@ -173,6 +189,8 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
     (integers zero) inside the check's program. The check is one compiled program, run outside the
     step: the arguments may be a full config's feature maps (Mask R-CNN's RoIAlign), too large for
     a host copy or an op-by-op run."""
+    if _SHAPES_ONLY.get():
+        return
     dtypes = tuple(str(jnp.result_type(v)) for v in (*x_leaves, *arg_leaves))
     ranks = tuple(len(s) for s in (*region.x_shapes, *region.arg_shapes))
     # The contract is the function's: checked once per function, dimension, types and ranks (a

@@ -85,9 +85,12 @@ def op_terms(system: System, op: hlo_cost.Op) -> dict[str, float]:
     * ``fixed``: the kernel's start (``kernel_overhead``).
 
     The converts XLA:CPU adds around bf16 products (``op.upcast``) cost nothing: accelerators have
-    none."""
+    none. An op of a TPU core's scalar unit (``op.scalar``) is no kernel: it costs
+    ``scalar_op_cycles`` of the core's clock, counted as vector work."""
     if op.upcast:
         return dict.fromkeys(TERMS, 0.0)
+    if op.scalar and system.scalar_op_cycles and system.clock:
+        return {**dict.fromkeys(TERMS, 0.0), "vector": system.scalar_op_cycles / system.clock}
     mxu = 0.0
     if op.matmul_flops:
         mxu = padded_matmul_flops(op, system.matmul_tile) / system.device_peak(op.matmul_dtype)

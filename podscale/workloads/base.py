@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import optax
 
+from podscale.parallel import regions
 from podscale.workloads.precision import Policy
 
 Batch = dict[str, Any]
@@ -157,7 +158,8 @@ def _count(workload: Workload, config, policy: Policy) -> int:
     model = workload.make_model(config, policy, None)
     shapes = workload.batch_shapes(config, 1)
     batch = {k: jax.ShapeDtypeStruct((1, *v.shape[1:]), v.dtype) for k, v in shapes.items()}
-    variables = jax.eval_shape(lambda b: workload.init(model, jax.random.key(0), b), batch)
+    with regions.shapes_only():  # only the parameters' shapes are read
+        variables = jax.eval_shape(lambda b: workload.init(model, jax.random.key(0), b), batch)
     return sum(int(x.size) for x in jax.tree.leaves(variables["params"]))
 
 
