@@ -318,7 +318,7 @@ def test_fused_and_lone_gradient_chunks_match_the_stored_state_chunks(chunks, sp
             chunk = np.pad(x.reshape(-1), (0, leaf.stored.padding)).reshape(chunks, -1)[r]
             assert got.shard.shape == (leaf.stored.length,), (x.size, r)
             np.testing.assert_array_equal(np.asarray(got.shard), chunk)
-            assert np.asarray(layout._padded_rows(jnp.asarray(x))).shape == (chunks, leaf.stored.length)
+            assert np.asarray(layout.rows_padded(jnp.asarray(x))).shape == (chunks, leaf.stored.length)
 
 
 def _conv_step(tx):

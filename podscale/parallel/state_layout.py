@@ -152,7 +152,7 @@ class StateLayout:
                 return P(self.axes)
         return P()
 
-    def _sharding(self, leaf: LeafLayout) -> NamedSharding:
+    def sharding(self, leaf: LeafLayout) -> NamedSharding:
         spec: list = [None] * len(leaf.shape)
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
@@ -175,7 +175,7 @@ class StateLayout:
         size and its first dimension, the chunk is the device's block of rows and making the saved
         form moves nothing between devices. A leaf chunked along a dimension is read as stored."""
         if leaf.chunked:
-            return self._sharding(leaf)
+            return self.sharding(leaf)
         spec: list = [None] * len(leaf.shape)
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
@@ -192,7 +192,7 @@ class StateLayout:
     def shardings(self):
         """The stored leaves' shardings on the mesh (``specs`` name the data axes only, as the
         ``shard_map`` manual over them sees its inputs)."""
-        return jax.tree.unflatten(self.treedef, [self._sharding(leaf) for leaf in self.leaves])
+        return jax.tree.unflatten(self.treedef, [self.sharding(leaf) for leaf in self.leaves])
 
     def stored_shapes(self):
         """The stored leaves as ``ShapeDtypeStruct``, with their shardings: lowering the step for
@@ -200,7 +200,7 @@ class StateLayout:
 
         def one(leaf):
             return jax.ShapeDtypeStruct(
-                self.stored_shape(leaf), leaf.dtype, weak_type=leaf.weak_type, sharding=self._sharding(leaf)
+                self.stored_shape(leaf), leaf.dtype, weak_type=leaf.weak_type, sharding=self.sharding(leaf)
             )
 
         return jax.tree.unflatten(self.treedef, [one(leaf) for leaf in self.leaves])
@@ -304,7 +304,7 @@ class StateLayout:
         self.check(state)
         out = []
         for x, leaf in zip(jax.tree.leaves(state), self.leaves, strict=True):
-            out.append(_put(x, self._sharding(leaf), leaf, self))  # chunk i on device i of the order
+            out.append(_put(x, self.sharding(leaf), leaf, self))  # chunk i on device i of the order
         return jax.tree.unflatten(self.treedef, out)
 
     def fetch(self, stored):

@@ -77,7 +77,7 @@ class CheckpointForm:
     def _read_sharding(self, leaf, entry: dict) -> NamedSharding:
         mesh, saved = self.layout.mesh, tuple(entry["saved"])
         if self._as_stored(leaf, entry):
-            return self.layout._sharding(leaf)  # as this placement stores it: nothing to convert
+            return self.layout.sharding(leaf)  # as this placement stores it: nothing to convert
         if saved != tuple(leaf.shape):  # a flat chunked leaf of another placement: spread it over the axes
             axes = list(self.layout.axes) + [a for a in mesh.axis_names if a not in self.layout.axes]
             for k in range(len(axes), 0, -1):

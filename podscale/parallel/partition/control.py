@@ -329,7 +329,7 @@ def _while(p: Partitioner, eqn, ins):
         @_scoped(p, eqn)
         def cond(c):
             ((pred, lay),) = p.run(cj.jaxpr, cj.consts, [*cconsts, *zip(c, carry_layouts)])
-            return p._whole(pred, lay)
+            return p.to_whole(pred, lay)
 
         @_scoped(p, eqn)
         def body(c):

@@ -307,7 +307,9 @@ class Partitioner:
         row = self.index() * local + lax.broadcasted_iota(jnp.int32, x.shape, layout.dim)
         return jnp.where(row < rows, x, jnp.asarray(fill, x.dtype))
 
-    def _whole(self, x, layout: Layout):
+    def to_whole(self, x, layout: Layout):
+        """``x`` of ``layout`` made whole on every replica by the collective it needs (a partial
+        sum all-reduced, a split gathered, groups averaged), not memoised as :meth:`convert` is."""
         if layout is REPLICATED:
             return x
         self.communications += not self.one
@@ -349,11 +351,11 @@ class Partitioner:
         if dst is GROUP:
             return x if src is REPLICATED else self.whole(x, src)
         if src is GROUP and dst is REPLICATED:
-            return self._whole(x, src)
+            return self.to_whole(x, src)
         if src is GROUP:
             src = REPLICATED  # a group's whole value: sliced or masked like a replicated one
         if dst is REPLICATED:
-            return self._whole(x, src)
+            return self.to_whole(x, src)
         if src is not REPLICATED:
             x = self.whole(x, src)
         if dst is PARTIAL and id(x) in self._group_values:

@@ -160,7 +160,7 @@ class Sharded:
 
 def unpadded(rows, shape, by: ByPartition | None = None) -> jax.Array:
     """The tensor of ``shape`` back from its padded rows ``[n, chunk]`` (the inverse of
-    :meth:`Layout._padded_rows`): flattened, the padding cut off, reshaped."""
+    :meth:`Layout.rows_padded`): flattened, the padding cut off, reshaped."""
     if by is not None:
         return from_rows(rows, by).reshape(shape)
     return rows.reshape(-1)[: math.prod(shape)].reshape(shape)
@@ -256,7 +256,8 @@ class Layout:
     def shards(self, shape, dtype) -> bool:
         return math.prod(shape) >= self.min_shard_size and jnp.issubdtype(dtype, jnp.inexact)
 
-    def _padded_rows(self, x, by: ByPartition | None = None) -> jax.Array:
+    def rows_padded(self, x, by: ByPartition | None = None) -> jax.Array:
+        """``x`` as ``[replicas, chunk]`` rows, padded to whole chunks (``by``: per model partition)."""
         if by is not None:
             return to_rows(x, self.n, by)
         flat = jnp.ravel(x)
@@ -276,7 +277,7 @@ class Layout:
                 [1],
             )
             return Sharded(piece, shape, by)
-        rows = self._padded_rows(x)
+        rows = self.rows_padded(x)
         index = self.index()
         return Sharded(lax.dynamic_index_in_dim(rows, index, 0, keepdims=False), shape, by)
 

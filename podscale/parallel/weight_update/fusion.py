@@ -101,7 +101,7 @@ def _reduce_scatter(layout: Layout, values: list, trace: Trace, by: list) -> lis
         return _reduce_scatter_flat(layout, values, trace, phases)
     if not layout.scatter and layout.unflattened:
         return _sums_apart(layout.grad_sum, values, trace, "gradient sum", update=True)
-    rows = [layout._padded_rows(v, b) for v, b in zip(values, by, strict=True)]
+    rows = [layout.rows_padded(v, b) for v, b in zip(values, by, strict=True)]
     widths = [r.shape[1] for r in rows]
     buffer = _pack(rows)
     if not layout.scatter:
@@ -126,7 +126,7 @@ def _reduce_scatter_flat(layout: Layout, values: list, trace: Trace, phases: lis
     k = layout.model_split
 
     def scatter(*full):
-        rows = [layout._padded_rows(v) for v in full]
+        rows = [layout.rows_padded(v) for v in full]
         m = lax.axis_index(layout.model_axis)
         cols = [lax.dynamic_slice_in_dim(r, m * (r.shape[1] // k), r.shape[1] // k, axis=1) for r in rows]
         local = layout.grad_sum.reduce_scatter(_pack(cols), phases)
