@@ -99,7 +99,7 @@ class Rewriter:
                     blocked.append(eqn)
                     blocked_vars.update(eqn.outvars)
                     continue
-                if self._in_update(invals):
+                if self._in_update(invals) and not any(v in self.forward for v in eqn.outvars):
                     with jax.named_scope(UPDATE_SCOPE), interpret.source(eqn):
                         outs = self.equation(eqn, invals, ctx)
                     self._update.update((id(o), o) for o in outs)
@@ -131,7 +131,9 @@ class Rewriter:
 
     def _in_update(self, invals) -> bool:
         """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
-        the forward pass reads, such as a batch statistic, is not the update's)."""
+        the forward pass reads, such as a batch statistic, is not the update's; nor is an equation
+        whose result the per-replica computation reads, as FSDP's statistics summed into chunks
+        and gathered again: :meth:`evaluate`)."""
         for v in invals:
             if isinstance(v, Pending):
                 if v.kind != "grad" or v.scatter:
