@@ -239,7 +239,6 @@ def partitioner(
             role: (axis, mesh.shape[axis]) for role, axis in (("space", space), ("model", model)) if axis is not None
         },
         table_leaves={i: leaf.stored.rows for i, leaf in enumerate(leaves) if leaf.table},
-        weight_leaves=tuple(i for i, leaf in enumerate(leaves) if leaf.weight),
         fsdp=fsdp,
         min_chunk=min_chunk,
         chunk_partials=chunk_partials,

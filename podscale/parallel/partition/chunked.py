@@ -97,20 +97,9 @@ def settle(p: Partitioner, eqn, ins, i: int):
         others = [lay for _, lay in ins if lay not in (REPLICATED, PARTIAL) and not isinstance(lay, Chunked)]
         if len(dims) == 1 and not others:
             target = Chunked(dims.pop())
-        elif not dims and not others and _into_chunks(p, eqn.outvars[0]):
+        elif not dims and not others and (p.fsdp or p.only_updated(eqn.outvars[0])):
             target = chunk_of(p, shape) or REPLICATED
     return p.convert(value, layout, target), target
-
-
-def _into_chunks(p: Partitioner, var) -> bool:
-    """Whether a partial sum read elementwise into ``var`` (with no split operand) is summed into
-    chunks: where nothing but the update reads its family (``g * g``); with FSDP also where it is
-    kin to a weight or that is not known, so that no gradient is held whole. A batch statistic
-    (kin to no weight, read whole by the passes) is summed whole: one all-reduce, not a
-    reduce-scatter and the gathers of each use."""
-    if p.only_updated(var):
-        return True
-    return p.fsdp and p.kin_to_a_weight(var) is not False
 
 
 def equation(p: Partitioner, eqn, ins):

@@ -83,8 +83,6 @@ class Partitioner:
         """The ids of the call, remat, loop and branch equations whose jaxpr is running: how
         :func:`~podscale.parallel.interpret.kin` names a variable inside them."""
         self._table_kin = None
-        self.weight_leaves = tuple(setup.weight_leaves)
-        self._weight_kin = None
         self.region_axes = dict(setup.region_axes)
         """Per role a region can be partitioned over (``space``, ``model``): its mesh axis and size
         (:mod:`podscale.parallel.regions`)."""
@@ -412,22 +410,11 @@ class Partitioner:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
         return self._update_only is not None and self._update_only(var, self.ctx)
 
-    def kin_to_a_weight(self, var) -> bool | None:
-        """Whether ``var`` is kin to a weight (:func:`~podscale.parallel.interpret.kin`: a
-        gradient, computed with the weight it updates), ``None`` where that is not known (a body
-        the walk does not reach, or no weights given)."""
-        if self._weight_kin is None:
-            return None
-        found = self._weight_kin(var, self.ctx)
-        return None if found is None else bool(found)
-
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
             self._table_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: rows for i, rows in self.table_leaves.items()})
-        if self._update_only is None and self.chunk_partials and not self.ctx:
+        if self._update_only is None and self.chunk_partials and not self.fsdp and not self.ctx:
             self._update_only = interpret.update_only(jaxpr)  # the step's own jaxpr, run first
-            if self.fsdp and self.weight_leaves:
-                self._weight_kin = interpret.kin(jaxpr, {jaxpr.invars[i]: True for i in self.weight_leaves})
         env: dict[Any, tuple[Any, Layout]] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, REPLICATED)

@@ -34,9 +34,6 @@ class Setup:
     """Per role a region can be partitioned over (``space``, ``model``): its axis and size."""
     table_leaves: Mapping[int, int] = dataclasses.field(default_factory=dict)
     """``{input index: rows per replica}`` of the state leaves that are tables split by rows."""
-    weight_leaves: tuple[int, ...] = ()
-    """The input indices of the state leaves the forward pass reads (the weights): with ``fsdp``,
-    a partial sum kin to none of them (a batch statistic) is summed whole, not into chunks."""
     fsdp: bool = False
     min_chunk: int = 1
     """A partial sum of fewer elements is not reduce-scattered into chunks."""
