@@ -95,19 +95,29 @@ def test_an_op_of_the_tpu_scalar_unit_is_cycles_not_a_kernel():
     replica index (x * ny + y, per dropout layer) cost transformer-big 87 us a step (issue 45)."""
     text = """HloModule m, num_partitions=2
 
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
 ENTRY %main (x: f32[1024,128]) -> f32[1024,128] {
   %x = f32[1024,128]{1,0:T(8,128)} parameter(0)
+  %zero = f32[]{:T(256)} constant(0)
   %id = u32[]{:T(256)S(6)} partition-id(), metadata={op_name="jit(step)/Dropout_0/axis_index"}
   %two = u32[]{:T(256)S(6)} constant(2)
   %i = u32[]{:T(256)S(6)} multiply(%id, %two), metadata={op_name="jit(step)/Dropout_0/mul"}
   %key = u32[1]{0:T(256)S(6)} bitcast(%i)
   %k = u32[1]{0:T(256)S(6)} add(%key, %key), metadata={op_name="jit(step)/Dropout_0/add"}
+  %big = f32[]{:T(256)S(6)} reduce(%x, %zero), dimensions={0,1}, to_apply=%sum, metadata={op_name="jit(step)/norm"}
   ROOT %y = f32[1024,128]{1,0:T(8,128)} add(%x, %x), metadata={op_name="jit(step)/dense/add"}
 }
 """
     v3 = systems.get("tpu-v3")
     ops = {op.name: op for op in hlo.read_text(text, {"data": 2}, platform="tpu").ops}
     assert ops["i"].scalar and ops["k"].scalar and not ops["y"].scalar
+    # a reduction of a whole array into a scalar there reads the array: a kernel of its bytes
+    assert not ops["big"].scalar and cost.op_time(v3, ops["big"]) > v3.kernel_overhead
     cycle = 1 / v3.clock  # ~1.06 ns at 0.94 GHz
     assert cost.op_time(v3, ops["i"]) == pytest.approx(cycle)
     assert cost.op_terms(v3, ops["k"]) == {"mxu": 0.0, "vector": pytest.approx(cycle), "memory": 0.0, "fixed": 0.0}

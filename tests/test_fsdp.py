@@ -278,7 +278,9 @@ def test_a_batch_statistic_summed_into_chunks_leaves_the_backward_pass_out_of_th
     def step(state, batch):
         def loss(p):
             h = batch["x"] @ p["w"]
-            h = (h - jnp.mean(h, 0)) * p["s"]  # a statistic over the whole batch, WIDTH features
+            # a statistic over the whole batch, WIDTH features, that meets a weight of its shape
+            # elementwise: summed into chunks under FSDP whatever else reads it
+            h = (h - jnp.mean(h, 0) * p["s"]) * p["s"]
             return jnp.mean(jnp.tanh(h) ** 2)
 
         value, grads = jax.value_and_grad(loss)(state["p"])
@@ -292,6 +294,10 @@ def test_a_batch_statistic_summed_into_chunks_leaves_the_backward_pass_out_of_th
     for update in ("replicated", "fsdp"):
         dp = data_parallel(step, make_mesh((8,)), weight_update=update, min_shard_size=WIDTH)
         dp.prepare(state, batch)
+        if update == "fsdp":  # the case this is about: the statistic summed into chunks
+            whys = [c["why"] for c in dp.plan(state, batch).to_dict()["collectives"]]
+            # the statistic, its cotangent's sum in the backward pass, s's and w's gradients
+            assert whys.count("a partial sum reduce-scattered into chunks") == 4, whys
         module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), dp.mesh)
         # the backward pass's products (the chunk's own 1/N work, such as the statistic's share of
         # its gradient, is the update's: it shrinks with the pod)
