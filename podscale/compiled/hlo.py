@@ -38,6 +38,7 @@ from podscale.compiled.hlo_cost import (
     op_cost,
     op_matmuls,
     op_transcendentals,
+    scalar_unit,
     type_bytes,
 )
 from podscale.compiled.hlo_groups import group_axes, pair_axes, replica_groups
@@ -235,11 +236,6 @@ def layer_of(op_name: str) -> str:
 _ALLOCATES = re.compile(r'custom_call_target="AllocateBuffer"')
 """XLA:TPU's buffer allocation: it moves no data (its result is written by the ops after it)."""
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_SCALAR_MEMORY = re.compile(r"^\w+\[1?\]\{[^}]*S\(6\)\}$")
-"""A result in XLA:TPU's scalar memory (memory space 6: only scalars and one-element arrays)."""
-_ONE_ELEMENT = re.compile(r"^\w+\[1?\](\{|$)")
-"""A scalar or one-element operand: an op of the scalar unit reads only such (one reading a large
-array into a scalar, a reduction feeding a loop's predicate, is costed as the kernel it is)."""
 
 
 def unnamed_phases(comps: dict[str, list[tuple]]):
@@ -476,8 +472,7 @@ def read_text(
             conv, channels = op_conv_flops(*args)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
             shapes = {"matmuls": op_matmuls(*args), "transcendentals": op_transcendentals(*args)}
-            if platform == "tpu" and _SCALAR_MEMORY.search(type_text) and all(map(_ONE_ELEMENT.match, operand_types)):
-                shapes["scalar"] = True
+            shapes["scalar"] = platform == "tpu" and scalar_unit(type_text, operand_types)
             cycles = _CYCLES.search(attrs)
             if cycles:
                 shapes["estimated_cycles"] = float(cycles.group(1))

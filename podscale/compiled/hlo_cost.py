@@ -149,6 +149,16 @@ TRANSCENDENTAL_OPS = _TRANSCENDENTAL | {"divide"}
 their special-function units), each element of their result once."""
 
 
+_SCALAR_MEMORY, _ONE_ELEMENT = re.compile(r"^\w+\[1?\]\{[^}]*S\(6\)\}$"), re.compile(r"^\w+\[1?\](\{|$)")
+
+
+def scalar_unit(type_text: str, operand_types) -> bool:
+    """An op of a TPU core's scalar unit (:attr:`Op.scalar`): its result in XLA:TPU's scalar memory
+    (memory space 6, only scalars and one-element arrays), its operands one element each (a
+    reduction of an array into such a scalar is a kernel)."""
+    return bool(_SCALAR_MEMORY.search(type_text)) and all(map(_ONE_ELEMENT.match, operand_types))
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op of the compiled module that does work: a fusion, a dot, a convolution, a copy, ...
