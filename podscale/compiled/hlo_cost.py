@@ -149,14 +149,17 @@ TRANSCENDENTAL_OPS = _TRANSCENDENTAL | {"divide"}
 their special-function units), each element of their result once."""
 
 
-_SCALAR_MEMORY, _ONE_ELEMENT = re.compile(r"^\w+\[1?\]\{[^}]*S\(6\)\}$"), re.compile(r"^\w+\[1?\](\{|$)")
+_SCALAR_MEMORY = re.compile(r"\w+\[[\d,]*\]\{[^}]*S\(6\)\}")
+"""An array in XLA:TPU's scalar memory (memory space 6; in its modules, scalars and one-element
+arrays only)."""
 
 
 def scalar_unit(type_text: str, operand_types) -> bool:
-    """An op of a TPU core's scalar unit (:attr:`Op.scalar`): its result in XLA:TPU's scalar memory
-    (memory space 6, only scalars and one-element arrays), its operands one element each (a
-    reduction of an array into such a scalar is a kernel)."""
-    return bool(_SCALAR_MEMORY.search(type_text)) and all(map(_ONE_ELEMENT.match, operand_types))
+    """An op of a TPU core's scalar unit (:attr:`Op.scalar`): one element in XLA:TPU's scalar
+    memory, computed from one-element operands (a reduction of an array into such a scalar is a
+    kernel)."""
+    one = _elements(type_text) == 1 and all(_elements(t) == 1 for t in operand_types)
+    return one and _SCALAR_MEMORY.fullmatch(type_text) is not None
 
 
 @dataclasses.dataclass(frozen=True)

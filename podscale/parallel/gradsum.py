@@ -351,9 +351,7 @@ def make_grad_sum(
             )
         )
     platform = mesh.devices.flat[0].platform
-    if phases is None:  # the knobs of podscale's own phases ask for them
-        explicit = chunks is not None or axis_costs is not None
-        phases = "xla" if platform in PHASES_BY_XLA_PLATFORMS and not explicit else "explicit"
+    phases = phases or default_phases(platform, chunks, axis_costs)
     if phases == "xla":  # one collective: the axes in mesh order, as the 1-D sum's
         how = " and ".join(axes)
         reason = (
@@ -374,6 +372,14 @@ def make_grad_sum(
         chunks = 1
         reason += "; one chunk per phase (XLA:TPU combines a buffer's chunks back into one collective per phase)"
     return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
+
+
+def default_phases(platform: str, chunks: int | None, axis_costs: Any) -> str:
+    """How the 2-D sum is sent where ``grad_sum_phases`` is not given: as one collective where the
+    compiler runs one over two torus dimensions at once (:data:`PHASES_BY_XLA_PLATFORMS`), unless
+    the knobs of podscale's own phases (chunks, axis costs) ask for those; else podscale's phases."""
+    explicit = chunks is not None or axis_costs is not None
+    return "xla" if platform in PHASES_BY_XLA_PLATFORMS and not explicit else "explicit"
 
 
 def check_phases(phases: str | None, mode: str, chunks: int | None, axis_costs: Any) -> None:

@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh
 from podscale.compiled.network import Topology
 from podscale.compiled.systems import System
 from podscale.parallel import checks
+from podscale.parallel.gradsum import PHASES_BY_XLA_PLATFORMS, default_phases
 from podscale.parallel.mesh import BN_GROUP, MAX_CPU_DEVICES  # JAX's CPU client's limit, also setup's
 from podscale.parallel.strategy import Strategy
 
@@ -48,12 +49,10 @@ def strategy_for(base: Strategy, name: str, multi_axis: str = "torus", kind: str
     fields = {"fsdp_axes": None, **STRATEGIES[name]}
     if fields["grad_sum"] != "2d":
         fields.update(grad_sum_chunks=None, grad_sum_phases=None, axis_costs=None)
-    elif base.grad_sum_phases is None:
-        knobs = base.grad_sum_chunks is not None or base.axis_costs is not None
-        if multi_axis == "ring" or (kind == "tpu" and knobs):
-            fields.update(grad_sum_phases="explicit")
-        elif kind == "tpu":
-            fields.update(grad_sum_phases="xla")
+    elif base.grad_sum_phases is None and multi_axis == "ring":
+        fields.update(grad_sum_phases="explicit")
+    elif base.grad_sum_phases is None and kind in PHASES_BY_XLA_PLATFORMS:  # as that system sends it
+        fields.update(grad_sum_phases=default_phases(kind, base.grad_sum_chunks, base.axis_costs))
     return dataclasses.replace(base, **fields)
 
 

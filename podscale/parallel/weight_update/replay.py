@@ -99,7 +99,7 @@ class Rewriter:
                     blocked.append(eqn)
                     blocked_vars.update(eqn.outvars)
                     continue
-                if self._in_update(invals) and not any(v in self.forward for v in eqn.outvars):
+                if self._in_update(eqn, invals):
                     with jax.named_scope(UPDATE_SCOPE), interpret.source(eqn):
                         outs = self.equation(eqn, invals, ctx)
                     self._update.update((id(o), o) for o in outs)
@@ -129,11 +129,16 @@ class Rewriter:
         send = [q for q in self.fuser.pending if _group(q) in kinds]
         return send + [v for v in dict.fromkeys(urgent) if v not in send]  # one superseded yet read: too
 
-    def _in_update(self, invals) -> bool:
-        """Whether an equation reads a gradient sum, a shard, or a value computed from them (a sum
-        the forward pass reads, such as a batch statistic, is not the update's; nor is an equation
-        whose result the per-replica computation reads, as FSDP's statistics summed into chunks
-        and gathered again: :meth:`evaluate`)."""
+    def _forward_reads(self, eqn) -> bool:
+        """Whether the per-replica computation reads a result of ``eqn`` (:func:`forward_used`)."""
+        return self.forward is not None and not self.forward.isdisjoint(eqn.outvars)
+
+    def _in_update(self, eqn, invals) -> bool:
+        """Whether ``eqn`` reads a gradient sum, a shard, or a value computed from them, and the
+        per-replica computation reads none of its results (a batch statistic, summed whole or, as
+        FSDP's, into chunks and gathered again, is not the update's)."""
+        if self._forward_reads(eqn):
+            return False
         for v in invals:
             if isinstance(v, Pending):
                 if v.kind != "grad" or v.scatter:
@@ -157,7 +162,7 @@ class Rewriter:
             ]
         if is_grad_sum(eqn, self.layout.axes):
             # A sum the forward pass reads (a statistic over the whole batch) is no gradient.
-            scatter = not any(v in self.forward for v in eqn.outvars)
+            scatter = not self._forward_reads(eqn)
             return [
                 self.fuser.add(v, scatter=scatter, chunking=self.chunking(out, ctx, np.shape(v)))
                 for v, out in zip(invals, eqn.outvars, strict=True)
@@ -200,7 +205,7 @@ class Rewriter:
     def _redundant(self, eqn, vals) -> bool:
         """An update-region equation (nothing per-replica depends on it) on a large whole tensor,
         of a kind that runs on chunks; only with the sharded update."""
-        if not self.layout.scatter or self.forward is None or any(v in self.forward for v in eqn.outvars):
+        if not self.layout.scatter or self.forward is None or self._forward_reads(eqn):
             return False
         if self.layout.n == 1:  # no replica repeats it (and no value is typed per replica to tell the forward pass)
             return False
