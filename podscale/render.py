@@ -87,10 +87,16 @@ def plan(plan: Plan, console: Console | None = None) -> None:
                 f"[yellow]loops without a known trip count (counted once):[/] {plan.compiled['unknown_trip_counts']}"
             )
         copies, moved = plan.compiled.get("copy_bytes", {}), plan.compiled.get("op_bytes", {})
+        relaid = plan.compiled.get("relayout_bytes", {})
         if any(copies.values()):
             console.print(
-                "copies in the compiled module (relayouts, aliasing), bytes per device per step: "
-                + ", ".join(f"{p} {size(copies[p])} of {size(moved.get(p, 0))}" for p in copies)
+                "copies in the compiled module, bytes per device per step (of them relayouts; the rest keep "
+                "their layout: buffers XLA could not write in place, such as a collective's result the step "
+                "returns): "
+                + ", ".join(
+                    f"{p} {size(copies[p])} (relayouts {size(relaid.get(p, 0))}) of {size(moved.get(p, 0))}"
+                    for p in copies
+                )
             )
     sp = plan.spatial
     if sp:

@@ -82,7 +82,7 @@ def test_a_compiled_loop_of_sums_is_counted_with_its_trips():
 def test_the_copies_of_each_phase_are_counted_apart_from_the_work():
     """The plan lists the bytes of the module's copies per phase (XLA's relayouts, and its copies
     around aliased outputs), beside all the bytes the phase's ops move: on XLA:TPU they were most
-    of the sharded update's (docs/benchmarks.md, issue 45)."""
+    of the sharded update's (docs/benchmarks.md, issue 45). It says which change a layout."""
     text = """HloModule m, num_partitions=2
 
 ENTRY %main (w: f32[64,256], u: f32[64,256]) -> f32[64,256] {
@@ -100,6 +100,10 @@ ENTRY %main (w: f32[64,256], u: f32[64,256]) -> f32[64,256] {
     assert module.copy_bytes(["forward"]) == 2 * tensor
     assert module.op_bytes(["update"]) == module.copy_bytes(["update"]) + 3 * tensor
     assert module.to_dict()["copy_bytes"] == {"forward": 2 * tensor, "backward": 0, "update": 4 * tensor}
+    # Of them, the update's two change a layout ({1,0} <-> {0,1}); the forward's keeps its own.
+    assert module.to_dict()["relayout_bytes"] == {"forward": 0, "backward": 0, "update": 4 * tensor}
+    assert module.copy_bytes(["forward"], relayouts=False) == 2 * tensor
+    assert module.copy_bytes(relayouts=False) == 2 * tensor
 
 
 MULTISLICE = """HloModule m, num_partitions=8

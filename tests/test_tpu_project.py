@@ -800,12 +800,9 @@ def test_on_a_tpu_the_2d_sum_is_xla_tpus_collective_over_the_torus_and_the_1d_su
         ), (update, kinds)
 
 
-@needs_libtpu
-def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_module():
-    """The replicated update sums each gradient in its own shape on a TPU: no relayout copies of
-    gradients into fused flat buffers and back (issue 45: 27.5 ms of transformer-big's 42.1 ms
-    update at 16 chips). Attention-shaped kernels (heads x head dim) under Adam on ``v3:4x4``: the
-    update scope's copies are under 5% of the bytes it moves."""
+def _attention_kernels():
+    """Adam on three attention-shaped kernels (``[256, 4, 64]``: model dim x heads x head dim):
+    ``(init, step, batch)``."""
 
     def init():
         params = {f"w{i}": jnp.zeros((256, 4, 64)) for i in range(3)}
@@ -822,10 +819,38 @@ def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_m
         updates, opt = TX.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
 
-    devices = tpu.devices("tpu-v3", "v3:4x4")
+    return init, step, {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in ("x", "y")}
+
+
+def _kernels_module(slice_name: str, weight_update: str):
+    init, step, batch = _attention_kernels()
+    devices = tpu.devices("tpu-v3", slice_name)
     mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
-    dp = data_parallel(step, mesh, Strategy(weight_update="replicated"))
-    batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in ("x", "y")}
+    dp = data_parallel(step, mesh, Strategy(weight_update=weight_update))
     dp.prepare(jax.eval_shape(init), batch)
-    module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+    return hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
+
+
+@needs_libtpu
+def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_module():
+    """The replicated update sums each gradient in its own shape on a TPU: no relayout copies of
+    gradients into fused flat buffers and back (issue 45: 27.5 ms of transformer-big's 42.1 ms
+    update at 16 chips). Attention-shaped kernels (heads x head dim) under Adam on ``v3:4x4``: the
+    update scope's copies are under 5% of the bytes it moves."""
+    module = _kernels_module("v3:4x4", "replicated")
     assert module.copy_bytes(["update"]) < 0.05 * module.op_bytes(["update"]), module.to_dict()["copy_bytes"]
+
+
+@needs_libtpu
+def test_the_sharded_update_relays_out_no_gradient_and_copies_only_the_weights_it_returns():
+    """The sharded update reduce-scatters each gradient along one of its own dims: on ``v3:2x2``
+    (8 cores) the attention-shaped kernels' gradients are relaid out neither in the backward pass
+    nor in the update (issue 43). What the update scope copies is the three gathered weights, each
+    in its own layout, read and written once: XLA:TPU copies every collective's result that the
+    step returns (a ``shard_map`` returning an ``all_gather`` has that copy too), so a weight kept
+    whole between steps costs a copy of itself a step, which FSDP's chunks do not."""
+    module = _kernels_module("v3:2x2", "sharded")
+    relaid = module.to_dict()["relayout_bytes"]
+    assert relaid["backward"] == relaid["update"] == 0, relaid
+    weights = 3 * 256 * 4 * 64 * 4
+    assert module.copy_bytes(["update"], relayouts=False) == 2 * weights, module.to_dict()["copy_bytes"]

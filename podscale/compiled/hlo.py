@@ -36,9 +36,9 @@ from podscale.compiled.hlo_cost import (
     mark_upcasts,
     op_conv_flops,
     op_cost,
+    op_kind,
     op_matmuls,
     op_transcendentals,
-    scalar_unit,
     type_bytes,
 )
 from podscale.compiled.hlo_groups import group_axes, pair_axes, replica_groups
@@ -141,11 +141,12 @@ class Module:
         """Bytes the ops read and write per device per step."""
         return sum(o.bytes * o.count for o in self.ops if o.phase in phases)
 
-    def copy_bytes(self, phases: Sequence[str] = PHASES) -> float:
-        """Bytes the module's ``copy`` instructions read and write per device per step: XLA's
-        relayouts and the copies it adds around aliased buffers, which one device's program of the
-        step may not have. A copy fused with other work (XLA:GPU fuses relayouts) is not counted."""
-        return sum(o.bytes * o.count for o in self.ops if o.phase in phases and o.opcode == "copy")
+    def copy_bytes(self, phases: Sequence[str] = PHASES, relayouts: bool | None = None) -> float:
+        """Bytes the module's ``copy`` instructions read and write per device per step, or those that
+        change a layout (``relayouts=True``) or not (``False``): see :attr:`Op.relayout`. A copy
+        fused with other work (XLA:GPU fuses relayouts) is not counted."""
+        ops = [o for o in self.ops if o.phase in phases and o.opcode == "copy"]
+        return sum(o.bytes * o.count for o in ops if relayouts in (None, o.relayout))
 
     def moved_bytes(self, kinds: Sequence[str] = KINDS) -> float:
         """Bytes each device sends in one step (loops counted with their trip counts)."""
@@ -187,6 +188,7 @@ class Module:
             "flops": {p: self.flops([p]) for p in PHASES},
             "op_bytes": {p: self.op_bytes([p]) for p in PHASES},
             "copy_bytes": {p: self.copy_bytes([p]) for p in PHASES},
+            "relayout_bytes": {p: self.copy_bytes([p], relayouts=True) for p in PHASES},
         }
 
 
@@ -472,7 +474,7 @@ def read_text(
             conv, channels = op_conv_flops(*args)
             op = Op(name, opcode, flops, mm, nbytes, dtype, runs[comp], _phase(op_name), op_name, out_dtype)
             shapes = {"matmuls": op_matmuls(*args), "transcendentals": op_transcendentals(*args)}
-            shapes["scalar"] = platform == "tpu" and scalar_unit(type_text, operand_types)
+            shapes |= op_kind(platform, opcode, type_text, operand_types)
             cycles = _CYCLES.search(attrs)
             if cycles:
                 shapes["estimated_cycles"] = float(cycles.group(1))

@@ -162,6 +162,27 @@ def scalar_unit(type_text: str, operand_types) -> bool:
     return one and _SCALAR_MEMORY.fullmatch(type_text) is not None
 
 
+_LAYOUT = re.compile(r"\{([^}]*)\}")
+_MEMORY_SPACE = re.compile(r":?S\(\d+\)")
+
+
+def relayout(opcode: str, type_text: str, operand_types) -> bool:
+    """A copy that changes its operand's layout (:attr:`Op.relayout`): the minor-to-major order or
+    the tiles differ (``{1,0:T(8,128)}`` -> ``{0,1:T(8,128)}``); a memory space alone does not."""
+
+    def layout(t: str) -> str:
+        m = _LAYOUT.search(t)
+        return _MEMORY_SPACE.sub("", m.group(1)) if m else ""
+
+    return opcode == "copy" and bool(operand_types) and layout(type_text) != layout(operand_types[0])
+
+
+def op_kind(platform: str, opcode: str, type_text: str, operand_types) -> dict[str, bool]:
+    """:attr:`Op.scalar` (XLA:TPU's modules only) and :attr:`Op.relayout` of an op."""
+    scalar = platform == "tpu" and scalar_unit(type_text, operand_types)
+    return {"scalar": scalar, "relayout": relayout(opcode, type_text, operand_types)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One op of the compiled module that does work: a fusion, a dot, a convolution, a copy, ...
@@ -208,6 +229,10 @@ class Op:
     """XLA:TPU put its result in the core's scalar memory (``S(6)`` in its layout: the scalars and
     one-element arrays of control flow, replica indices and random keys): it runs on the scalar
     unit, no kernel of the vector or matrix units."""
+    relayout: bool = False
+    """A ``copy`` into another layout (:func:`relayout`); a copy in its operand's own layout is a
+    buffer XLA could not write in place: on XLA:TPU, each collective's result that the step returns
+    (the sharded update's gathered weights), and a donated input it cannot update in place."""
 
 
 def _elements(type_text: str) -> int:
