@@ -80,6 +80,49 @@ def test_chunk_dim_commutes_with_stacking():
     assert chunk_dim((), 8) is None
 
 
+def test_a_matrix_is_chunked_along_the_dim_whose_chunk_fills_its_tiles():
+    """XLA:TPU lays a matrix in ``(8, 128)`` tiles: 2 columns of a ``[512, 512]`` kernel over 256
+    replicas take as much memory as all 512, 2 rows a quarter of 8. The rows where both fill their
+    tiles; the columns where only they do."""
+    assert chunk_dim((512, 512), 256) == 0  # 2 rows of 8, not 2 lanes of 128
+    assert chunk_dim((3, 3, 512, 512), 256) == 2  # a convolution's input features
+    assert chunk_dim((1024, 4096), 8) == 0  # both fill their tiles: the rows
+    assert chunk_dim((256, 65536), 256) == 1  # 1 row of 8, against 256 whole lanes
+    assert chunk_dim((2048, 1000), 256) == 0  # the columns do not divide
+    assert chunk_dim((6, 512, 512), 256) == 1 + chunk_dim((512, 512), 256)
+
+
+def test_kernels_chunked_along_their_rows_and_lars_norms_on_chunks_equal_one_device():
+    """Kernels of at least 128 rows are chunked along their rows (``chunk_dim``'s tiles), and under
+    the sharded update, which keeps the weights whole, LARS's weight norms are summed over the
+    replicas' chunks of them: the sharded update and FSDP equal one device within the spread of
+    its own row orders."""
+    tx = optax.lars(0.1)
+
+    def step(state, batch):
+        params, opt = state
+
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["w1"])
+            return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], batch["y"]).mean()
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), {}
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    params = {"w1": jax.random.normal(k1, (128, 256)) / 16, "w2": jax.random.normal(k2, (256, 4)) / 16}
+    assert chunk_dim((128, 256), 8) == 0 and chunk_dim((256, 4), 8) == 0
+    state = (params, tx.init(params))
+    batches = [{"x": jax.random.normal(jax.random.key(i), (32, 128)), "y": jnp.arange(32) % 4} for i in range(3)]
+    ref = run_single(step, state, batches)[0]
+    spread = max(relative_error(r, ref) for r in reordered_runs(step, state, batches))
+    for weight_update in ("sharded", "fsdp"):
+        dp = data_parallel(step, make_mesh((8,)), Strategy(weight_update=weight_update), donate_state=False)
+        got, _ = run_parallel(dp, state, batches)
+        assert relative_error(got, ref) <= max(1e-6, 4 * spread), weight_update
+
+
 def test_fsdp_equals_the_replicated_update_and_one_device(scanned):
     state, batches = scanned
     ref = run_single(_step, state, batches)[0]

@@ -442,7 +442,8 @@ def decide(
         dim = model_dims[i] if model_dims else None
         chunked = shard and not kw["weight"] and size >= min_shard_size and _float(dtype)
         if fsdp and not (tables and i in tables):
-            leaves.append(_fsdp_leaf(kw, chunks, min_shard_size, dim, mesh.shape[model] if dim is not None else 1))
+            k = mesh.shape[model] if dim is not None else 1
+            leaves.append(_fsdp_leaf(kw, chunks, min_shard_size, dim, k, tiles=model is None))
         elif tables and i in tables:
             what = "table" if kw["weight"] else "a table's optimizer state"
             leaves.append(
@@ -500,9 +501,10 @@ def decide(
     return StateLayout(jax.tree.structure(state), tuple(leaves), mesh, order, tuple(parts), model)
 
 
-def _fsdp_leaf(kw: dict, chunks: tuple, min_shard_size: int, model_dim: int | None, k: int) -> LeafLayout:
-    """A leaf's FSDP layout: chunked along :func:`chunk_dim` over ``chunks`` (``(axes, n)``: the
-    ``n`` replicas of the data axes ``axes``, ``None`` for all), or why not."""
+def _fsdp_leaf(kw: dict, chunks: tuple, min_shard_size: int, model_dim: int | None, k: int, tiles: bool) -> LeafLayout:
+    """A leaf's FSDP layout: chunked along :func:`chunk_dim` (with ``tiles``: no model axis) over
+    ``chunks`` (``(axes, n)``: the ``n`` replicas of the data axes ``axes``, ``None`` for all), or
+    why not."""
     axes, n = chunks
     shape, dtype = kw["shape"], kw["dtype"]
     size = math.prod(shape)
@@ -511,7 +513,7 @@ def _fsdp_leaf(kw: dict, chunks: tuple, min_shard_size: int, model_dim: int | No
         return LeafLayout(**kw, stored=WHOLE, reason=f"not a float ({dtype}): replicated", **model)
     if size < min_shard_size:
         return LeafLayout(**kw, stored=WHOLE, reason=f"small: {size} < min_shard_size {min_shard_size}", **model)
-    dim = chunk_dim(shape, n)
+    dim = chunk_dim(shape, n, tiles)
     if dim is None or n == 1:
         why = "one replica" if n == 1 else f"no dimension of {list(shape)} that the {n} replicas divide"
         return LeafLayout(**kw, stored=WHOLE, reason=f"{why}: replicated", **model)

@@ -80,7 +80,7 @@ def chunk_of(p: Partitioner, shape) -> Chunked | None:
     dimension the replicas divide): as :mod:`~podscale.parallel.state_layout` stores such a leaf."""
     if not p.chunk_partials or math.prod(shape) < p.min_chunk:
         return None
-    dim = chunk_dim(shape, p.chunk_n)
+    dim = chunk_dim(shape, p.chunk_n, tiles="model" not in p.setup.region_axes)
     return None if dim is None else Chunked(dim)
 
 
@@ -117,6 +117,23 @@ def equation(p: Partitioner, eqn, ins):
         return list(zip(p.bind(eqn, [v for v, _ in ins]), [lay for _, lay in ins], strict=True))
     whole = [(gather(p, v, lay), REPLICATED) if isinstance(lay, Chunked) else (v, lay) for v, lay in ins]
     return p.equation(eqn, whole)
+
+
+def whole_sum(p: Partitioner, eqn, arg):
+    """A sum over every element of a replicated value that only the update reads (``sum(w * w)``:
+    a weight's norm for LARS or LAMB, which the sharded update keeps whole) on this replica's chunk
+    of it: a partial sum, summed with the update's other small sums, so that each replica reads
+    1/N of the weight where it read all of it (paper 3: a reduction over a whole tensor becomes a
+    local partial reduction and a small all-reduce). ``None`` where the value is small, has no
+    dimension the replicas divide, or is not summed over every dimension."""
+    shape = global_shape(eqn.invars[0])
+    if len(eqn.params["axes"]) != len(shape):
+        return None
+    target = chunk_of(p, shape)
+    if target is None:
+        return None
+    with jax.named_scope(UPDATE_SCOPE):
+        return _reduce(p, eqn, (p.convert(arg[0], REPLICATED, target), target))
 
 
 def _elementwise(p: Partitioner, eqn, ins):

@@ -493,6 +493,10 @@ class Partitioner:
             (out,) = self.bind(eqn, [ins[0][0]])
             self.broadcasts[id(out)] = (out, eqn, ins[0][0])  # a block of it is made at the block's size
             return [(out, REPLICATED)]
+        if name == "reduce_sum" and layouts == [REPLICATED] and self.only_updated(eqn.invars[0]):
+            out = chunked.whole_sum(self, eqn, ins[0])
+            if out is not None:
+                return out
         if all(lay is REPLICATED for lay in layouts):
             return [(o, REPLICATED) for o in self.bind(eqn, [v for v, _ in ins])]
         if name in IDENTITY and len(ins) == 1:

@@ -40,24 +40,38 @@ class Chunked:
         return f"chunked({self.dim})"
 
 
-def chunk_dim(shape, n: int) -> int | None:
+TILE = (8, 128)
+"""The tile XLA:TPU lays a tensor's last two dimensions in (``{1,0:T(8,128)}``, 32-bit types): a
+chunk with fewer rows or columns than a tile still occupies whole tiles."""
+
+
+def chunk_dim(shape, n: int, tiles: bool = True) -> int | None:
     """The dimension a tensor of ``shape`` is chunked along over ``n`` replicas, or ``None`` where
     they divide none. A pure function of the shape that commutes with stacking: a leading layer
     dimension (``nn.scan``'s stacked weights) is never chosen where a layer's own dimension can be,
     and ``chunk_dim((L, *s)) == 1 + chunk_dim(s)``, so each iteration of a scan over the layers
     reads a chunk of its own layer, and the layer's gradient, reduce-scattered inside the loop,
-    stacks into the stored layout. Of a matrix (or a vector), the last dimension the replicas
-    divide: a chunk of whole rows of the minor dimension's blocks."""
+    stacks into the stored layout. Of a matrix (a tensor's last two dimensions), the one whose
+    chunk fills the most of its tiles (:data:`TILE`), the rows where both do: a chunk of 2 columns
+    of a ``[512, 512]`` kernel over 256 replicas fills 2 of each tile's 128 lanes, and is as large
+    in memory as the whole kernel once tiled, where a chunk of 2 rows fills 2 of 8. A matrix of
+    fewer than 128 rows is read as a stack of vectors (a scan's biases and scales, ``[layers, d]``)
+    and chunked along its vectors, so that it commutes with stacking. Of a vector, its one
+    dimension. Without ``tiles`` (a placement with a model axis, which may split the same
+    dimension: FSDP x tensor), the last dimension the replicas divide, as before tiles were read."""
     shape = tuple(shape)
     if len(shape) >= 3:
-        inner = chunk_dim(shape[1:], n)
+        inner = chunk_dim(shape[1:], n, tiles)
         if inner is not None:
             return inner + 1
         return 0 if shape[0] % n == 0 and shape[0] >= n else None
-    for d in reversed(range(len(shape))):
-        if shape[d] % n == 0 and shape[d] >= n:
-            return d
-    return None
+    dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+    if not dims:
+        return None
+    if not tiles or shape[0] < TILE[1]:  # a stack of vectors (a scan's biases and scales): its vectors'
+        return dims[-1]
+    tile = TILE[-len(shape) :]
+    return min(dims, key=lambda d: (tile[d] / min(tile[d], shape[d] // n), d))
 
 
 class _Named:
