@@ -94,7 +94,9 @@ def plan(plan: Plan, console: Console | None = None) -> None:
                 "their layout: buffers XLA could not write in place, such as a collective's result the step "
                 "returns): "
                 + ", ".join(
-                    f"{p} {size(copies[p])} (relayouts {size(relaid.get(p, 0))}) of {size(moved.get(p, 0))}"
+                    f"{p} {size(copies[p])}"
+                    + (f" (relayouts {size(relaid[p])})" if p in relaid else "")
+                    + f" of {size(moved.get(p, 0))}"
                     for p in copies
                 )
             )

@@ -121,6 +121,9 @@ def test_kernels_chunked_along_their_rows_and_lars_norms_on_chunks_equal_one_dev
         dp = data_parallel(step, make_mesh((8,)), Strategy(weight_update=weight_update), donate_state=False)
         got, _ = run_parallel(dp, state, batches)
         assert relative_error(got, ref) <= max(1e-6, 4 * spread), weight_update
+        if weight_update == "sharded":  # w1's norms (safe_norm takes two), of its chunks and its update's
+            norms = [c for c in dp.trace.collectives if "norms" in c.why]
+            assert len(norms) == 4, dp.trace.collectives
 
 
 def test_fsdp_equals_the_replicated_update_and_one_device(scanned):

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from podscale import make_mesh
-from podscale.compiled import hlo
+from podscale.compiled import hlo, hlo_cost
 
 TEXT = """HloModule m, num_partitions=8
 
@@ -104,6 +104,14 @@ ENTRY %main (w: f32[64,256], u: f32[64,256]) -> f32[64,256] {
     assert module.to_dict()["relayout_bytes"] == {"forward": 0, "backward": 0, "update": 4 * tensor}
     assert module.copy_bytes(["forward"], relayouts=False) == 2 * tensor
     assert module.copy_bytes(relayouts=False) == 2 * tensor
+
+
+def test_a_copy_is_a_relayout_where_its_order_or_tiles_change_not_its_memory_space():
+    assert hlo_cost.relayout("copy", "f32[8,128]{0,1:T(8,128)}", ["f32[8,128]{1,0:T(8,128)}"])
+    assert hlo_cost.relayout("copy", "f32[8,128]{1,0:T(8,128)}", ["f32[8,128]{1,0:T(2,128)}"])
+    assert not hlo_cost.relayout("copy", "f32[8,128]{1,0:T(8,128)S(1)}", ["f32[8,128]{1,0:T(8,128)}"])
+    assert not hlo_cost.relayout("copy", "f32[8,128]{1,0}", [""])  # an operand of unknown type
+    assert not hlo_cost.relayout("add", "f32[8,128]{0,1}", ["f32[8,128]{1,0}"])
 
 
 MULTISLICE = """HloModule m, num_partitions=8

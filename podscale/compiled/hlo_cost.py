@@ -174,7 +174,8 @@ def relayout(opcode: str, type_text: str, operand_types) -> bool:
         m = _LAYOUT.search(t)
         return _MEMORY_SPACE.sub("", m.group(1)) if m else ""
 
-    return opcode == "copy" and bool(operand_types) and layout(type_text) != layout(operand_types[0])
+    known = bool(operand_types) and bool(operand_types[0])
+    return opcode == "copy" and known and layout(type_text) != layout(operand_types[0])
 
 
 def op_kind(platform: str, opcode: str, type_text: str, operand_types) -> dict[str, bool]:

@@ -120,14 +120,18 @@ def equation(p: Partitioner, eqn, ins):
 
 
 def whole_sum(p: Partitioner, eqn, arg):
-    """A sum over every element of a replicated value that only the update reads (``sum(w * w)``:
-    a weight's norm for LARS or LAMB, which the sharded update keeps whole) on this replica's chunk
-    of it: a partial sum, summed with the update's other small sums, so that each replica reads
-    1/N of the weight where it read all of it (paper 3: a reduction over a whole tensor becomes a
-    local partial reduction and a small all-reduce). ``None`` where the value is small, has no
-    dimension the replicas divide, or is not summed over every dimension."""
+    """A sum over every element of a large replicated value computed from the state alone, whose
+    elementwise family nothing but such sums reads (:meth:`Partitioner.only_updated`: ``sum(w * w)``,
+    a weight's norm for LARS or LAMB, which the sharded update keeps whole), on this replica's chunk
+    of it: a partial sum, summed with the other small sums, so that each replica reads 1/N of the
+    weight where it read all of it (paper 3: a reduction over a whole tensor becomes a local partial
+    reduction and a small all-reduce). Who reads the sum is not checked: a norm the forward pass
+    reads (weight normalisation, a penalty in the loss) is summed so too, one small all-reduce more
+    in that pass, the same within the summation order's tolerance. ``None`` with one replica, where
+    the value is small, has no dimension the replicas divide, or is not summed over every
+    dimension."""
     shape = global_shape(eqn.invars[0])
-    if len(eqn.params["axes"]) != len(shape):
+    if p.one or p.outer_axes or len(eqn.params["axes"]) != len(shape) or not p.only_updated(eqn.invars[0]):
         return None
     target = chunk_of(p, shape)
     if target is None:

@@ -493,8 +493,10 @@ class Partitioner:
             (out,) = self.bind(eqn, [ins[0][0]])
             self.broadcasts[id(out)] = (out, eqn, ins[0][0])  # a block of it is made at the block's size
             return [(out, REPLICATED)]
-        if name == "reduce_sum" and layouts == [REPLICATED] and self.only_updated(eqn.invars[0]):
-            out = chunked.whole_sum(self, eqn, ins[0])
+        if name == "reduce_sum" and layouts == [REPLICATED] and not isinstance(eqn.invars[0], core.Literal):
+            # Not a batch-norm group's value (its own per group): chunks summed over every replica
+            # would mix the groups'.
+            out = chunked.whole_sum(self, eqn, ins[0]) if id(ins[0][0]) not in self._group_values else None
             if out is not None:
                 return out
         if all(lay is REPLICATED for lay in layouts):

@@ -56,7 +56,9 @@ def chunk_dim(shape, n: int, tiles: bool = True) -> int | None:
     of a ``[512, 512]`` kernel over 256 replicas fills 2 of each tile's 128 lanes, and is as large
     in memory as the whole kernel once tiled, where a chunk of 2 rows fills 2 of 8. A matrix of
     fewer than 128 rows is read as a stack of vectors (a scan's biases and scales, ``[layers, d]``)
-    and chunked along its vectors, so that it commutes with stacking. Of a vector, its one
+    and chunked along its vectors, so that it commutes with stacking (a stack of 128 vectors or
+    more may be chunked along its layers: the scan then gathers it, exact but not per layer; so
+    does an attention kernel's ``[heads, head_dim]``, read as such a stack). Of a vector, its one
     dimension. Without ``tiles`` (a placement with a model axis, which may split the same
     dimension: FSDP x tensor), the last dimension the replicas divide, as before tiles were read."""
     shape = tuple(shape)
