@@ -408,7 +408,8 @@ class Partitioner:
 
     def only_updated(self, var) -> bool:
         """Whether nothing but the update reads ``var``'s elementwise family (see ``_update_only``)."""
-        return self._update_only is not None and self._update_only(var, self.ctx)
+        computed = not isinstance(var, core.Literal)  # a literal is no family's (nor hashable)
+        return self._update_only is not None and computed and self._update_only(var, self.ctx)
 
     def run(self, jaxpr, consts, args: Sequence[tuple[Any, Layout]]) -> list[tuple[Any, Layout]]:
         if self._table_kin is None and self.table_leaves and not self.ctx:  # the step's own jaxpr
@@ -493,10 +494,10 @@ class Partitioner:
             (out,) = self.bind(eqn, [ins[0][0]])
             self.broadcasts[id(out)] = (out, eqn, ins[0][0])  # a block of it is made at the block's size
             return [(out, REPLICATED)]
-        if name == "reduce_sum" and layouts == [REPLICATED] and not isinstance(eqn.invars[0], core.Literal):
-            # Not a batch-norm group's value (its own per group): chunks summed over every replica
-            # would mix the groups'.
-            out = chunked.whole_sum(self, eqn, ins[0]) if id(ins[0][0]) not in self._group_values else None
+        if name == "reduce_sum" and layouts == [REPLICATED] and id(ins[0][0]) not in self._group_values:
+            # (A batch-norm group's value is its group's own: chunks summed over every replica would
+            # mix the groups'.)
+            out = chunked.whole_sum(self, eqn, ins[0])
             if out is not None:
                 return out
         if all(lay is REPLICATED for lay in layouts):
