@@ -278,18 +278,28 @@ def _bn_step(model, tx):
     return step
 
 
-@pytest.mark.parametrize("weight_update", ["replicated", "sharded", "fsdp"])
-def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_batch(weight_update):
-    """bn_group_size=4 on 8 replicas: two groups, each normalizing over its 4 replicas' rows."""
+@pytest.mark.parametrize(
+    "weight_update, grad_sum",
+    [("replicated", "1d"), ("sharded", "1d"), ("fsdp", "1d"), ("replicated", "2d"), ("sharded", "2d")],
+)
+def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_batch(weight_update, grad_sum):
+    """bn_group_size=4 on 8 replicas: two groups, each normalizing over its 4 replicas' rows. With
+    the 2-D sum on a 2x4 mesh, the group axis joins the axis it was split from: the phases run
+    over ``x`` and over ``(y, bn_group)``."""
     tx = optax.sgd(0.1)
     x = jax.random.normal(jax.random.key(1), (64, 5))
     batch = {"x": x, "y": jnp.arange(64) % 3}
     variables = _BNNet(None).init(jax.random.key(0), x[:2], False)
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    mesh = make_mesh(None if grad_sum == "1d" else (2, 4), bn_group_size=4)
     dp = data_parallel(
-        _bn_step(_BNNet(BN_GROUP), tx), make_mesh(bn_group_size=4), weight_update=weight_update, min_shard_size=1
+        _bn_step(_BNNet(BN_GROUP), tx), mesh, weight_update=weight_update, grad_sum=grad_sum, min_shard_size=1
     )
     dp.prepare(state, batch)
+    if grad_sum == "2d":
+        assert dp.grad_sum.groups == (("x",), ("y", BN_GROUP)), dp.grad_sum
+        phases = {tuple(c["axes"]) for c in dp.plan(state, batch).collectives if c["update"]}
+        assert phases >= {("x",), ("y", BN_GROUP)}, phases
     (params, stats, _), metrics = run_parallel(dp, state, [batch])
 
     # One device: the plain model (no collectives) on each group's 32 rows, losses averaged.

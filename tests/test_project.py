@@ -710,11 +710,17 @@ def test_halo_and_model_axis_bytes_are_the_partition_axis_collectives():
 
 def test_batch_norm_groups_default_to_the_recipes_and_are_checked_before_compiling():
     """``--bn-group-size``: MLPerf's groups by default (SSD: 4 replicas; ResNet-50: 8 from 2048
-    replicas up, none below), named on stderr; the 2-D sum's rows say why they do not apply; a
-    model without grouped batch norm, or a size the replicas do not divide, is refused."""
+    replicas up, none below), named on stderr; the 2-D sum's rows take them (the group axis splits
+    its inner axis), data x FSDP's say why they do not; a model without grouped batch norm, or a
+    size the replicas do not divide, is refused."""
     ssd = _cli("--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4", "--dry-run")
     assert "1024 chips: 4" in ssd.stderr
-    assert "sharded-2d n/a (the 2-D gradient sum with batch-norm groups of 4" in ssd.stderr + ssd.stdout
+    assert "sharded-2d would compile" in ssd.stderr + ssd.stdout
+    hybrid = _cli(
+        "--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4", "--dry-run",
+        "--strategies", "sharded-2d,data-x-fsdp", check=False,
+    )  # fmt: skip
+    assert hybrid.returncode != 0 and "data x FSDP with batch-norm groups of 4" in hybrid.stderr
     resnet = _cli("--model", "resnet50", "--config", "full", "--chips", "16,1024", "--dry-run")
     assert "1024 chips: 8" in resnet.stderr and "16 chips: 8" not in resnet.stderr
     whole = _cli("--model", "resnet50", "--config", "full", "--chips", "1024", "--bn-group-size", "1", "--dry-run")

@@ -515,19 +515,19 @@ def _batch_norm_step(net, tx, features: int):
 def test_batch_norm_groups_are_summed_over_their_replicas_only():
     """``bn_group_size=4`` (MLPerf's batch-norm groups): the mesh gets an innermost group axis of 4
     neighbouring replicas, and XLA:TPU's module sums the statistics over groups of 4 devices while
-    the gradients are still summed over all 32; the 2-D sum, which cannot take the groups yet, is
-    refused naming them."""
+    the gradients are still summed over all 32. Under the 2-D sum the group axis splits the torus
+    dimension's axis ``y``, and the gradients are still summed over all 32."""
     from podscale.parallel.mesh import BN_GROUP
 
     step, state = _bn_model_step(BN_GROUP)
-    with pytest.raises(ValueError, match="sharded-2d.*batch-norm groups of 4"):
-        project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["sharded-2d"], bn_group_size=4)
-    (grouped,) = project.project(
-        step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"], bn_group_size=4
+    grouped, two_d = project.project(
+        step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated", "sharded-2d"], bn_group_size=4
     )
     assert grouped.mesh == {"data": 8, BN_GROUP: 4} and grouped.bn_group_size == 4
-    sizes = {c["group_size"] for c in grouped.collectives if c["kind"] == "all-reduce"}
-    assert sizes == {4, 32}, grouped.collectives
+    assert two_d.mesh == {"x": 4, "y": 2, BN_GROUP: 4} and two_d.bn_group_size == 4
+    for row in (grouped, two_d):
+        sizes = {c["group_size"] for c in row.collectives if c["kind"] == "all-reduce"}
+        assert sizes == {4, 32}, row.collectives
     # Whole-batch batch norm (the default): every sum over the 32 devices.
     step, state = _bn_model_step(None)
     (whole,) = project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"])

@@ -45,12 +45,17 @@ def modelled_seconds(
 
 
 def choose_order(
-    mesh: Mesh, costs: Mapping[str, AxisCost] | None, nbytes: float, axes: tuple[str, ...] | None = None
+    mesh: Mesh,
+    costs: Mapping[str, AxisCost] | None,
+    nbytes: float,
+    axes: tuple[str, ...] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> tuple[tuple[str, str], str]:
     """The 2-D order over ``axes`` (default the mesh's) with the lower modelled time for ``nbytes``
-    per device, and why."""
+    per device, and why. ``sizes``: each of ``axes``' devices, where they are not the mesh's own
+    axes (a phase over several of them)."""
     axes = tuple(mesh.axis_names) if axes is None else tuple(axes)
-    sizes = dict(mesh.shape)
+    sizes = dict(mesh.shape) if sizes is None else dict(sizes)
     if costs is None:
         return axes, "no per-axis costs given (pass axis_costs, or calibrate): mesh order"
     missing = [a for a in axes if a not in costs]

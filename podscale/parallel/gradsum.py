@@ -85,6 +85,11 @@ class GradSum:
     """Gradients are summed in this dtype (``None``: their own); results come back in theirs."""
     reason: str = ""
     phases: str = "explicit"
+    phase_axes: tuple[tuple[str, ...], ...] = ()
+    """With ``mode="2d"``: the mesh axes of each phase, in ``order``'s order (empty: each axis of
+    ``order`` alone). A batch-norm group axis (``make_mesh(bn_group_size=k)``) joins the axis it
+    was split from: the 2-D sum of mesh ``(x, y / k, bn_group)`` runs over ``x`` and over
+    ``(y / k, bn_group)``, whose devices are the 2-D mesh's ``y``."""
     """With ``mode="2d"``: ``"xla"`` sends each sum as one collective over both axes
     (:data:`PHASES`); ``"explicit"`` as podscale's phases; ``"axes"`` (:meth:`by_axis`, for small
     sums) as one all-reduce along each axis in turn."""
@@ -92,6 +97,14 @@ class GradSum:
     @property
     def n(self) -> int:
         return math.prod(self.sizes[a] for a in self.order)
+
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes of each phase of the 2-D sum, first phase first (:attr:`phase_axes`)."""
+        return self.phase_axes or tuple((a,) for a in self.order)
+
+    def size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
 
     def by_axis(self) -> GradSum:
         """This scheme for small, latency-bound sums read whole (batch statistics, per-layer
@@ -108,7 +121,7 @@ class GradSum:
     def small_sum_groups(self) -> tuple[tuple[str, ...], ...]:
         """The axes of each all-reduce of a small sum read whole (:meth:`by_axis`): every axis at
         once where the sum is one collective, else each axis in turn."""
-        return (self.order,) if self.one_collective else tuple((a,) for a in self.order)
+        return (self.order,) if self.one_collective else self.groups
 
     @property
     def one_collective(self) -> bool:
@@ -133,8 +146,8 @@ class GradSum:
                 x = lax.psum(x, axes)
                 phases.append(Collective("all-reduce", axes, _nbytes(x), chunks=1))
             return x.astype(dtype).reshape(shape)
-        first, second = self.order
-        nx = self.sizes[first]
+        first, second = self.groups
+        nx = self.size(first)
         flat = jnp.ravel(x)
         pad = -flat.size % nx
         rows = (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nx, -1)
@@ -146,9 +159,9 @@ class GradSum:
         total = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
         nbytes = _nbytes(rows)
         phases += [
-            Collective("reduce-scatter", (first,), nbytes, chunks=len(outs)),
-            Collective("all-reduce", (second,), nbytes // nx, chunks=len(outs)),
-            Collective("all-gather", (first,), nbytes // nx, chunks=len(outs)),
+            Collective("reduce-scatter", first, nbytes, chunks=len(outs)),
+            Collective("all-reduce", second, nbytes // nx, chunks=len(outs)),
+            Collective("all-gather", first, nbytes // nx, chunks=len(outs)),
         ]
         return self._broken(total.reshape(-1)[: math.prod(shape)]).astype(dtype).reshape(shape)
 
@@ -163,8 +176,8 @@ class GradSum:
             return self._broken(lax.psum_scatter(rows, self.order, scatter_dimension=0, tiled=True)[0]).astype(dtype)
         if rows.shape[1] == 0:
             return rows[0].astype(dtype)
-        first, second = self.order
-        nx, ny = self.sizes[first], self.sizes[second]
+        first, second = self.groups
+        nx, ny = self.size(first), self.size(second)
         outs = []
         for cols in self._column_chunks(rows.shape[1]):
             part = rows[:, cols]
@@ -174,8 +187,8 @@ class GradSum:
             outs.append(part[0])
         nbytes = _nbytes(rows)
         phases += [
-            Collective("reduce-scatter", (first,), nbytes, chunks=len(outs)),
-            Collective("reduce-scatter", (second,), nbytes // nx, chunks=len(outs)),
+            Collective("reduce-scatter", first, nbytes, chunks=len(outs)),
+            Collective("reduce-scatter", second, nbytes // nx, chunks=len(outs)),
         ]
         return self._broken(jnp.concatenate(outs) if len(outs) > 1 else outs[0]).astype(dtype)
 
@@ -189,7 +202,7 @@ class GradSum:
             return all_gather_invariant(shard, self.order, axis=0, tiled=False)
         if shard.shape[0] == 0:
             return jnp.zeros((self.n, 0), shard.dtype)
-        first, second = self.order
+        first, second = self.groups
         outs = []
         for cols in self._column_chunks(shard.shape[0]):
             part = all_gather_invariant(shard[cols], second, axis=0, tiled=False)  # [ny, w]
@@ -197,8 +210,8 @@ class GradSum:
             outs.append(part.reshape(self.n, -1))
         nbytes = _nbytes(shard)
         phases += [
-            Collective("all-gather", (second,), nbytes, chunks=len(outs)),
-            Collective("all-gather", (first,), nbytes * self.sizes[second], chunks=len(outs)),
+            Collective("all-gather", second, nbytes, chunks=len(outs)),
+            Collective("all-gather", first, nbytes * self.size(second), chunks=len(outs)),
         ]
         return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
@@ -312,14 +325,16 @@ def make_grad_sum(
         if chunks not in (None, 1):
             raise ValueError(f"grad_sum_chunks={chunks} pipelines the 2-D sum; with grad_sum='1d' leave it at 1")
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
-    if data_only and len(axes) != 2:
+    groups = phase_groups(axes)
+    named = [" and ".join(g) for g in groups]
+    if data_only and len(groups) != 2:
         raise ValueError(
             f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(axes)} besides its "
             f"last (the space or model axis): {axes}; make one with two, e.g. "
             + _three_axis_example(math.prod(mesh.shape.values()), mesh.shape[mesh.axis_names[-1]])
         )
-    one = [a for a in axes if sizes[a] < 2]
-    if len(axes) == 2 and one:
+    one = [name for name, g in zip(named, groups, strict=True) if math.prod(sizes[a] for a in g) < 2]
+    if len(groups) == 2 and one:
         n = math.prod(sizes.values())
         two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]  # squarest last
         raise ValueError(
@@ -327,20 +342,19 @@ def make_grad_sum(
             "there is no second sum; "
             + (f"make a mesh of two axes of at least 2, e.g. make_mesh({two[-1]})" if two else "use grad_sum='1d'")
         )
-    if len(axes) != 2:
-        if BN_GROUP in axes:  # the axis make_mesh(bn_group_size=k) adds
-            raise ValueError(
-                f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}: bn_group_size adds a "
-                "third axis, and 2-D summation and batch-norm groups do not combine yet; drop one of them"
-            )
-        if len(axes) > 2:
-            n = math.prod(sizes.values())
+    if len(groups) != 2:
+        n = math.prod(sizes.values())
+        if len(groups) > 2:
             two = (n // sizes[axes[-1]], sizes[axes[-1]])
+            grouped = (
+                f" (a batch-norm group axis {BN_GROUP!r} counts with the axis it was split from)"
+                if len(groups) < len(axes)
+                else ""
+            )
             raise ValueError(
                 f"grad_sum='2d' sums along two mesh axes, one after the other, and mesh {dict(mesh.shape)} has "
-                f"{len(axes)}; make a 2-D one with the same devices, e.g. make_mesh({two})"
+                f"{len(groups)}{grouped}; make a 2-D one with the same devices, e.g. make_mesh({two})"
             )
-        n = math.prod(sizes.values())
         two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]  # squarest last
         raise ValueError(
             f"grad_sum='2d' needs a mesh with exactly two axes, got {dict(mesh.shape)}; "
@@ -350,6 +364,7 @@ def make_grad_sum(
                 else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
             )
         )
+    grouped = (" (the batch-norm group axis with the axis it was split from)",) if len(groups) < len(axes) else ("",)
     platform = mesh.devices.flat[0].platform
     phases = phases or default_phases(platform, chunks, axis_costs)
     if phases == "xla":  # one collective: the axes in mesh order, as the 1-D sum's
@@ -361,17 +376,48 @@ def make_grad_sum(
             if platform in PHASES_BY_XLA_PLATFORMS
             else f"sent as one collective over {how} (grad_sum_phases='xla'): its phases are XLA:{platform.upper()}'s"
         )
-        return GradSum("2d", axes, sizes, 1, dtype, reason, "xla")
+        return GradSum("2d", axes, sizes, 1, dtype, reason, "xla", groups)
     costs = calibrate(mesh) if axis_costs == "calibrate" else axis_costs
     if isinstance(costs, str):
         raise ValueError(f"axis_costs={costs!r}: pass a dict of AxisCost per mesh axis, 'calibrate' or None")
-    order, reason = choose_order(mesh, costs, nbytes, axes)
+    if costs is not None:
+        missing = [a for a in axes if a not in costs]
+        if missing:
+            raise ValueError(
+                f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of {axes}"
+            )
+        costs = {name: group_cost([costs[a] for a in g]) for name, g in zip(named, groups, strict=True)}
+    by_name = dict(zip(named, groups, strict=True))
+    group_sizes = {name: math.prod(sizes[a] for a in g) for name, g in by_name.items()}
+    named_order, reason = choose_order(mesh, costs, nbytes, tuple(named), sizes=group_sizes)
+    groups = tuple(by_name[name] for name in named_order)
+    reason += grouped[0]
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     if chunks is None and platform == "tpu":
         chunks = 1
         reason += "; one chunk per phase (XLA:TPU combines a buffer's chunks back into one collective per phase)"
-    return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason)
+    order = tuple(a for g in groups for a in g)
+    return GradSum("2d", order, sizes, DEFAULT_CHUNKS if chunks is None else chunks, dtype, reason, "explicit", groups)
+
+
+def phase_groups(axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of each phase of the 2-D sum over the data axes ``axes``: each axis alone,
+    but the batch-norm group axis (:data:`~podscale.parallel.mesh.BN_GROUP`, which
+    ``make_mesh(bn_group_size=k)`` splits off the axis before it) with the axis before it, so
+    that a 2-D mesh with batch-norm groups still sums along its two dimensions."""
+    groups: list[tuple[str, ...]] = []
+    for a in axes:
+        if a == BN_GROUP and groups:
+            groups[-1] = (*groups[-1], a)
+        else:
+            groups.append((a,))
+    return tuple(groups)
+
+
+def group_cost(costs: list[AxisCost]) -> AxisCost:
+    """One ring over several mesh axes' devices: as slow as its slowest links."""
+    return AxisCost(bandwidth=min(c.bandwidth for c in costs), latency=max(c.latency for c in costs))
 
 
 def default_phases(platform: str, chunks: int | None, axis_costs: Any) -> str:

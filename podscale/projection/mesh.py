@@ -144,7 +144,8 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
     axes are the rest of the first torus dimension's devices (GPU: of a node) and the others.
     ``bn_group_size`` > 1 splits the last data axis as ``make_mesh(bn_group_size=...)`` does:
     an innermost data axis ``BN_GROUP`` of that many neighbouring replicas, which a model's batch
-    norm averages its statistics over."""
+    norm averages its statistics over (the 2-D sum runs its phases over the first axis and over
+    the last with its groups: :func:`~podscale.parallel.gradsum.phase_groups`)."""
     s = topology.system
     k = strategy.spatial or strategy.model_parallel or 1
     n = topology.devices
@@ -173,10 +174,9 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
         shape = (*shape, k)
     names = {1: ("data",), 2: ("x", "y"), 3: ("x", "y", "z")}[len(shape)]
     if bn_group_size > 1:
-        if two_data_axes(strategy):
-            what = "the 2-D gradient sum" if strategy.grad_sum == "2d" else "data x FSDP"
+        if strategy.fsdp_axes is not None:
             raise ValueError(
-                f"{what} with batch-norm groups of {bn_group_size} replicas: they do not combine yet "
+                f"data x FSDP with batch-norm groups of {bn_group_size} replicas: they do not combine yet "
                 "(a group would be a third data axis); project it with --bn-group-size 1"
             )
         last = shape[data - 1]
