@@ -52,9 +52,17 @@ def test_spatial_step_equals_one_device_on_the_whole_image(k, weight_update):
 
     if weight_update == "sharded":  # the update is sharded over data x space: 1/8 per device
         stored = dp.place_state(state)
+        split = 0
         for x, leaf in zip(jax.tree.leaves(stored), dp.layout.leaves, strict=True):
-            if leaf.sharded:
+            if leaf.sharded:  # flat chunks
                 assert x.addressable_shards[0].data.size * 8 == x.size == leaf.stored.length * (8 // k)
+            if leaf.chunked:  # chunks along a dim, split over the space axis where the dim divides
+                split += leaf.stored.split == k
+                assert x.addressable_shards[0].data.size * (8 // k) * leaf.stored.split == x.size
+                assert list(x.addressable_shards[0].data.shape) == leaf.local_shape()
+        assert split, [leaf.reason for leaf in dp.layout.leaves]
+        new, _ = dp(stored, dp.place_batch(batches[0], len(batches[0]["label"])))
+        assert [jax.typeof(x) for x in jax.tree.leaves(new)] == [jax.typeof(x) for x in jax.tree.leaves(stored)]
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batches[0]).compile(), dp.mesh)
     halos = [c for c in module.collectives if c.kind == "collective-permute"]
     assert halos and all(c.axes == ("y",) for c in halos), [(c.name, c.axes) for c in halos]

@@ -72,7 +72,7 @@ def check_kept_shapes(new_state, layout) -> None:
     for (path, v), leaf in zip(pairs, layout.leaves, strict=True):
         shape = tuple(v.shape) if isinstance(v, Sharded) else tuple(np.shape(v))
         if leaf.table or leaf.chunked:  # this replica's rows or chunk
-            local = leaf.stored.local_shape(leaf.shape)
+            local = leaf.stored.chunk_shape(leaf.shape) if leaf.chunked else leaf.stored.local_shape(leaf.shape)
             shape = tuple(leaf.shape) if list(shape) == local else shape
         if shape != tuple(leaf.shape):
             raise ValueError(

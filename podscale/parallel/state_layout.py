@@ -111,8 +111,9 @@ class StateLayout:
     """The mesh axes in the order chunks are laid out (the gradient sum's); default mesh order."""
     parts: tuple[str, ...] = ()
     """The axes left to XLA's partitioner (a spatial strategy's space axis, tensor partitioning's
-    model axis, or both): each data replica's chunk is split over them as well (XLA partitions the
-    update of a chunk over them), so a sharded leaf is 1/(data x k) per device, k their devices."""
+    model axis, or both): each data replica's flat chunk is split over them as well (XLA partitions
+    the update of a chunk over them), so a sharded leaf is 1/(data x k) per device, k their devices;
+    a chunk along a dim is, where data x k divide the dim (``Along.split``), else whole over them."""
     model: str | None = None
     """Tensor partitioning's model axis: a leaf with a ``model_dim`` is split over it along that
     dimension."""
@@ -157,8 +158,12 @@ class StateLayout:
         if leaf.model_dim is not None:
             spec[leaf.model_dim] = self.model
         match leaf.stored:
-            case Along(dim=dim, axes=axes):  # along its dim over the data axes (and a rule's over the model axis)
+            case Along(
+                dim=dim, axes=axes, split=split
+            ):  # along its dim over the data axes (and a rule's over the model axis)
                 spec[dim] = (axes or self.data_axes) + ((spec[dim],) if spec[dim] else ())
+                if split > 1:  # each replica's chunk split over the space axis too (left to XLA)
+                    spec[dim] += tuple(self.parts)
             case Rows():  # rows over the data axes, whole over a space or model axis
                 spec = [self.axes]
             case Flat():  # each replica's chunk split over the space and model axes too
@@ -419,10 +424,11 @@ def decide(
     (:func:`podscale.parallel.tables.choose`), whatever the weight update.
     ``fsdp=True``: every float leaf of at least ``min_shard_size`` elements (weights and optimizer
     state alike) is stored chunked along its :func:`chunk_dim` over the data axes, where they divide
-    one of its dimensions. ``dims=True`` (the sharded update with the 1-D sum, no space or model
-    axis): an optimizer-state leaf the replicas chunk along one of its dimensions is stored so
-    (the update's gradient reduce-scattered into that chunk, in its own shape: no relayout); the
-    others keep flat chunks. ``chunk_axes`` (data x FSDP): the data axes FSDP chunks over, where
+    one of its dimensions. ``dims=True`` (the sharded update with the sum sent as one collective),
+    without a model axis: an optimizer-state leaf the replicas chunk along one of its dimensions is
+    stored so (the update's gradient reduce-scattered into that chunk, in its own shape: no
+    relayout), split over a space axis too where the replicas times its devices divide that
+    dimension; the others keep flat chunks. ``chunk_axes`` (data x FSDP): the data axes FSDP chunks over, where
     not every one (the others hold whole copies of the chunks).
     """
     n = math.prod(mesh.shape[a] for a in (order or mesh.axis_names))
@@ -478,17 +484,23 @@ def decide(
                     reason="weight: the forward pass reads it whole; updated on shards, then all-gathered",
                 )
             )
-        elif dims and not parts and chunk_dim(shape, n) is not None:
+        elif dims and model is None and chunk_dim(shape, n) is not None:
             d = chunk_dim(shape, n)
             reason = f"sharded along dimension {d} over the {n} replicas, in its own shape"
-            leaves.append(LeafLayout(**kw, stored=Along(d, n), reason=reason))
+            k = math.prod(mesh.shape[a] for a in parts)  # a space axis (no model axis here)
+            split = k if k > 1 and shape[d] % (n * k) == 0 else 1
+            if split > 1:
+                reason += f", each chunk split over the space axis {parts[0]!r} too"
+            elif k > 1:
+                reason += f", each chunk whole over the space axis {parts[0]!r} ({n} x {k} do not divide {shape[d]})"
+            leaves.append(LeafLayout(**kw, stored=Along(d, n, split=split), reason=reason))
         else:
             k = math.prod(mesh.shape[a] for a in parts)
             reason = f"sharded over {n} replicas x {k} partitions" if k > 1 else "sharded"
-            if dims and not parts:
+            if dims and model is None:
                 reason += f" (flat: no dimension of {list(shape)} that the {n} replicas divide)"
             elif dims:
-                reason += " (flat: a space or model axis splits the chunks too)"
+                reason += " (flat: a model axis splits the chunks too)"
             dim = partition_dims[i] if per_partition and partition_dims else None
             by = ByPartition(shape, dim, k) if dim is not None else None
             if by is not None:  # per model partition, then over the replicas

@@ -130,6 +130,9 @@ class Along:
     dim: int
     n: int
     axes: tuple[str, ...] | None = None
+    split: int = 1
+    """Devices each replica's chunk is split over along ``dim`` too (the space axis, left to XLA:
+    the sharded update's chunks under spatial partitioning, where ``n * split`` divides the dim)."""
 
     padding = 0
 
@@ -141,10 +144,16 @@ class Along:
         return tuple(shape)
 
     def per_device(self, shape, model_split: int = 1) -> int:
-        return math.prod(shape) // model_split // self.n
+        return math.prod(shape) // model_split // self.n // self.split
 
     def local_shape(self, shape, model_dim: int | None = None, model_split: int = 1) -> list[int]:
         out = WHOLE.local_shape(shape, model_dim, model_split)
+        out[self.dim] //= self.n * self.split
+        return out
+
+    def chunk_shape(self, shape) -> list[int]:
+        """A replica's chunk (what the step sees of it, manual over the data axes only)."""
+        out = list(shape)
         out[self.dim] //= self.n
         return out
 
