@@ -15,7 +15,7 @@ import pytest
 from helpers import podscale_main
 
 from podscale import Strategy, data_parallel
-from podscale.compiled import hlo, hlo_cost, network, systems
+from podscale.compiled import hlo, hlo_cost, network, systems, tpu
 from podscale.compiled.network import Topology, ring_time
 from podscale.projection import cost as project_cost
 from podscale.projection import mesh as project_mesh
@@ -731,3 +731,23 @@ def test_batch_norm_groups_default_to_the_recipes_and_are_checked_before_compili
         "--model", "resnet50", "--config", "full", "--chips", "16", "--bn-group-size", "3", "--dry-run", check=False
     )
     assert odd.returncode != 0 and "do not divide into batch-norm groups of 3" in odd.stderr
+
+
+def test_libtpu_options_are_checked_before_compiling_and_only_for_xla_tpu():
+    """``--libtpu-args`` (a run's ``LIBTPU_INIT_ARGS``): refused for a module that is not XLA:TPU's,
+    and a malformed option named, before anything is compiled."""
+    cpu = _cli("--model", "mlp", "--compiler", "cpu", "--libtpu-args=--xla_a=1", "--dry-run", check=False)
+    assert cpu.returncode != 0 and "--libtpu-args: XLA:TPU's options" in cpu.stderr, cpu.stderr
+    if tpu.available():
+        bad = _cli("--model", "mlp", "--libtpu-args", "--xla_a=1 xla_b", "--dry-run", check=False)
+        assert bad.returncode != 0 and "--libtpu-args='--xla_a=1 xla_b': 'xla_b' is not an option" in bad.stderr
+
+
+def test_a_refusal_for_a_core_s_vector_memory_is_no_hbm_figure():
+    """XLA:TPU refuses a program over the chip's HBM or over a core's vector memory (``vmem``); only
+    the first is a memory per chip (the row's GiB/chip)."""
+    v3 = systems.get("tpu-v3")
+    hbm = "Ran out of memory in memory space hbm. Used 20.95G of 15.48G hbm. Exceeded hbm capacity by 5.47G."
+    vmem = "Ran out of memory in memory space vmem. Used 16.02M of 16.00M vmem. Exceeded vmem capacity by 24.0K."
+    assert project._required(hbm, v3) == pytest.approx(20.95 * 2**30 * 2)
+    assert project._required(vmem, v3) is None

@@ -856,21 +856,17 @@ def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_m
     assert module.copy_bytes(["update"]) < 0.05 * module.op_bytes(["update"]), module.to_dict()["copy_bytes"]
 
 
-@needs_libtpu
-def test_the_sharded_update_s_chunks_fill_their_tiles_so_it_moves_a_fraction_of_the_weights():
-    """``[256, 256]`` kernels under Adam on ``v3:4x4`` (32 cores): chunked along their rows (8 rows,
-    one tile high), the update's ops move less than the weights' own bytes, besides the copies of
-    the gathered weights it returns, and it relays out nothing. Chunked along their columns (8 of
-    each tile's 128 lanes) it moved 959 KB of the weights' 786 KB and relaid out 2 MB."""
+def _tanh_layers(layers: int, width: int, rows: int):
+    """Adam on ``layers`` square tanh layers of ``width``: (step, state shapes, a batch of ``rows``)."""
 
     def init():
-        params = {f"w{i}": jnp.zeros((256, 256)) for i in range(3)}
+        params = {f"w{i}": jnp.zeros((width, width)) for i in range(layers)}
         return {"params": params, "opt": TX.init(params)}
 
     def step(state, batch):
         def loss(params):
             h = batch["x"]
-            for i in range(3):
+            for i in range(layers):
                 h = jnp.tanh(h @ params[f"w{i}"])
             return jnp.mean((h - batch["y"]) ** 2)
 
@@ -878,11 +874,21 @@ def test_the_sharded_update_s_chunks_fill_their_tiles_so_it_moves_a_fraction_of_
         updates, opt = TX.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
 
+    batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.float32) for k in ("x", "y")}
+    return step, jax.eval_shape(init), batch
+
+
+@needs_libtpu
+def test_the_sharded_update_s_chunks_fill_their_tiles_so_it_moves_a_fraction_of_the_weights():
+    """``[256, 256]`` kernels under Adam on ``v3:4x4`` (32 cores): chunked along their rows (8 rows,
+    one tile high), the update's ops move less than the weights' own bytes, besides the copies of
+    the gathered weights it returns, and it relays out nothing. Chunked along their columns (8 of
+    each tile's 128 lanes) it moved 959 KB of the weights' 786 KB and relaid out 2 MB."""
+    step, state, batch = _tanh_layers(3, 256, 64)
     devices = tpu.devices("tpu-v3", "v3:4x4")
     mesh = project_mesh.compile_mesh({"data": len(devices)}, devices)
     dp = data_parallel(step, mesh, Strategy(weight_update="sharded"))
-    batch = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32) for k in ("x", "y")}
-    dp.prepare(jax.eval_shape(init), batch)
+    dp.prepare(state, batch)
     module = hlo.read(dp.lower(dp.layout.stored_shapes(), batch).compile(), mesh)
     weights = 3 * 256 * 256 * 4
     moved = module.op_bytes(["update"]) - module.copy_bytes(["update"])
@@ -903,3 +909,38 @@ def test_the_sharded_update_relays_out_no_gradient_and_copies_only_the_weights_i
     assert relaid["backward"] == relaid["update"] == 0, relaid
     weights = 3 * 256 * 4 * 64 * 4
     assert module.copy_bytes(["update"], relayouts=False) == 2 * weights, module.to_dict()["copy_bytes"]
+
+
+ASYNC_OPTIONS = (
+    "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true "
+    "--xla_enable_async_all_reduce=true --xla_tpu_async_collective_fusion_with_start_done_only=true "
+    "--xla_jf_crs_combiner_threshold_in_bytes=1"
+)
+"""MaxText's asynchronous collective fusion, with XLA's combiner off (so each gradient's all-reduce is
+its own and can start as soon as that gradient is made), and on v3 start-and-done-only fusions
+(which otherwise run out of the core's vector memory)."""
+
+
+@needs_libtpu
+def test_asynchronous_collectives_that_libtpu_options_make_are_read_and_hidden_behind_the_backward_pass(monkeypatch):
+    """With the options in ``LIBTPU_INIT_ARGS``, as a run passes them, XLA:TPU's ``v3:4x4`` module
+    sends the first gradient's all-reduce as an ``AsyncCollectiveStart`` fusion and ends it after
+    the other gradients' products. The reader counts it as the collective it is (four gradient
+    all-reduces, none dropped) and the projection hides part of it; without the options nothing is
+    hidden. A malformed option is refused naming it."""
+    step, state, batch = _tanh_layers(4, 512, 16)
+
+    def row():
+        (r,) = project.project(step, state, batch, system="tpu-v3", chips=[16], strategies=["replicated"])
+        return r
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    plain = row()
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", ASYNC_OPTIONS)
+    overlapped = row()
+    assert plain.hidden_s == 0 and overlapped.hidden_s > 0, (plain.hidden_s, overlapped.hidden_s)
+    runs = lambda r: sum(c["runs"] for c in r.collectives if c["kind"] == "all-reduce")  # noqa: E731
+    assert runs(overlapped) == 4 and runs(plain) >= 1, (overlapped.collectives, plain.collectives)
+    assert overlapped.exposed_s < overlapped.communication_s
+    with pytest.raises(ValueError, match="'xla_foo=1' is not an option"):
+        tpu.compile_options("--xla_bar=true xla_foo=1")

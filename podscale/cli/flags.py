@@ -26,6 +26,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--mesh {text!r}: ")) from None
 
 
+LIBTPU_HELP = (
+    "XLA:TPU's options as a TPU run passes them in LIBTPU_INIT_ARGS, e.g. MaxText's asynchronous collectives "
+    "(--libtpu-args='--xla_tpu_enable_async_collective_fusion=true ...'): the module is compiled, and its overlap "
+    "costed, with them (default: $LIBTPU_INIT_ARGS, where set)"
+)
 DRY_RUN_HELP = (
     "check every flag, output path and the mesh and batch arithmetic, as a run does before any work, "
     "then exit 0 without running (with --json: one object saying what would run)"
@@ -199,6 +204,7 @@ def plan_parser(sub) -> None:
         "libtpu's compile-only devices, pip install 'podscale[tpu]') and show its module's collectives and memory",
     )
     p.add_argument("--chips", type=int, default=None, help="with --system: the slice's chips (--mesh: its devices)")
+    p.add_argument("--libtpu-args", default=None, help="with --system: " + LIBTPU_HELP)
     p.add_argument(
         "--eval",
         action="store_true",
@@ -298,6 +304,7 @@ def project_parser(sub) -> None:
         "default); default: the MLPerf recipe's at each chip count (ssd: 4; resnet50: 8 from 2048 replicas up; "
         "1 for the others)",
     )
+    p.add_argument("--libtpu-args", default=None, help=LIBTPU_HELP)
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--plot", default=None, help="write step time and throughput against chips to this file (.png, .pdf, .svg, ...)"

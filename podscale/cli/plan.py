@@ -15,6 +15,8 @@ def _plan_devices(args) -> list | None:
     """The compile-only TPU devices ``plan --system S --chips N`` compiles for (``None``: this
     machine's devices); refuses an incomplete or impossible request before any work."""
     if args.system is None and args.chips is None:
+        if args.libtpu_args is not None:
+            raise ValueError("--libtpu-args: XLA:TPU's options, for a TPU slice: add --system and --chips, or drop it")
         return None
     if args.system is None or args.chips is None:
         given, missing = ("--system", "--chips") if args.chips is None else ("--chips", "--system")
@@ -33,6 +35,15 @@ def _plan_devices(args) -> list | None:
 
 
 def run_plan(args) -> int:
+    if args.libtpu_args is None:
+        return _run_plan(args)
+    from podscale.compiled import tpu
+
+    with tpu.libtpu_args(args.libtpu_args):  # as a run's LIBTPU_INIT_ARGS, restored after
+        return _run_plan(args)
+
+
+def _run_plan(args) -> int:
     from podscale.parallel.strategy import from_flags
 
     if args.batch_size is not None and not 1 <= args.batch_size < 2**31:
@@ -99,11 +110,11 @@ def _eval_memory(task, dp, batch) -> dict[str, int]:
     import jax
     import jax.numpy as jnp
 
-    from podscale.compiled import hlo
+    from podscale.compiled import hlo, tpu
     from podscale.train.evaluate import distributed_eval
     from podscale.train.tasks import make_eval_fn
 
     rows = jax.tree.leaves(batch)[0].shape[0]
     eval_batch = {**batch, "mask": jax.ShapeDtypeStruct((rows,), jnp.float32)}
     lowered = distributed_eval(make_eval_fn(task), dp).lower(dp.placement.stored_shapes(), eval_batch)
-    return hlo.memory_of(lowered.compile())
+    return hlo.memory_of(lowered.compile(tpu.options_for(dp.mesh)))

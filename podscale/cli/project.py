@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 
 from podscale.cli.messages import dry_run_result
@@ -107,6 +108,15 @@ def _strategy_names() -> tuple[str, ...]:
 
 
 def run_project(args) -> int:
+    if args.libtpu_args is None:
+        return _run_project(args)
+    from podscale.compiled import tpu
+
+    with tpu.libtpu_args(args.libtpu_args):  # as a run's LIBTPU_INIT_ARGS, restored after
+        return _run_project(args)
+
+
+def _run_project(args) -> int:
     from podscale.parallel.mesh import MAX_CPU_DEVICES
     from podscale.parallel.strategy import from_flags
 
@@ -129,7 +139,7 @@ def run_project(args) -> int:
         return 0
     if args.list_systems:
         return dry_run_result(args, {"list_systems": True}) if args.dry_run else _print_systems(args.json)
-    from podscale.compiled import systems
+    from podscale.compiled import systems, tpu
     from podscale.compiled.network import Topology
     from podscale.projection import mesh as project_mesh
     from podscale.projection import project as proj
@@ -189,6 +199,14 @@ def run_project(args) -> int:
     import jax
 
     chosen = proj.compiler_for(system, args.compiler, progress)  # tpu, gpu or cpu
+    if args.libtpu_args is not None and chosen != "tpu":
+        raise ValueError(
+            f"--libtpu-args: XLA:TPU's options, and this projection's module is XLA:{chosen.upper()}'s: drop it, or "
+            "project a TPU system with --compiler tpu"
+        )
+    libtpu_args = os.environ.get(tpu.OPTIONS_ENV, "") if chosen == "tpu" else ""  # run_project set --libtpu-args
+    if libtpu_args:
+        progress(f"XLA:TPU's options, as a run's LIBTPU_INIT_ARGS: {libtpu_args}")
     devices = 0 if chosen != "cpu" else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))
     if not args.dry_run and chosen == "cpu":  # a dry run compiles nothing: it leaves the devices as they are
         jax.config.update("jax_num_cpu_devices", devices)
@@ -274,9 +292,12 @@ def run_project(args) -> int:
     order = {(c, s): i for i, (c, s) in enumerate((c, s) for c in chips for s in effective)}
     rows = project_rows.mark_fastest(sorted(rows, key=lambda r: order[r.chips, r.strategy]))
     if args.json:
-        print(json.dumps({"system": dataclasses.asdict(system), "rows": [r.to_dict() for r in rows]}), flush=True)
+        out = {"system": dataclasses.asdict(system), "libtpu_args": libtpu_args, "rows": [r.to_dict() for r in rows]}
+        print(json.dumps(out), flush=True)
     else:
         project_rows.render(rows, system, f"{args.model} ({args.config or 'default'})")
+        if libtpu_args:
+            print(f"compiled by XLA:TPU with LIBTPU_INIT_ARGS={libtpu_args}")
     if args.plot is not None:
         try:
             project_rows.plot(rows, args.plot, title=f"{args.model} ({args.config or 'default'}) on {system.name}")

@@ -27,6 +27,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
+from podscale.compiled import hlo_async
 from podscale.compiled.hlo_cost import (
     NO_COST,
     Draft,
@@ -371,7 +372,7 @@ def read_text(
                 for callee in re.findall(r"%?([\w.\-]+)", target):
                     if role == "to_apply" and opcode != "call":
                         continue  # a reducer, costed by its reduce
-                    if opcode == "fusion" or (opcode == "async-start" and _wrapped_collective(comps, attrs)):
+                    if opcode == "fusion" or hlo_async.wrapped_collective(comps, opcode, attrs):
                         fusion_bodies.add(callee)
                         continue
                     calls[comp].append((callee, trips if role in ("body", "condition") else 1))
@@ -397,13 +398,15 @@ def read_text(
         events: list[tuple] = []
         started: dict[str, tuple[int, ...]] = {}  # an async collective's start -> its indices in ``out``
         readers: dict[str, list[tuple[tuple, int]]] = defaultdict(list)
-        done_of: dict[str, str] = {}  # an async start -> its done
+        done_of: dict[str | None, str] = {}  # an async start -> its done
+        by_name = {ins[0]: ins for ins in instrs}
         for ins in instrs:
             for pos, o in enumerate(ins[3]):
                 readers[o].append((ins, pos))
             if ins[2].endswith("-done") and ins[3]:
                 done_of[ins[3][0]] = ins[0]
-        by_name = {ins[0]: ins for ins in instrs}
+            elif hlo_async.is_done(comps, ins[2], ins[4]):
+                done_of[hlo_async.start_of(by_name, ins[3])] = ins[0]
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
@@ -425,16 +428,17 @@ def read_text(
                 continue
             if not op_name and opcode not in NO_COST:
                 op_name = _UNNAMED[unnamed(comp, name)]
-            if opcode == "async-start":
-                wrapped = _wrapped_collective(comps, attrs)
-                if wrapped is not None:
-                    kind, w_type, w_rest = wrapped
-                    op = _OP_NAME.search(w_rest)
-                    w_name = op.group(1) if op else op_name
-                    out.append(_collective(name, kind, kind, w_type, w_rest, mesh_shape, devices, runs[comp], w_name))
-                    started[name] = (len(out) - 1,)
-                    events.append(("start", started[name]))
-                    continue
+            wrapped = hlo_async.wrapped_collective(comps, opcode, attrs)
+            if wrapped is not None:  # an async-start of a collective, or XLA:TPU's async collective fusion
+                base, type_text, rest = wrapped
+                opcode = base + "-start"
+                op = _OP_NAME.search(rest)
+                op_name = op.group(1) if op else op_name
+            elif hlo_async.is_done(comps, opcode, attrs):
+                start = hlo_async.start_of(by_name, operands)
+                if start in started:
+                    events.append(("done", started[start]))
+                continue
             if base in KINDS:
                 if opcode.endswith("-done"):
                     continue
@@ -563,16 +567,6 @@ def _split_scatter(c: Collective, scattered: list[int]) -> list[Collective]:
         out.append(dataclasses.replace(c, buffer_bytes=c.buffer_bytes - part))
     out.append(dataclasses.replace(c, kind="reduce-scatter", name=c.name + ".scatter", buffer_bytes=part))
     return out
-
-
-def _wrapped_collective(comps, attrs: str) -> tuple[str, str, str] | None:
-    """(kind, result type, attributes) of the collective an ``async-start`` wraps (XLA:TPU runs a
-    reduce-scatter or an all-to-all asynchronously this way); ``None`` for other async ops."""
-    m = re.search(r"calls=%?([\w.\-]+)", attrs)
-    for _, t, opc, _, _, rest in comps.get(m.group(1), []) if m else []:
-        if opc in KINDS:
-            return opc, t, rest
-    return None
 
 
 def _collective(name, kind, opcode, type_text, rest, mesh_shape, devices, count, op_name) -> Collective:

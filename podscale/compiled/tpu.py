@@ -142,6 +142,52 @@ def _quiet_libtpu() -> None:
         os.environ.setdefault(name, value)
 
 
+OPTIONS_ENV = "LIBTPU_INIT_ARGS"
+"""Where a TPU run takes XLA:TPU's options (MaxText's ``LIBTPU_INIT_ARGS``): libtpu reads it when it
+loads, and a compile here passes the same options per compile (:func:`compile_options`)."""
+
+
+def compile_options(text: str | None = None, source: str = OPTIONS_ENV) -> dict[str, str]:
+    """XLA:TPU's options in ``LIBTPU_INIT_ARGS``'s form (``text``, default the variable's value):
+    ``--name=value`` each, ``--name`` alone meaning ``true``; ``{}`` where there are none. A
+    compile on the compile-only devices with them is the module a run with them gets (checked on
+    ``v3:4x4``: the same asynchronous collective fusions either way)."""
+    text = os.environ.get(OPTIONS_ENV, "") if text is None else text
+    options = {}
+    for token in text.split():
+        name, _, value = token.removeprefix("--").partition("=")
+        if not token.startswith("--") or not name:
+            raise ValueError(
+                f"{source}={text!r}: {token!r} is not an option; write each as --name=value, e.g. "
+                "--xla_tpu_enable_async_collective_fusion=true"
+            )
+        options[name] = value or "true"
+    return options
+
+
+def options_for(mesh) -> dict[str, str] | None:
+    """The options a compile for ``mesh`` passes: a TPU mesh's :func:`compile_options`, else none."""
+    return (compile_options() or None) if mesh.devices.flat[0].platform == "tpu" else None
+
+
+@contextlib.contextmanager
+def libtpu_args(text: str | None, source: str = "--libtpu-args"):
+    """``LIBTPU_INIT_ARGS`` set to ``text`` (checked: :func:`compile_options`) for the block and
+    restored after (``None``: left as it is); yields the options in effect, as text."""
+    before = os.environ.get(OPTIONS_ENV)
+    if text is not None:
+        compile_options(text, source)  # refused before any work
+        os.environ[OPTIONS_ENV] = text
+    try:
+        yield os.environ.get(OPTIONS_ENV, "")
+    finally:
+        if text is not None:
+            if before is None:
+                os.environ.pop(OPTIONS_ENV, None)
+            else:
+                os.environ[OPTIONS_ENV] = before
+
+
 def topology_name(system: System, chips: int) -> str:
     """libtpu's name of the slice of ``chips`` chips of ``system``: ``v3:4x4``, ``v4:2x2x2``."""
     if system.name not in _TOPOLOGY:

@@ -152,7 +152,7 @@ class DataParallelStep:
         step (for ``batch``) and reads the collectives and memory per device from the compiled
         module, so that the plan states what runs.
         """
-        from podscale.compiled import hlo
+        from podscale.compiled import hlo, tpu
         from podscale.parallel.plan import make_plan
 
         if state is not None:
@@ -161,7 +161,7 @@ class DataParallelStep:
             if batch is None:
                 raise ValueError("plan() needs an example global batch the first time, and to compile")
             lowered = self.lower(self.placement.stored_shapes(), shape_structs(batch))
-        module = hlo.read(lowered.compile(), self.mesh) if compile else None
+        module = hlo.read(lowered.compile(tpu.options_for(self.mesh)), self.mesh) if compile else None
         return make_plan(self.placement, self.trace, self.grad_sum, self.strategy, module, self._batch_placement())
 
     def _batch_placement(self, batch=None, abstract=None) -> BatchPlacement | None:

@@ -314,10 +314,13 @@ def _compile(data_parallel, step, shapes, make_batch, replica_batch: int, k: int
 
 
 def _options(devices) -> dict | None:
-    """XLA options of a compile on ``devices``: XLA:GPU's for compile-only GPUs, else none."""
-    from podscale.compiled import gpu
+    """XLA options of a compile on ``devices``: XLA:GPU's for compile-only GPUs, the run's own
+    ``LIBTPU_INIT_ARGS`` for compile-only TPUs (:func:`podscale.compiled.tpu.compile_options`)."""
+    from podscale.compiled import gpu, tpu
 
-    return dict(gpu.COMPILER_OPTIONS) if devices and devices[0].platform == "gpu" else None
+    platform = devices[0].platform if devices else None
+    options = {"gpu": dict(gpu.COMPILER_OPTIONS), "tpu": tpu.compile_options()}.get(platform)
+    return options or None
 
 
 def _no_persistent_cache():
@@ -420,7 +423,11 @@ def _out_of_memory(message: str) -> bool:
 
 def _required(message: str, system: System) -> float | None:
     """The memory per chip XLA:TPU's refusal says the program needs (per device: ``required ...
-    (70.00G)`` or ``Used 20.95G of 15.48G hbm``), or ``None`` when it gives none."""
+    (70.00G)`` or ``Used 20.95G of 15.48G hbm``), or ``None`` when it gives none or the memory it ran
+    out of is another (a core's vector memory, ``vmem``: the chip's HBM is not what is short)."""
+    space = re.search(r"memory space (\w+)", message)
+    if space and space.group(1) != "hbm":
+        return None
     m = re.search(r"\((\d+(?:\.\d+)?)([KMGT])\)", message) or re.search(r"Used (\d+(?:\.\d+)?)([KMGT])\b", message)
     return float(m.group(1)) * _UNITS[m.group(2)] * system.devices_per_chip if m else None
 
