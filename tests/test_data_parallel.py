@@ -9,6 +9,7 @@ import pytest
 from helpers import leaf_relative_error, max_abs_diff, run_parallel, run_single
 
 from podscale import data_parallel, make_mesh
+from podscale.compiled.gradsum_cost import AxisCost
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train.tasks import make_task, make_train_step
 
@@ -280,24 +281,41 @@ def _bn_step(model, tx):
 
 @pytest.mark.parametrize(
     "weight_update, grad_sum",
-    [("replicated", "1d"), ("sharded", "1d"), ("fsdp", "1d"), ("replicated", "2d"), ("sharded", "2d")],
+    [
+        ("replicated", "1d"),
+        ("sharded", "1d"),
+        ("fsdp", "1d"),
+        ("replicated", "2d"),
+        ("sharded", "2d"),
+        ("fsdp", "2d"),
+        ("sharded", "2d, y first"),
+    ],
 )
 def test_batch_norm_over_groups_of_replicas_equals_batch_norm_over_each_groups_batch(weight_update, grad_sum):
     """bn_group_size=4 on 8 replicas: two groups, each normalizing over its 4 replicas' rows. With
     the 2-D sum on a 2x4 mesh, the group axis joins the axis it was split from: the phases run
-    over ``x`` and over ``(y, bn_group)``."""
+    over ``x`` and over ``(y, bn_group)``, in either order (axis costs that make ``y`` first: the
+    sharded update's chunks then ordered ``(y, bn_group, x)``)."""
     tx = optax.sgd(0.1)
     x = jax.random.normal(jax.random.key(1), (64, 5))
     batch = {"x": x, "y": jnp.arange(64) % 3}
     variables = _BNNet(None).init(jax.random.key(0), x[:2], False)
     state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
     mesh = make_mesh(None if grad_sum == "1d" else (2, 4), bn_group_size=4)
+    first = grad_sum == "2d, y first"  # y's links cheaper: its phase goes first
+    costs = {"axis_costs": {"x": AxisCost(1e9, 1e-3), "y": AxisCost(1e12, 1e-6)}} if first else {}
     dp = data_parallel(
-        _bn_step(_BNNet(BN_GROUP), tx), mesh, weight_update=weight_update, grad_sum=grad_sum, min_shard_size=1
+        _bn_step(_BNNet(BN_GROUP), tx),
+        mesh,
+        weight_update=weight_update,
+        grad_sum=grad_sum[:2],
+        min_shard_size=1,
+        **costs,
     )
     dp.prepare(state, batch)
-    if grad_sum == "2d":
-        assert dp.grad_sum.groups == (("x",), ("y", BN_GROUP)), dp.grad_sum
+    if grad_sum != "1d":
+        expected = (("y", BN_GROUP), ("x",)) if first else (("x",), ("y", BN_GROUP))
+        assert dp.grad_sum.groups == expected, dp.grad_sum
         phases = {tuple(c["axes"]) for c in dp.plan(state, batch).collectives if c["update"]}
         assert phases >= {("x",), ("y", BN_GROUP)}, phases
     (params, stats, _), metrics = run_parallel(dp, state, [batch])

@@ -145,3 +145,64 @@ def test_a_multislice_module_s_sends_to_the_megascale_runtime_are_collectives_ac
     assert within.kind == "all-reduce" and within.group_size == 4
     assert across.kind == "all-reduce" and across.axes == (hlo.DCN,) and across.group_size == 2
     assert across.buffer_bytes == 4 * 8 * 128 * 4 and hlo.UPDATE_SCOPE in across.op_name
+
+
+ASYNC_FUSION = """HloModule m, num_partitions=4
+
+%region (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%start_comp (p: f32[1024]) -> (f32[1024], f32[1024], u32[]) {
+  %p = f32[1024]{0} parameter(0)
+  %ar = f32[1024]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%region, metadata={op_name="podscale_update/grad_sum/psum"}
+  ROOT %cs = (f32[1024]{0}, f32[1024]{0}, u32[]) custom-call(%ar), custom_call_target="AsyncCollectiveStart"
+}
+
+%done_comp (q0: f32[1024], q1: f32[1024], q2: u32[]) -> f32[1024] {
+  %q0 = f32[1024]{0} parameter(0)
+  %q1 = f32[1024]{0} parameter(1)
+  %q2 = u32[] parameter(2)
+  %ar2 = f32[1024]{0} all-reduce(%q0), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%region
+  ROOT %cd = f32[1024]{0} custom-call(%q0, %q1, %ar2, %q2), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (x: f32[1024], y: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %y = f32[1024]{0} parameter(1)
+  %s = (f32[1024]{0}, f32[1024]{0}, u32[]) fusion(%x), kind=kCustom, calls=%start_comp
+  %m = f32[1024]{0} multiply(%y, %y), metadata={op_name="transpose(jvp())/mul"}
+  %g0 = f32[1024]{0} get-tuple-element(%s), index=0
+  %g1 = f32[1024]{0} get-tuple-element(%s), index=1
+  %g2 = u32[] get-tuple-element(%s), index=2
+  %d = f32[1024]{0} fusion(%g0, %g1, %g2), kind=kCustom, calls=%done_comp
+  ROOT %r = f32[1024]{0} add(%d, %m), metadata={op_name="podscale_update/add"}
+}
+"""
+
+
+def test_xla_tpu_s_asynchronous_collective_fusion_is_one_collective_started_and_waited_for():
+    """XLA:TPU's async collective fusion (``LIBTPU_INIT_ARGS``'s
+    ``xla_tpu_enable_async_collective_fusion``): a ``kCustom`` fusion returning an
+    ``AsyncCollectiveStart`` custom call over the all-reduce, and one returning an
+    ``AsyncCollectiveDone`` (each holding a copy of the collective). One all-reduce, started at the
+    first and waited for at the second, the multiply between them hiding it; a done that is not
+    found is waited for at the computation's end, never hidden past it."""
+    module = hlo.read_text(ASYNC_FUSION, {"data": 4}, platform="tpu")
+    (c,) = module.collectives
+    assert (c.kind, c.buffer_bytes, c.group_size) == ("all-reduce", 4096, 4)
+    kinds = [e[0] if e[0] != "op" else module.ops[e[1]].opcode for e in module.schedule[module.entry]]
+    assert kinds[0] == "start" and kinds.index("multiply") < kinds.index("done") < kinds.index("add"), kinds
+    lost = hlo.read_text(ASYNC_FUSION.replace("fusion(%g0, %g1, %g2)", "fusion(%y, %y, %g2)"), {"data": 4}, "tpu")
+    # %g2 still reads the start: found through it
+    assert [e[0] for e in lost.schedule[lost.entry]].count("done") == 1
+    unread = ASYNC_FUSION.replace("fusion(%g0, %g1, %g2)", "fusion(%y, %y, %y)")
+    none = hlo.read_text(
+        unread.replace("(q0: f32[1024], q1: f32[1024], q2: u32[])", "(q0: f32[1024], q1: f32[1024], q2: f32[1024])"),
+        {"data": 4},
+        "tpu",
+    )
+    events = [e[0] for e in none.schedule[none.entry]]
+    assert events[-1] == "done" and events.count("done") == 1, events

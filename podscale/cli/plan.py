@@ -31,12 +31,11 @@ def _plan_devices(args) -> list | None:
         raise ValueError("--replicas with --system: the slice's devices are the replicas; give --mesh for its shape")
     if not tpu.available():
         raise ValueError(f"--system {args.system}: {tpu.MISSING.split(':')[0]}; pip install 'podscale[tpu]'")
+    tpu.compile_options()  # LIBTPU_INIT_ARGS (or --libtpu-args), checked before anything is compiled
     return list(tpu.devices(system.name, tpu.topology_name(system, args.chips)))
 
 
 def run_plan(args) -> int:
-    if args.libtpu_args is None:
-        return _run_plan(args)
     from podscale.compiled import tpu
 
     with tpu.libtpu_args(args.libtpu_args):  # as a run's LIBTPU_INIT_ARGS, restored after

@@ -108,8 +108,6 @@ def _strategy_names() -> tuple[str, ...]:
 
 
 def run_project(args) -> int:
-    if args.libtpu_args is None:
-        return _run_project(args)
     from podscale.compiled import tpu
 
     with tpu.libtpu_args(args.libtpu_args):  # as a run's LIBTPU_INIT_ARGS, restored after
@@ -205,6 +203,7 @@ def _run_project(args) -> int:
             "project a TPU system with --compiler tpu"
         )
     libtpu_args = os.environ.get(tpu.OPTIONS_ENV, "") if chosen == "tpu" else ""  # run_project set --libtpu-args
+    tpu.compile_options(libtpu_args)  # an inherited LIBTPU_INIT_ARGS too is checked before anything is compiled
     if libtpu_args:
         progress(f"XLA:TPU's options, as a run's LIBTPU_INIT_ARGS: {libtpu_args}")
     devices = 0 if chosen != "cpu" else min(MAX_CPU_DEVICES, max(c * system.devices_per_chip for c in live))

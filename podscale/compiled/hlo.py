@@ -405,8 +405,11 @@ def read_text(
                 readers[o].append((ins, pos))
             if ins[2].endswith("-done") and ins[3]:
                 done_of[ins[3][0]] = ins[0]
-            elif hlo_async.is_done(comps, ins[2], ins[4]):
-                done_of[hlo_async.start_of(by_name, ins[3])] = ins[0]
+        starts = {ins[0] for ins in instrs if hlo_async.wrapped_collective(comps, ins[2], ins[4])}
+        for ins in instrs:
+            if hlo_async.is_done(comps, ins[2], ins[4]):
+                done_of[hlo_async.start_of(by_name, ins[3], starts)] = ins[0]
+        start_of = {done: start for start, done in done_of.items()}
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
@@ -429,20 +432,20 @@ def read_text(
             if not op_name and opcode not in NO_COST:
                 op_name = _UNNAMED[unnamed(comp, name)]
             wrapped = hlo_async.wrapped_collective(comps, opcode, attrs)
+            kind_opcode = opcode  # the collective's own opcode (a wrapped one's: its result type is plain)
             if wrapped is not None:  # an async-start of a collective, or XLA:TPU's async collective fusion
                 base, type_text, rest = wrapped
-                opcode = base + "-start"
+                kind_opcode, opcode = base, base + "-start"
                 op = _OP_NAME.search(rest)
                 op_name = op.group(1) if op else op_name
             elif hlo_async.is_done(comps, opcode, attrs):
-                start = hlo_async.start_of(by_name, operands)
-                if start in started:
-                    events.append(("done", started[start]))
+                if start_of.get(name) in started:
+                    events.append(("done", started.pop(start_of[name])))
                 continue
             if base in KINDS:
                 if opcode.endswith("-done"):
                     continue
-                c = _collective(name, base, opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name)
+                c = _collective(name, base, kind_opcode, type_text, rest, mesh_shape, devices, runs[comp], op_name)
                 first = len(out)
                 if base == "all-reduce" and platform == "tpu":
                     result = done_of.get(name, name) if opcode.endswith("-start") else name
@@ -458,7 +461,7 @@ def read_text(
                 continue
             if opcode.endswith("-done"):
                 if operands and operands[0] in started:
-                    events.append(("done", started[operands[0]]))
+                    events.append(("done", started.pop(operands[0])))
                 continue
             if opcode in ("while", "call", "conditional", "async-start"):  # async-start here: not a collective
                 trips = loop_trips.get((comp, name), 1)
@@ -492,6 +495,7 @@ def read_text(
         mark_upcasts(raw)
         index = {name: len(ops) + i for i, name in enumerate(raw)}
         ops += [r.op for r in raw.values()]
+        events += [("done", indices) for indices in started.values()]  # no done found: waited for at the end
         schedule[comp] = [("op", index[e[1]]) if e[0] == "op" else e for e in events]
     return Module(out, unknown, memory or {}, ops, schedule, entry)
 

@@ -57,10 +57,24 @@ def is_done(comps, opcode: str, attrs: str) -> bool:
     return opcode == "fusion" and _custom_root(comps, attrs) == DONE
 
 
-def start_of(by_name: dict, operands) -> str | None:
-    """The start that an ``AsyncCollectiveDone`` fusion ends: its first operand is a
-    ``get-tuple-element`` of the start's results."""
-    if not operands or operands[0] not in by_name:
-        return None
-    ins = by_name[operands[0]]
-    return ins[3][0] if ins[2] == "get-tuple-element" and ins[3] else None
+_THROUGH = ("get-tuple-element", "bitcast", "tuple", "copy")
+
+
+def start_of(by_name: dict, operands, starts) -> str | None:
+    """The start (one of ``starts``) that an ``AsyncCollectiveDone`` fusion ends: the one its
+    operands read, directly or through ``get-tuple-element``, ``bitcast``, ``tuple`` or ``copy``
+    (its first operand is a ``get-tuple-element`` of the start's results); ``None`` where none
+    is found (the reader then waits for the start at the end of its computation)."""
+    seen, frontier = set(), list(operands)
+    for _ in range(8):
+        found = [o for o in frontier if o in starts]
+        if found:
+            return found[0]
+        nxt = []
+        for o in frontier:
+            ins = by_name.get(o)
+            if o not in seen and ins is not None and ins[2] in _THROUGH:
+                seen.add(o)
+                nxt += ins[3]
+        frontier = nxt
+    return None

@@ -165,9 +165,14 @@ def compile_options(text: str | None = None, source: str = OPTIONS_ENV) -> dict[
     return options
 
 
-def options_for(mesh) -> dict[str, str] | None:
-    """The options a compile for ``mesh`` passes: a TPU mesh's :func:`compile_options`, else none."""
-    return (compile_options() or None) if mesh.devices.flat[0].platform == "tpu" else None
+def options_for(devices) -> dict[str, str] | None:
+    """The options a compile for ``devices`` (a mesh's, or a sequence) passes: :func:`compile_options`
+    for compile-only TPUs (a process may set ``LIBTPU_INIT_ARGS`` after libtpu loaded: ``podscale
+    project --libtpu-args``); none elsewhere, and none on a TPU host, whose libtpu applied them."""
+    flat = list(devices.devices.flat) if hasattr(devices, "devices") else list(devices)
+    if not flat or flat[0].platform != "tpu" or has_tpu():
+        return None
+    return compile_options() or None
 
 
 @contextlib.contextmanager

@@ -85,14 +85,14 @@ class GradSum:
     """Gradients are summed in this dtype (``None``: their own); results come back in theirs."""
     reason: str = ""
     phases: str = "explicit"
+    """With ``mode="2d"``: ``"xla"`` sends each sum as one collective over both axes
+    (:data:`PHASES`); ``"explicit"`` as podscale's phases; ``"axes"`` (:meth:`by_axis`, for small
+    sums) as one all-reduce along each axis in turn."""
     phase_axes: tuple[tuple[str, ...], ...] = ()
     """With ``mode="2d"``: the mesh axes of each phase, in ``order``'s order (empty: each axis of
     ``order`` alone). A batch-norm group axis (``make_mesh(bn_group_size=k)``) joins the axis it
     was split from: the 2-D sum of mesh ``(x, y / k, bn_group)`` runs over ``x`` and over
     ``(y / k, bn_group)``, whose devices are the 2-D mesh's ``y``."""
-    """With ``mode="2d"``: ``"xla"`` sends each sum as one collective over both axes
-    (:data:`PHASES`); ``"explicit"`` as podscale's phases; ``"axes"`` (:meth:`by_axis`, for small
-    sums) as one all-reduce along each axis in turn."""
 
     @property
     def n(self) -> int:
@@ -327,10 +327,12 @@ def make_grad_sum(
         return GradSum("1d", axes, sizes, 1, dtype, "one collective over all mesh axes")
     groups = phase_groups(axes)
     named = [" and ".join(g) for g in groups]
+    counted = f" (the batch-norm group axis {BN_GROUP!r} counts with the axis it was split from)"
+    counted = counted if len(groups) < len(axes) else ""
     if data_only and len(groups) != 2:
         raise ValueError(
-            f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(axes)} besides its "
-            f"last (the space or model axis): {axes}; make one with two, e.g. "
+            f"grad_sum='2d' sums over the mesh's data axes, and mesh {dict(mesh.shape)} has {len(groups)}{counted} "
+            f"besides its last (the space or model axis): {axes}; make one with two, e.g. "
             + _three_axis_example(math.prod(mesh.shape.values()), mesh.shape[mesh.axis_names[-1]])
         )
     one = [name for name, g in zip(named, groups, strict=True) if math.prod(sizes[a] for a in g) < 2]
@@ -346,14 +348,9 @@ def make_grad_sum(
         n = math.prod(sizes.values())
         if len(groups) > 2:
             two = (n // sizes[axes[-1]], sizes[axes[-1]])
-            grouped = (
-                f" (a batch-norm group axis {BN_GROUP!r} counts with the axis it was split from)"
-                if len(groups) < len(axes)
-                else ""
-            )
             raise ValueError(
                 f"grad_sum='2d' sums along two mesh axes, one after the other, and mesh {dict(mesh.shape)} has "
-                f"{len(groups)}{grouped}; make a 2-D one with the same devices, e.g. make_mesh({two})"
+                f"{len(groups)}{counted}; make a 2-D one with the same devices, e.g. make_mesh({two})"
             )
         two = [(n // d, d) for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= d]  # squarest last
         raise ValueError(
@@ -364,7 +361,7 @@ def make_grad_sum(
                 else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
             )
         )
-    grouped = (" (the batch-norm group axis with the axis it was split from)",) if len(groups) < len(axes) else ("",)
+    grouped = " (the batch-norm group axis with the axis it was split from)" if len(groups) < len(axes) else ""
     platform = mesh.devices.flat[0].platform
     phases = phases or default_phases(platform, chunks, axis_costs)
     if phases == "xla":  # one collective: the axes in mesh order, as the 1-D sum's
@@ -381,17 +378,20 @@ def make_grad_sum(
     if isinstance(costs, str):
         raise ValueError(f"axis_costs={costs!r}: pass a dict of AxisCost per mesh axis, 'calibrate' or None")
     if costs is not None:
+        # The group axis's links are those of the axis it was split from, unless given.
+        costs = {a: costs.get(a, costs.get(g[0])) for g in groups for a in g if g[0] in costs} | dict(costs)
         missing = [a for a in axes if a not in costs]
         if missing:
             raise ValueError(
-                f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of {axes}"
+                f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of "
+                f"{tuple(g[0] for g in groups)}{grouped}"
             )
         costs = {name: group_cost([costs[a] for a in g]) for name, g in zip(named, groups, strict=True)}
     by_name = dict(zip(named, groups, strict=True))
     group_sizes = {name: math.prod(sizes[a] for a in g) for name, g in by_name.items()}
     named_order, reason = choose_order(mesh, costs, nbytes, tuple(named), sizes=group_sizes)
     groups = tuple(by_name[name] for name in named_order)
-    reason += grouped[0]
+    reason += grouped
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     if chunks is None and platform == "tpu":
@@ -405,10 +405,11 @@ def phase_groups(axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """The mesh axes of each phase of the 2-D sum over the data axes ``axes``: each axis alone,
     but the batch-norm group axis (:data:`~podscale.parallel.mesh.BN_GROUP`, which
     ``make_mesh(bn_group_size=k)`` splits off the axis before it) with the axis before it, so
-    that a 2-D mesh with batch-norm groups still sums along its two dimensions."""
+    that a 2-D mesh with batch-norm groups still sums along its two dimensions. Of two axes, each
+    alone: a 1-D mesh with groups (``data``, ``bn_group``) is a 2-D mesh of its own."""
     groups: list[tuple[str, ...]] = []
     for a in axes:
-        if a == BN_GROUP and groups:
+        if a == BN_GROUP and groups and len(axes) > 2:
             groups[-1] = (*groups[-1], a)
         else:
             groups.append((a,))

@@ -107,7 +107,7 @@ def make_plan(placement, trace, grad_sum, strategy, compiled=None, batch=None) -
             "padding_elements": leaf.stored.padding,
             "padding_bytes": leaf.padding_bytes,
             "bytes_per_device": leaf.bytes_per_device(),
-            "split": leaf.stored.split if leaf.sharded else 1,
+            "split": getattr(leaf.stored, "split", 1),
             "model_dim": leaf.model_dim,
             "model_split": leaf.model_split,
             "fsdp_dim": leaf.stored.dim if leaf.chunked else None,

@@ -181,6 +181,12 @@ def target_shape(topology: Topology, strategy: Strategy, bn_group_size: int = 1)
             )
         last = shape[data - 1]
         if last % bn_group_size:
+            if data == 2:  # the 2-D sum's mesh: the groups split its inner axis y
+                raise ValueError(
+                    f"{topology.describe()}: the 2-D sum's inner axis y has {last} replicas, which do not divide into "
+                    f"batch-norm groups of {bn_group_size}; give a --bn-group-size that divides {last}, or project the "
+                    "1-D strategies"
+                )
             raise ValueError(
                 f"{topology.describe()}: its {last} replicas do not divide into batch-norm groups of {bn_group_size}"
             )

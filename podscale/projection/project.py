@@ -318,9 +318,9 @@ def _options(devices) -> dict | None:
     ``LIBTPU_INIT_ARGS`` for compile-only TPUs (:func:`podscale.compiled.tpu.compile_options`)."""
     from podscale.compiled import gpu, tpu
 
-    platform = devices[0].platform if devices else None
-    options = {"gpu": dict(gpu.COMPILER_OPTIONS), "tpu": tpu.compile_options()}.get(platform)
-    return options or None
+    if devices and devices[0].platform == "gpu":
+        return dict(gpu.COMPILER_OPTIONS)
+    return tpu.options_for(devices) if devices else None
 
 
 def _no_persistent_cache():
