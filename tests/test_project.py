@@ -3,6 +3,7 @@ collectives against the compiled module, the command line."""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from helpers import podscale_main
 
 from podscale import Strategy, data_parallel
-from podscale.compiled import hlo, hlo_cost, network, systems
+from podscale.compiled import hlo, hlo_cost, network, systems, tpu
 from podscale.compiled.network import Topology, ring_time
 from podscale.projection import cost as project_cost
 from podscale.projection import mesh as project_mesh
@@ -733,13 +734,22 @@ def test_batch_norm_groups_default_to_the_recipes_and_are_checked_before_compili
     assert odd.returncode != 0 and "do not divide into batch-norm groups of 3" in odd.stderr
 
 
-def test_libtpu_options_are_checked_before_compiling_and_only_for_xla_tpu():
+def test_libtpu_options_are_checked_before_compiling_and_only_for_xla_tpu(capsys, monkeypatch):
     """``--libtpu-args`` (a run's ``LIBTPU_INIT_ARGS``): refused for a module that is not XLA:TPU's,
-    and a malformed option named, before anything is compiled."""
-    cpu = _cli("--model", "mlp", "--compiler", "cpu", "--libtpu-args=--xla_a=1", "--dry-run", check=False)
-    assert cpu.returncode != 0 and "--libtpu-args: XLA:TPU's options" in cpu.stderr, cpu.stderr
-    bad = _cli("--model", "mlp", "--libtpu-args", "--xla_a=1 xla_b", "--dry-run", check=False)
-    assert bad.returncode != 0 and "--libtpu-args='--xla_a=1 xla_b': 'xla_b' is not an option" in bad.stderr
+    and a malformed option named, before anything is compiled; an inherited malformed
+    ``LIBTPU_INIT_ARGS`` too, naming it. The variable is as it was after."""
+    from podscale.cli import main
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    assert main(["project", "--model", "mlp", "--compiler", "cpu", "--libtpu-args=--xla_a=1", "--dry-run"]) == 2
+    assert "--libtpu-args: XLA:TPU's options" in capsys.readouterr().err
+    assert main(["project", "--model", "mlp", "--libtpu-args", "--xla_a=1 xla_b", "--dry-run"]) == 2
+    assert "--libtpu-args='--xla_a=1 xla_b': 'xla_b' is not an option" in capsys.readouterr().err
+    assert "LIBTPU_INIT_ARGS" not in os.environ
+    if tpu.available():  # else the projection falls back to XLA:CPU's module, which takes no such options
+        monkeypatch.setenv("LIBTPU_INIT_ARGS", "xla_c")
+        assert main(["project", "--model", "mlp", "--dry-run"]) == 2
+        assert "LIBTPU_INIT_ARGS='xla_c': 'xla_c' is not an option" in capsys.readouterr().err
 
 
 def test_a_refusal_for_a_core_s_vector_memory_is_no_hbm_figure():
