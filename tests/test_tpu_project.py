@@ -537,13 +537,13 @@ def test_batch_norm_groups_are_summed_over_their_replicas_only():
         project.project(step, state, _batch(2), system="tpu-v3", chips=[16], strategies=["replicated"], bn_group_size=3)
 
 
-def _lars_step(layers: int):
-    """``layers`` dense layers of 128x128 (each stored in chunks by the sharded update) under LARS."""
-    lars = optax.lars(0.1)
+def _tanh_layers(layers: int, width: int, rows: int, tx=TX):
+    """``tx`` (default Adam) on ``layers`` square tanh layers of ``width``: (step, state shapes, a
+    batch of ``rows``)."""
 
     def init():
-        params = {f"w{i}": jnp.zeros((128, 128)) for i in range(layers)}
-        return {"params": params, "opt": lars.init(params)}
+        params = {f"w{i}": jnp.zeros((width, width)) for i in range(layers)}
+        return {"params": params, "opt": tx.init(params)}
 
     def step(state, batch):
         def loss(params):
@@ -553,10 +553,17 @@ def _lars_step(layers: int):
             return jnp.mean((h - batch["y"]) ** 2)
 
         grads = jax.grad(loss)(state["params"])
-        updates, opt = lars.update(grads, state["opt"], state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
 
-    return step, jax.eval_shape(init)
+    batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.float32) for k in ("x", "y")}
+    return step, jax.eval_shape(init), batch
+
+
+def _lars_step(layers: int):
+    """``layers`` dense layers of 128x128 (each stored in chunks by the sharded update) under LARS."""
+    step, state, _ = _tanh_layers(layers, 128, 8, optax.lars(0.1))
+    return step, state
 
 
 def _sharded_on_v3_2x2(step, state):
@@ -854,28 +861,6 @@ def test_the_replicated_update_copies_nothing_one_device_would_not_in_xla_tpus_m
     update scope's copies are under 5% of the bytes it moves."""
     module = _kernels_module("v3:4x4", "replicated")
     assert module.copy_bytes(["update"]) < 0.05 * module.op_bytes(["update"]), module.to_dict()["copy_bytes"]
-
-
-def _tanh_layers(layers: int, width: int, rows: int):
-    """Adam on ``layers`` square tanh layers of ``width``: (step, state shapes, a batch of ``rows``)."""
-
-    def init():
-        params = {f"w{i}": jnp.zeros((width, width)) for i in range(layers)}
-        return {"params": params, "opt": TX.init(params)}
-
-    def step(state, batch):
-        def loss(params):
-            h = batch["x"]
-            for i in range(layers):
-                h = jnp.tanh(h @ params[f"w{i}"])
-            return jnp.mean((h - batch["y"]) ** 2)
-
-        grads = jax.grad(loss)(state["params"])
-        updates, opt = TX.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {}
-
-    batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.float32) for k in ("x", "y")}
-    return step, jax.eval_shape(init), batch
 
 
 @needs_libtpu

@@ -405,11 +405,12 @@ def read_text(
                 readers[o].append((ins, pos))
             if ins[2].endswith("-done") and ins[3]:
                 done_of[ins[3][0]] = ins[0]
-        starts = {ins[0] for ins in instrs if hlo_async.wrapped_collective(comps, ins[2], ins[4])}
-        for ins in instrs:
-            if hlo_async.is_done(comps, ins[2], ins[4]):
-                done_of[hlo_async.start_of(by_name, ins[3], starts)] = ins[0]
-        start_of = {done: start for start, done in done_of.items()}
+        wrapped_of = {ins[0]: w for ins in instrs if (w := hlo_async.wrapped_collective(comps, ins[2], ins[4]))}
+        dones = [ins for ins in instrs if hlo_async.is_done(comps, ins[2], ins[4])]
+        for ins in dones:
+            done_of[hlo_async.start_of(by_name, ins[3], wrapped_of)] = ins[0]
+        done_start = {done: start for start, done in done_of.items()}
+        dones = {ins[0] for ins in dones}
         for name, type_text, opcode, operands, attrs, rest in instrs:
             base = opcode.removesuffix("-start")
             op = _OP_NAME.search(rest)
@@ -431,16 +432,16 @@ def read_text(
                 continue
             if not op_name and opcode not in NO_COST:
                 op_name = _UNNAMED[unnamed(comp, name)]
-            wrapped = hlo_async.wrapped_collective(comps, opcode, attrs)
+            wrapped = wrapped_of.get(name)
             kind_opcode = opcode  # the collective's own opcode (a wrapped one's: its result type is plain)
             if wrapped is not None:  # an async-start of a collective, or XLA:TPU's async collective fusion
                 base, type_text, rest = wrapped
                 kind_opcode, opcode = base, base + "-start"
                 op = _OP_NAME.search(rest)
                 op_name = op.group(1) if op else op_name
-            elif hlo_async.is_done(comps, opcode, attrs):
-                if start_of.get(name) in started:
-                    events.append(("done", started.pop(start_of[name])))
+            elif name in dones:
+                if done_start.get(name) in started:
+                    events.append(("done", started.pop(done_start[name])))
                 continue
             if base in KINDS:
                 if opcode.endswith("-done"):

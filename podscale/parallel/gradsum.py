@@ -361,7 +361,6 @@ def make_grad_sum(
                 else f"{n} devices make no mesh of two axes of at least 2 each: use grad_sum='1d', or more devices"
             )
         )
-    grouped = " (the batch-norm group axis with the axis it was split from)" if len(groups) < len(axes) else ""
     platform = mesh.devices.flat[0].platform
     phases = phases or default_phases(platform, chunks, axis_costs)
     if phases == "xla":  # one collective: the axes in mesh order, as the 1-D sum's
@@ -379,19 +378,19 @@ def make_grad_sum(
         raise ValueError(f"axis_costs={costs!r}: pass a dict of AxisCost per mesh axis, 'calibrate' or None")
     if costs is not None:
         # The group axis's links are those of the axis it was split from, unless given.
-        costs = {a: costs.get(a, costs.get(g[0])) for g in groups for a in g if g[0] in costs} | dict(costs)
+        costs = {**{a: costs[g[0]] for g in groups for a in g[1:] if g[0] in costs}, **costs}
         missing = [a for a in axes if a not in costs]
         if missing:
             raise ValueError(
                 f"axis_costs has no entry for mesh axis {missing[0]!r}; give one AxisCost per axis of "
-                f"{tuple(g[0] for g in groups)}{grouped}"
+                f"{tuple(g[0] for g in groups)}{counted}"
             )
         costs = {name: group_cost([costs[a] for a in g]) for name, g in zip(named, groups, strict=True)}
     by_name = dict(zip(named, groups, strict=True))
     group_sizes = {name: math.prod(sizes[a] for a in g) for name, g in by_name.items()}
     named_order, reason = choose_order(mesh, costs, nbytes, tuple(named), sizes=group_sizes)
     groups = tuple(by_name[name] for name in named_order)
-    reason += grouped
+    reason += counted
     if axis_costs == "calibrate":
         reason = "calibrated: " + reason
     if chunks is None and platform == "tpu":
