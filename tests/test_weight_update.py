@@ -368,6 +368,19 @@ def test_sharded_update_of_sizes_no_chunk_count_divides_equals_one_device(mesh_s
     )
 
 
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_every_leaf_chunked_under_the_2d_sum_with_norm_based_optimizers_equals_one_device(name):
+    """min_shard_size=1 chunks every leaf, one-element ones too: LARS's and LAMB's trust ratios
+    (a select on a scalar computed from a one-element chunk) ran on scalar chunks that were no
+    scalars, and the step crashed under the 2-D sum. One device's result, within 1e-6."""
+    step, state = two_layer(8, jnp.tanh, NORM_BASED[name]())
+    batches = regression_batches(32, 8, 2)
+    dp = data_parallel(step, make_mesh((4, 2)), weight_update="sharded", grad_sum="2d", min_shard_size=1)
+    out, _ = run_parallel(dp, state, batches)
+    ref, _ = run_single(step, state, batches)
+    assert max_abs_diff(ref, out) <= 1e-6
+
+
 @pytest.mark.parametrize("weight_update", ["replicated", "sharded"])
 def test_batch_statistics_read_in_the_backward_pass_do_not_split_the_gradient_buckets(weight_update):
     """A small ResNet's batch norms sum statistics over the batch that the backward pass reads at

@@ -270,9 +270,9 @@ class Rewriter:
             for v in vals:
                 if isinstance(v, Sharded):
                     args.append(v.shard)
-                elif np.shape(v) == ():
-                    args.append(v)
-                elif tuple(np.shape(v)) == shape:
+                elif np.shape(v) == () and shape != ():
+                    args.append(v)  # a scalar operand (a select's predicate, a literal)
+                elif tuple(np.shape(v)) == shape:  # a whole tensor (a scalar one too): its chunk
                     args.append(self.layout.slice(v, by).shard)
                 else:
                     return None
