@@ -74,6 +74,28 @@ def test_an_unfinished_save_is_ignored_and_the_last_good_step_resumes(tmp_path):
     assert summary["resumed_from"] == 3 and summary["steps"] == 6
 
 
+def test_the_check_before_a_run_reads_the_steps_without_a_checkpoint_manager(tmp_path, monkeypatch):
+    """The check of ``--workdir`` before a run enters no orbax barrier: a ``CheckpointManager``
+    enters one as it is made, and made only where the folder already existed, it put a process
+    that found the folder a moment after process 0 made it one barrier ahead of the others (a
+    two-process run hung at its first step). It finds the latest finalized step all the same."""
+    import orbax.checkpoint as ocp
+
+    from podscale.train.resume import check_checkpoints
+
+    train(_config(tmp_path, steps=3))
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save killed midway
+
+    def refuse(*a, **k):
+        raise AssertionError("a CheckpointManager was made")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__", refuse)
+    assert check_checkpoints(_config(tmp_path, resume=True)) == 3
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        check_checkpoints(_config(tmp_path))
+    assert check_checkpoints(_config(tmp_path / "new")) is None
+
+
 def test_resuming_a_finished_run_says_to_raise_steps(tmp_path):
     train(_config(tmp_path, steps=3))
     with pytest.raises(ValueError, match="already at step 3.*larger --steps"):

@@ -8,8 +8,8 @@ import json
 import os
 from typing import Any
 
-from podscale.train.checkpoint import Checkpointer, CheckpointError
-from podscale.train.config import DEFAULT_CHECKPOINT_EVERY, RUN_CONFIG, TrainConfig
+from podscale.train.checkpoint import CheckpointError
+from podscale.train.config import RUN_CONFIG, TrainConfig
 from podscale.train.data import data_position
 from podscale.train.tasks import recipe_config
 
@@ -174,15 +174,19 @@ def check_run_config(config: TrainConfig, task, write: bool, horizon: int | None
 
 def check_checkpoints(config: TrainConfig) -> int | None:
     """The latest checkpoint step in ``--workdir`` (``None``: none), checked against ``--resume``
-    and ``--steps`` before any work; nothing is created."""
+    and ``--steps`` before any work; nothing is created.
+
+    The steps are read from the file system alone (orbax's finalized step directories), not
+    through an orbax ``CheckpointManager``: its constructor enters a barrier of all processes,
+    and whether the folder exists yet differs between processes (process 0's manager creates it).
+    A process that found it made a moment ago entered one barrier more than the others and the
+    run hung at its first step (seen in the two-process SIGTERM test under load)."""
     folder = os.path.join(config.workdir, "checkpoints") if config.workdir else None
     latest = None
     if folder and os.path.isdir(folder):
-        found = Checkpointer(folder, config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY)
-        try:
-            latest = found.latest_step()
-        finally:
-            found.close()
+        import orbax.checkpoint as ocp
+
+        latest = max(ocp.utils.checkpoint_steps(folder), default=None)
     if config.resume and latest is None:
         raise CheckpointError(
             f"--resume: no complete checkpoint in {folder}. Start without --resume, or point --workdir at the "
