@@ -85,6 +85,7 @@ def test_the_check_before_a_run_reads_the_steps_without_a_checkpoint_manager(tmp
 
     train(_config(tmp_path, steps=3))
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save killed midway
+    (tmp_path / "checkpoints" / "backup_500").mkdir()  # not a step of podscale's (orbax's legacy names)
 
     def refuse(*a, **k):
         raise AssertionError("a CheckpointManager was made")

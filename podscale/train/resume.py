@@ -176,8 +176,8 @@ def check_checkpoints(config: TrainConfig) -> int | None:
     """The latest checkpoint step in ``--workdir`` (``None``: none), checked against ``--resume``
     and ``--steps`` before any work; nothing is created.
 
-    The steps are read from the file system alone (orbax's finalized step directories), not
-    through an orbax ``CheckpointManager``: its constructor enters a barrier of all processes,
+    The steps are read from the file system alone (the finalized step directories of orbax's
+    standard step names, the manager's own), not through an orbax ``CheckpointManager``: its constructor enters a barrier of all processes,
     and whether the folder exists yet differs between processes (process 0's manager creates it).
     A process that found it made a moment ago entered one barrier more than the others and the
     run hung at its first step (seen in the two-process SIGTERM test under load)."""
@@ -186,7 +186,7 @@ def check_checkpoints(config: TrainConfig) -> int | None:
     if folder and os.path.isdir(folder):
         import orbax.checkpoint as ocp
 
-        latest = max(ocp.utils.checkpoint_steps(folder), default=None)
+        latest = max((found.step for found in ocp.step.standard_name_format().find_all(folder)), default=None)
     if config.resume and latest is None:
         raise CheckpointError(
             f"--resume: no complete checkpoint in {folder}. Start without --resume, or point --workdir at the "

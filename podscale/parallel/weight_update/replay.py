@@ -272,7 +272,9 @@ class Rewriter:
                     args.append(v.shard)
                 elif np.shape(v) == () and shape != ():
                     args.append(v)  # a scalar operand (a select's predicate, a literal)
-                elif tuple(np.shape(v)) == shape:  # a whole tensor (a scalar one too): its chunk
+                elif np.shape(v) == ():  # a scalar beside chunks of a scalar: its value in every place
+                    args.append(jnp.broadcast_to(v, np.shape(shards[0].shard)))
+                elif tuple(np.shape(v)) == shape:
                     args.append(self.layout.slice(v, by).shard)
                 else:
                     return None
