@@ -81,7 +81,7 @@ def bench_checkpoint(model: str = "transformer-big", config: str = "full", repli
     mesh = make_mesh((n,), devices=jax.devices()[:n])
     dp = data_parallel(make_train_step(task, tx), mesh, weight_update="sharded")
     batch = task.batch_shapes(n)
-    shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), tx, batch))
+    shapes = task.state_shapes(tx, batch)
     layout = dp.prepare(shapes, batch).state
     # Made on one device and placed (an init replicated over the mesh would run on every device).
     state = jax.jit(lambda: task.init_state(jax.random.key(0), tx, batch))()

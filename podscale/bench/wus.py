@@ -196,7 +196,7 @@ def bench_wus(
         )
         for i in range(steps + 1)
     ]
-    shapes = jax.eval_shape(lambda: task.init_state(jax.random.key(0), optax.sgd(0.1))).params
+    shapes = task.state_shapes(optax.sgd(0.1)).params
     floats = [x for x in jax.tree.leaves(shapes) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
     limit = hlo.ring_bytes("all-reduce", n, sum(int(np.prod(x.shape)) * 4 for x in floats))
     results: dict[str, Any] = {}

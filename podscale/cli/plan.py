@@ -52,8 +52,6 @@ def _run_plan(args) -> int:
     tpu_devices = _plan_devices(args)
     distributed.setup(args.replicas, distributed.ClusterSpec())
 
-    import jax
-
     from podscale import workloads
     from podscale.parallel.engine import data_parallel
     from podscale.parallel.mesh import make_mesh
@@ -69,7 +67,7 @@ def _run_plan(args) -> int:
     if batch_size is None:
         batch_size = task.config.per_core_batch * mesh.size if task.workload else 64
     batch = task.batch_shapes(batch_size)
-    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), batch)
+    state = task.state_shapes(tx, batch)
     dp = data_parallel(make_train_step(task, tx), mesh, with_model_rules(from_flags(args), args.model))
     dp.prepare(state, batch)  # traces the step: spatial and rule checks, the layout
     compiler = (

@@ -235,7 +235,7 @@ def _run_project(args) -> int:
                     f"do not split over {replicas} replicas; use a multiple of {replicas // math.gcd(replicas, c)}"
                 )
             replica_batches[c] = total // replicas
-    state = jax.eval_shape(lambda b: task.init_state(jax.random.key(0), tx, b), task.batch_shapes(k))
+    state = task.state_shapes(tx, task.batch_shapes(k))
     if args.dry_run:
         rows = [
             f"{c} chips: {s} " + (f"n/a ({reasons[c, s]})" if reasons[c, s] else "would compile")

@@ -64,7 +64,7 @@ def run_verify(args) -> int:
     step = make_train_step(task, tx, args.seed)
     key = jax.random.key(args.seed)
     if args.dry_run:  # every check on the state's shapes: nothing initialised or compiled
-        state = jax.eval_shape(lambda b: task.init_state(key, tx, b), batch)
+        state = task.state_shapes(tx, batch, key)
         checked = check(step, state, batch, mesh, chosen, rules=None if chosen else rules, what="--strategies")
         names = [
             f"{n}: " + (f"does not apply ({p})" if isinstance(p, str) else "would run")

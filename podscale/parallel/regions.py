@@ -144,6 +144,8 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
 
 
 _CHECKED: set = set()
+_TOO_LARGE: set = set()
+"""Regions (function, dim, ranks, types) and shapes whose check was refused for its memory."""
 CHECK_MEMORY = 4 * 2**30
 """The most host memory the contract check of a region may take (its arguments at full shape)."""
 _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
@@ -196,7 +198,8 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
     # The contract is the function's: checked once per function, dimension, types and ranks (a
     # full config's call after the tiny config's is not checked again).
     key = (getattr(region.fn, "__code__", id(region.fn)), region.dim, ranks, dtypes)
-    if key in _CHECKED:
+    too_large = (key, region.x_shapes, region.arg_shapes)
+    if key in _CHECKED or too_large in _TOO_LARGE:
         return
     d = region.dim
     rng = np.random.default_rng(0)
@@ -247,6 +250,7 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
+            _TOO_LARGE.add(too_large)  # not compiled again at these shapes
             return
         whole, a, b = compiled(*inputs)
         shapes = [[list(np.shape(o)) for o in outs] for outs in (whole, a, b)]

@@ -104,7 +104,7 @@ def check(config: TrainConfig, lead: bool = True, write: bool = False) -> Prepar
     def init():
         return task.init_state(jax.random.key(config.seed), optimizer)
 
-    shapes = jax.eval_shape(init)
+    shapes = task.state_shapes(optimizer, rng=jax.random.key(config.seed))
     check_state(shapes)
     if config.bn_group_size > 1 and not shapes.batch_stats:
         raise ValueError(

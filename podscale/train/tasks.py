@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from podscale import workloads
+from podscale.parallel import regions
 from podscale.parallel.mesh import BN_GROUP
 from podscale.train import models
 from podscale.workloads import Workload, datasets
@@ -86,6 +87,17 @@ class Task:
             )
 
         return jax.jit(init)(rng, batch) if self.workload else init(rng, batch)
+
+    def state_shapes(self, optimizer: optax.GradientTransformation, batch=None, rng=None) -> TrainState:
+        """The shapes and types of :meth:`init_state`'s state (``jax.eval_shape``), traced for its
+        shapes alone: the contracts of the model's regions are checked where a state is computed,
+        not here (:func:`~podscale.parallel.regions.shapes_only`: a full config's check compiles
+        the region's function on whole feature maps, seconds a call)."""
+        rng = jax.random.key(0) if rng is None else rng
+        with regions.shapes_only():
+            if batch is None:
+                return jax.eval_shape(lambda: self.init_state(rng, optimizer))
+            return jax.eval_shape(lambda b: self.init_state(rng, optimizer, b), batch)
 
     def _variables(self, state: TrainState, params) -> dict:
         return {"params": params, **({"batch_stats": state.batch_stats} if state.batch_stats else {})}
