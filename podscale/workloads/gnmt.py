@@ -92,8 +92,10 @@ class GNMTConfig:
     dropout: float = 0.2
     """The reference's dropout on LSTM inputs (training only)."""
     unroll: bool = False
-    """Unroll the loops over time (LSTM layers, greedy decoding) into straight-line code: faster
-    on CPU for the tiny config's short sequences; the full config keeps ``while`` loops."""
+    """Unroll the loops over time (LSTM layers, greedy decoding) into straight-line code. Both
+    configs keep ``while`` loops: the tiny config's 8 steps ran no faster unrolled on CPU (its
+    300-step run, side by side: 22.6 s unrolled, 19.2 s as loops), and each compile took 1.4 to
+    1.7x as long."""
     train_size: int = 0
     eval_size: int = 0
 
@@ -129,7 +131,7 @@ TINY = GNMTConfig(
     decay_start=0.666,
     source="the full recipe's shape (Adam, exponential warm-up, 4 halvings from 2/3 of the run, clip 5, "
     "label smoothing 0.1), peak rate and warm-up tuned for ReversedTokens on CPU",
-    unroll=True,
+    unroll=False,
     train_size=1 << 20,
     eval_size=512,
 )
