@@ -714,24 +714,26 @@ def test_batch_norm_groups_default_to_the_recipes_and_are_checked_before_compili
     replicas up, none below), named on stderr; the 2-D sum's rows take them (the group axis splits
     its inner axis), data x FSDP's say why they do not; a model without grouped batch norm, or a
     size the replicas do not divide, is refused."""
-    ssd = _cli("--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4", "--dry-run")
-    assert "1024 chips: 4" in ssd.stderr
-    assert "sharded-2d would compile" in ssd.stderr + ssd.stdout
     from podscale.cli import main
 
-    hybrid = ["--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4", "--dry-run"]
-    assert main(["project", *hybrid, "--strategies", "sharded-2d,data-x-fsdp"]) == 2  # a dry run: in this process
-    assert "data x FSDP with batch-norm groups of 4" in capsys.readouterr().err
-    resnet = _cli("--model", "resnet50", "--config", "full", "--chips", "16,1024", "--dry-run")
-    assert "1024 chips: 8" in resnet.stderr and "16 chips: 8" not in resnet.stderr
-    whole = _cli("--model", "resnet50", "--config", "full", "--chips", "1024", "--bn-group-size", "1", "--dry-run")
-    assert "groups" not in whole.stderr and "sharded-2d would compile" in whole.stderr + whole.stdout
-    bad = _cli("--model", "transformer-big", "--config", "full", "--bn-group-size", "4", "--dry-run", check=False)
-    assert bad.returncode != 0 and "--bn-group-size 4: batch-norm groups are for" in bad.stderr
-    odd = _cli(
-        "--model", "resnet50", "--config", "full", "--chips", "16", "--bn-group-size", "3", "--dry-run", check=False
-    )
-    assert odd.returncode != 0 and "do not divide into batch-norm groups of 3" in odd.stderr
+    def dry_run(*args):  # in this process: a dry run compiles nothing
+        code = main(["project", *args, "--dry-run"])
+        out = capsys.readouterr()
+        return code, out.out + out.err, out.err
+
+    code, said, err = dry_run("--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4")
+    assert code == 0 and "1024 chips: 4" in err and "sharded-2d would compile" in said
+    hybrid = ["--model", "ssd", "--config", "full", "--chips", "1024", "--spatial", "4"]
+    code, _, err = dry_run(*hybrid, "--strategies", "sharded-2d,data-x-fsdp")
+    assert code == 2 and "data x FSDP with batch-norm groups of 4" in err
+    code, _, err = dry_run("--model", "resnet50", "--config", "full", "--chips", "16,1024")
+    assert code == 0 and "1024 chips: 8" in err and "16 chips: 8" not in err
+    code, said, err = dry_run("--model", "resnet50", "--config", "full", "--chips", "1024", "--bn-group-size", "1")
+    assert code == 0 and "groups" not in err and "sharded-2d would compile" in said
+    code, _, err = dry_run("--model", "transformer-big", "--config", "full", "--bn-group-size", "4")
+    assert code != 0 and "--bn-group-size 4: batch-norm groups are for" in err
+    code, _, err = dry_run("--model", "resnet50", "--config", "full", "--chips", "16", "--bn-group-size", "3")
+    assert code != 0 and "do not divide into batch-norm groups of 3" in err
 
 
 def test_libtpu_options_are_checked_before_compiling_and_only_for_xla_tpu(capsys, monkeypatch):
