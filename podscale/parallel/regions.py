@@ -144,8 +144,8 @@ def sum_over_blocks(fn: Callable, x, *args, dim: int, name: str, over: str = "sp
 
 
 _CHECKED: set = set()
-_TOO_LARGE: set = set()
-"""Regions (function, dim, ranks, types) and shapes whose check was refused for its memory."""
+"""Regions checked (function, dim, ranks, types), and (region, shapes) whose check was refused for
+its memory: neither is compiled again."""
 CHECK_MEMORY = 4 * 2**30
 """The most host memory the contract check of a region may take (its arguments at full shape)."""
 _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("shapes_only", default=False)
@@ -199,7 +199,7 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
     # full config's call after the tiny config's is not checked again).
     key = (getattr(region.fn, "__code__", id(region.fn)), region.dim, ranks, dtypes)
     too_large = (key, region.x_shapes, region.arg_shapes)
-    if key in _CHECKED or too_large in _TOO_LARGE:
+    if key in _CHECKED or too_large in _CHECKED:
         return
     d = region.dim
     rng = np.random.default_rng(0)
@@ -250,7 +250,7 @@ def _check_contract(region: Region, x_leaves, arg_leaves) -> None:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            _TOO_LARGE.add(too_large)  # not compiled again at these shapes
+            _CHECKED.add(too_large)  # not compiled again at these shapes
             return
         whole, a, b = compiled(*inputs)
         shapes = [[list(np.shape(o)) for o in outs] for outs in (whole, a, b)]

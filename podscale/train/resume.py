@@ -177,10 +177,11 @@ def check_checkpoints(config: TrainConfig) -> int | None:
     and ``--steps`` before any work; nothing is created.
 
     The steps are read from the file system alone (the finalized step directories of orbax's
-    standard step names, the manager's own), not through an orbax ``CheckpointManager``: its constructor enters a barrier of all processes,
-    and whether the folder exists yet differs between processes (process 0's manager creates it).
-    A process that found it made a moment ago entered one barrier more than the others and the
-    run hung at its first step (seen in the two-process SIGTERM test under load)."""
+    standard step names, the manager's own), not through an orbax ``CheckpointManager``: its
+    constructor enters a barrier of all processes, and whether the folder exists yet differs
+    between processes (process 0's manager creates it). A process that found it made a moment
+    ago entered one barrier more than the others, and the run hung at its first step (seen in
+    the two-process SIGTERM test under load)."""
     folder = os.path.join(config.workdir, "checkpoints") if config.workdir else None
     latest = None
     if folder and os.path.isdir(folder):

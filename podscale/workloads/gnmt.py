@@ -131,7 +131,6 @@ TINY = GNMTConfig(
     decay_start=0.666,
     source="the full recipe's shape (Adam, exponential warm-up, 4 halvings from 2/3 of the run, clip 5, "
     "label smoothing 0.1), peak rate and warm-up tuned for ReversedTokens on CPU",
-    unroll=False,
     train_size=1 << 20,
     eval_size=512,
 )

@@ -270,10 +270,9 @@ class Rewriter:
             for v in vals:
                 if isinstance(v, Sharded):
                     args.append(v.shard)
-                elif np.shape(v) == () and shape != ():
-                    args.append(v)  # a scalar operand (a select's predicate, a literal)
-                elif np.shape(v) == ():  # a scalar beside chunks of a scalar: its value in every place
-                    args.append(jnp.broadcast_to(v, np.shape(shards[0].shard)))
+                elif np.shape(v) == ():  # a scalar operand (a select's predicate, a literal); beside
+                    # chunks of a scalar, its value in every place of the chunk
+                    args.append(v if shape != () else jnp.broadcast_to(v, np.shape(shards[0].shard)))
                 elif tuple(np.shape(v)) == shape:
                     args.append(self.layout.slice(v, by).shard)
                 else:
